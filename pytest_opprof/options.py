@@ -1,0 +1,304 @@
+"""The options of the plugin and the CLI: one table, parsed by named functions.
+
+Each option is ``--opprof-<noun>`` in pytest (with an ini key ``opprof_<noun>``) and ``--<noun>``
+in the ``opprof`` command. Every value is checked at start-up; a bad one is a
+``pytest.UsageError`` naming the accepted values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_opprof import STAGES
+
+TRANSFORMATION_TYPES: tuple[str, ...] = (
+    "dtype_promotion",
+    "memory_layout",
+    "bn_fold",
+    "qkv_fusion",
+    "sdpa_replacement",
+    "pretranspose_weights",
+    "activation_substitution",
+    "batch_padding",
+    "cuda_graphs",
+    "algorithm_selection",
+    "stub_detection",
+)
+
+
+def _choice(name: str, accepted: tuple[str, ...]) -> Callable[[str], str]:
+    def parse(value: str) -> str:
+        text = str(value).strip().lower()
+        if text not in accepted:
+            raise pytest.UsageError(
+                f"{name}: {value!r} is not one of {', '.join(accepted)}"
+            )
+        return text
+
+    parse.__name__ = f"parse_{name.strip('-').replace('-', '_')}"
+    return parse
+
+
+def parse_bool(value: str | bool, name: str = "value") -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise pytest.UsageError(f"{name}: {value!r} is not a boolean (true/false)")
+
+
+def parse_positive_float(name: str, *, minimum: float = 0.0) -> Callable[[str], float]:
+    def parse(value: str) -> float:
+        try:
+            number = float(value)
+        except (TypeError, ValueError):
+            raise pytest.UsageError(f"{name}: {value!r} is not a number") from None
+        if not number > minimum or number != number or number == float("inf"):
+            raise pytest.UsageError(f"{name}: {value!r} must be a finite number > {minimum:g}")
+        return number
+
+    return parse
+
+
+def parse_count(name: str, *, minimum: int = 1, allow_none: bool = False) -> Callable[[str], Any]:
+    def parse(value: str) -> int | None:
+        if allow_none and str(value).strip().lower() in ("none", "all", ""):
+            return None
+        try:
+            number = int(str(value).strip())
+        except (TypeError, ValueError):
+            accepted = f"an integer ≥ {minimum}" + (" or 'all'" if allow_none else "")
+            raise pytest.UsageError(f"{name}: {value!r} is not {accepted}") from None
+        if number < minimum:
+            raise pytest.UsageError(f"{name}: {value!r} must be ≥ {minimum}")
+        return number
+
+    return parse
+
+
+def parse_stage(name: str) -> Callable[[str], str]:
+    accepted = (*STAGES, "speedup")
+
+    def parse(value: str) -> str:
+        text = str(value).strip().lower()
+        if text not in accepted:
+            raise pytest.UsageError(f"{name}: {value!r} is not one of {', '.join(STAGES)}")
+        return "report" if text == "speedup" else text
+
+    return parse
+
+
+def parse_path(value: str) -> Path:
+    if not str(value).strip():
+        raise pytest.UsageError("--opprof-out: the output folder must not be empty")
+    return Path(value)
+
+
+def parse_junit(value: str) -> Path | None:
+    return Path(value) if str(value).strip() else None
+
+
+def parse_shard(value: str) -> tuple[int, int] | None:
+    """``K/N`` (1 ≤ K ≤ N): run the K-th of N deterministic shards of the workloads."""
+    text = str(value).strip()
+    if not text:
+        return None
+    k, sep, n = text.partition("/")
+    if sep and k.isdigit() and n.isdigit() and 1 <= int(k) <= int(n):
+        return int(k), int(n)
+    raise pytest.UsageError(f"--opprof-shard: {value!r} is not K/N with 1 ≤ K ≤ N (e.g. 1/2)")
+
+
+@dataclass(frozen=True)
+class OptionSpec:
+    noun: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    metavar: str | None = None
+    flag: bool = False
+
+    @property
+    def dest(self) -> str:
+        return "opprof_" + self.noun.replace("-", "_")
+
+    @property
+    def field(self) -> str:
+        return self.noun.replace("-", "_")
+
+
+def _opt(noun: str, parse: Callable[[Any], Any], default: Any, help: str, **kw: Any) -> OptionSpec:
+    return OptionSpec(noun, parse, default, help, **kw)
+
+
+OPTIONS: tuple[OptionSpec, ...] = (
+    _opt("out", parse_path, "opprof-results", "folder for artifacts and reports", metavar="DIR"),
+    _opt("from", parse_stage("--opprof-from"), None,
+         "reuse artifacts on disk up to this stage and recompute from it", metavar="STAGE"),
+    _opt("stage", parse_stage("--opprof-stage"), None,
+         "run only this stage (earlier ones must be on disk)", metavar="STAGE"),
+    _opt("min-speedup", parse_positive_float("--opprof-min-speedup"), 1.0,
+         "speedup the gate demands (default 1.0)", metavar="X"),
+    _opt("baseline", _choice("--opprof-baseline", ("eager", "compile", "best")), "best",
+         "baseline the gate compares against: eager, compile or best (the faster)",
+         metavar="NAME"),
+    _opt("compile-backend", _choice("--opprof-compile-backend", ("inductor",)), "inductor",
+         "torch.compile backend of the compiled baseline", metavar="NAME"),
+    _opt("device", _choice("--opprof-device", ("auto", "cuda", "cpu")), "auto",
+         "auto (CUDA when present, else the CPU fallback), cuda or cpu", metavar="DEV"),
+    _opt("ncu", _choice("--opprof-ncu", ("auto", "on", "off")), "auto",
+         "Nsight Compute counters: auto (when ncu is found), on (required), off",
+         metavar="MODE"),
+    _opt("ncu-sudo", _choice("--opprof-ncu-sudo", ("auto", "true", "false")), "auto",
+         "run ncu through sudo: auto reads /proc/driver/nvidia/params", metavar="MODE"),
+    _opt("ncu-clock-control", _choice("--opprof-ncu-clock-control", ("none", "base")), "none",
+         "ncu --clock-control (none leaves the clocks alone)", metavar="MODE"),
+    _opt("min-confidence", _choice("--opprof-min-confidence", ("low", "medium", "high")), "low",
+         "drop proposals below this confidence", metavar="LEVEL"),
+    _opt("max-opts", parse_count("--opprof-max-opts", allow_none=True), None,
+         "keep at most N proposals (by estimated impact)", metavar="N"),
+    _opt("warmup-iters", parse_count("--opprof-warmup-iters"), 10,
+         "warmup calls before timing", metavar="N"),
+    _opt("measure-iters", parse_count("--opprof-measure-iters"), 30,
+         "calls per timed round", metavar="N"),
+    _opt("rounds", parse_count("--opprof-rounds", minimum=3), 15,
+         "timed rounds (each gives one sample)", metavar="N"),
+    _opt("timeout", parse_positive_float("--opprof-timeout"), 900.0,
+         "seconds a stage's child process may run before it is killed", metavar="S"),
+    _opt("strict-gate", lambda v: parse_bool(v, "--opprof-strict-gate"), False,
+         "demand the speedup's CI wholly above the minimum", flag=True),
+    _opt("gate-on-cpu", lambda v: parse_bool(v, "--opprof-gate-on-cpu"), False,
+         "enforce the speedup gate on the CPU fallback too", flag=True),
+    _opt("llm", lambda v: parse_bool(v, "--opprof-llm"), False,
+         "ask the Anthropic API to review and extend the proposals", flag=True),
+    _opt("junit", parse_junit, "", "write a stage-level JUnit XML file here", metavar="PATH"),
+    _opt("shard", parse_shard, "", "run shard K of N of the workloads", metavar="K/N"),
+)
+
+BY_FIELD: dict[str, OptionSpec] = {spec.field: spec for spec in OPTIONS}
+
+
+@dataclass(frozen=True)
+class OpprofOptions:
+    """Parsed options of one run. Field names are the option nouns in snake_case."""
+
+    out: Path = Path("opprof-results")
+    from_: str | None = None
+    stage: str | None = None
+    min_speedup: float = 1.0
+    baseline: str = "best"
+    compile_backend: str = "inductor"
+    device: str = "auto"
+    ncu: str = "auto"
+    ncu_sudo: str = "auto"
+    ncu_clock_control: str = "none"
+    min_confidence: str = "low"
+    max_opts: int | None = None
+    warmup_iters: int = 10
+    measure_iters: int = 30
+    rounds: int = 15
+    timeout: float = 900.0
+    strict_gate: bool = False
+    gate_on_cpu: bool = False
+    llm: bool = False
+    junit: Path | None = None
+    shard: tuple[int, int] | None = None
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> OpprofOptions:
+        """Parse raw values (strings from the command line or ini) keyed by option field."""
+        parsed: dict[str, Any] = {}
+        for name, raw in values.items():
+            spec = BY_FIELD[name]
+            value = raw if raw is None or raw == spec.default else spec.parse(raw)
+            if name in ("out",) and isinstance(value, str):
+                value = Path(value)
+            if name == "junit" and value == "":
+                value = None
+            if name == "shard" and value == "":
+                value = None
+            parsed["from_" if name == "from" else name] = value
+        return cls(**parsed)
+
+    def to_child(self) -> dict[str, Any]:
+        """The options a child process needs, as JSON-able values."""
+        data = dataclasses.asdict(self)
+        data["out"] = str(self.out)
+        data["junit"] = str(self.junit) if self.junit else None
+        data["extra"] = dict(self.extra)
+        return data
+
+    @classmethod
+    def from_child(cls, data: Mapping[str, Any]) -> OpprofOptions:
+        values = dict(data)
+        values["out"] = Path(values["out"])
+        values["junit"] = Path(values["junit"]) if values.get("junit") else None
+        values["shard"] = tuple(values["shard"]) if values.get("shard") else None
+        return cls(**values)
+
+    def stages_to_run(self) -> tuple[str, ...]:
+        if self.stage:
+            return (self.stage,)
+        return STAGES
+
+
+WORKLOAD_KEYS: dict[str, Callable[[Any], Any]] = {
+    "min_speedup": lambda v: parse_positive_float("OPPROF['min_speedup']")(v),
+    "rtol": lambda v: parse_positive_float("OPPROF['rtol']")(v),
+    "atol": lambda v: parse_positive_float("OPPROF['atol']")(v),
+    "baseline": _choice("OPPROF['baseline']", ("eager", "compile", "best")),
+    "warmup_iters": lambda v: parse_count("OPPROF['warmup_iters']")(v),
+    "measure_iters": lambda v: parse_count("OPPROF['measure_iters']")(v),
+    "rounds": lambda v: parse_count("OPPROF['rounds']", minimum=3)(v),
+    "timeout": lambda v: parse_positive_float("OPPROF['timeout']")(v),
+    "skip": lambda v: _parse_skip(v),
+}
+
+
+def _parse_skip(value: Any) -> list[str]:
+    if isinstance(value, str) or not isinstance(value, (list, tuple)):
+        raise pytest.UsageError(
+            f"OPPROF['skip']: {value!r} is not a list of transformation types "
+            f"({', '.join(TRANSFORMATION_TYPES)})"
+        )
+    for item in value:
+        if item not in TRANSFORMATION_TYPES:
+            raise pytest.UsageError(
+                f"OPPROF['skip']: {item!r} is not a transformation type; accepted: "
+                f"{', '.join(TRANSFORMATION_TYPES)}"
+            )
+    return list(value)
+
+
+def parse_workload_overrides(raw: Mapping[str, Any]) -> dict[str, Any]:
+    """Validate a workload's ``OPPROF`` dict; an unknown key is an error naming it."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in WORKLOAD_KEYS:
+            raise pytest.UsageError(
+                f"OPPROF: unknown key {key!r}; accepted keys: {', '.join(WORKLOAD_KEYS)}"
+            )
+        out[key] = WORKLOAD_KEYS[key](value)
+    return out
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
+    """The same options for the ``opprof`` command, without the ``opprof-`` prefix."""
+    for spec in OPTIONS:
+        if spec.flag:
+            parser.add_argument(f"--{spec.noun}", dest=spec.field, action="store_true",
+                                default=spec.default, help=spec.help)
+        else:
+            parser.add_argument(f"--{spec.noun}", dest=spec.field, default=spec.default,
+                                metavar=spec.metavar, help=spec.help)

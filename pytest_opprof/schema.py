@@ -1,0 +1,453 @@
+"""Pydantic models of every artifact the stages write, with atomic writes and validating reads.
+
+Each artifact carries ``schema_version`` (``MAJOR.MINOR``). A reader accepts its own major
+version and rejects a newer one with a message to upgrade; knowledge/schema-versions.md lists
+what each version holds. Pure Python: no torch here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, ClassVar, Literal, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from pytest_opprof.errors import ArtifactError
+
+Confidence = Literal["high", "medium", "low"]
+Attribution = Literal["high", "medium", "none"]
+IrLevel = Literal["functional", "aten", "non_graph", "inductor_config"]
+PassStatusName = Literal["APPLIED", "NOT_APPLIED", "FAILED"]
+StepStatus = Literal["pass", "fail", "skipped"]
+
+
+class Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class Artifact(Model):
+    """Base of the files on disk: a ``schema_version`` whose major must match ours."""
+
+    SCHEMA_VERSION: ClassVar[str] = "1.0"
+    schema_version: str = ""
+
+    def model_post_init(self, context: Any, /) -> None:
+        if not self.schema_version:
+            self.schema_version = self.SCHEMA_VERSION
+
+    @field_validator("schema_version")
+    @classmethod
+    def _same_major(cls, value: str) -> str:
+        if not value:
+            return value
+        major, _, _ = value.partition(".")
+        ours, _, _ = cls.SCHEMA_VERSION.partition(".")
+        if not major.isdigit():
+            raise ValueError(f"schema_version {value!r} is not MAJOR.MINOR")
+        if int(major) > int(ours):
+            raise ValueError(
+                f"schema_version {value} is newer than this pytest-opprof reads "
+                f"({cls.SCHEMA_VERSION}); upgrade pytest-opprof or re-run the stage"
+            )
+        if int(major) < int(ours):
+            raise ValueError(
+                f"schema_version {value} is older than {cls.SCHEMA_VERSION}; re-run the stage "
+                "to rewrite it"
+            )
+        return value
+
+
+# --------------------------------------------------------------------------------- capture
+
+
+class LatencyStats(Model):
+    """Per-call latency of one callable, from repeated rounds of back-to-back calls."""
+
+    median_ms: float
+    ci_low_ms: float
+    ci_high_ms: float
+    mean_ms: float
+    stdev_ms: float
+    min_ms: float
+    rounds: int
+    calls_per_round: int
+    samples_ms: list[float] = Field(description="per-call time of each round")
+
+
+class Speedup(Model):
+    """``baseline / candidate`` latency, measured interleaved in one process."""
+
+    baseline: str
+    candidate: str
+    ratio: float
+    ci_low: float
+    ci_high: float
+
+
+class Timing(Model):
+    device: str
+    clock: Literal["cuda_event", "perf_counter"]
+    variants: dict[str, LatencyStats]
+    gpu_kernel_ms: dict[str, float] = Field(
+        default_factory=dict, description="GPU kernel time per call, from the timeline"
+    )
+    speedups: list[Speedup] = Field(default_factory=list)
+    compile_seconds: dict[str, float] = Field(default_factory=dict)
+
+
+class KernelRecord(Model):
+    name: str
+    duration_us: float
+    start_us: float = Field(description="start relative to the measured window")
+    grid: list[int] | None = None
+    block: list[int] | None = None
+    stream: int | None = None
+    device: int | None = None
+    correlation: int | None = None
+    attribution: Attribution = "none"
+    fused_ops: list[str] = Field(default_factory=list)
+    metrics: dict[str, float | None] = Field(default_factory=dict)
+
+
+class OperatorRecord(Model):
+    name: str
+    call_index: int
+    cpu_time_us: float
+    gpu_time_us: float
+    input_shapes: list[Any] = Field(default_factory=list)
+    kernels: list[KernelRecord] = Field(default_factory=list)
+    fused_ops: list[str] = Field(default_factory=list)
+
+
+class OperatorAggregate(Model):
+    name: str
+    calls: int
+    cpu_time_us: float
+    gpu_time_us: float
+    share: float = Field(description="share of the timeline's device time, 0..1")
+    kernel_count: int
+    kernel_names: list[str] = Field(default_factory=list)
+    metrics: dict[str, float | None] = Field(default_factory=dict)
+    bottleneck: str | None = None
+
+
+class TimelineSummary(Model):
+    iterations: int
+    device_time_per_iter_us: float
+    wall_time_per_iter_us: float
+    idle_time_per_iter_us: float
+    kernels_per_iter: float
+    launch_overhead_per_call_us: float | None = None
+    attributed_share: float
+    high_share: float
+
+
+class Timeline(Model):
+    label: str
+    compile_mode: str
+    summary: TimelineSummary
+    operators: list[OperatorRecord]
+    aggregated: list[OperatorAggregate]
+    unattributed_kernels: list[KernelRecord] = Field(default_factory=list)
+    trace_file: str | None = None
+
+
+class EdgeCaseFlag(Model):
+    name: str
+    detail: str
+
+
+class CaptureMetadata(Model):
+    workload: str
+    device_type: Literal["cuda", "cpu"]
+    device_name: str
+    sm_count: int | None = None
+    compute_capability: str | None = None
+    driver: str | None = None
+    torch_version: str
+    cuda_version: str | None = None
+    triton_version: str | None = None
+    python_version: str
+    dtype: str
+    input_shapes: list[list[int]]
+    input_dtypes: list[str]
+    warmup_iters: int
+    measure_iters: int
+    rounds: int
+    compile_mode: str
+    timestamp: str
+    environment_fingerprint: str
+    workload_sha256: str
+    cpu_fallback: bool = False
+
+
+class Profile(Artifact):
+    """``profile.json`` and ``profile_optimized.json``; ``timelines[0]`` is the primary one
+    (eager for the baseline, the optimized backend for the recapture)."""
+
+    SCHEMA_VERSION: ClassVar[str] = "2.0"
+    capture_metadata: CaptureMetadata
+    timing: Timing
+    timelines: list[Timeline]
+    edge_case_flags: list[EdgeCaseFlag] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
+    counters: dict[str, Any] | None = None
+
+    @property
+    def primary(self) -> Timeline:
+        return self.timelines[0]
+
+    def timeline(self, label: str) -> Timeline | None:
+        return next((t for t in self.timelines if t.label == label), None)
+
+
+class FxNode(Model):
+    name: str
+    op: str
+    target: str
+    args: list[str] = Field(default_factory=list)
+    kwargs: dict[str, Any] = Field(default_factory=dict)
+    shape: list[int] | None = None
+    dtype: str | None = None
+    module_type: str | None = None
+    module_path: str | None = None
+
+
+class FxGraphSummary(Artifact):
+    """The workload's Dynamo graph(s), for the pattern detectors of the propose stage."""
+
+    graphs: list[list[FxNode]]
+    graph_breaks: int = 0
+    break_reasons: list[str] = Field(default_factory=list)
+    parameters: dict[str, list[int]] = Field(default_factory=dict)
+    module_types: dict[str, str] = Field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------- propose
+
+
+class Evidence(Model):
+    metric: str
+    value: float | int | str
+    unit: str = ""
+    source: str = Field(description="where in profile.json / graph.json the value is")
+
+
+class Impact(Model):
+    estimated_saving_us: float
+    estimated_speedup: float
+    basis: str
+
+
+class Proposal(Model):
+    id: str
+    type: str
+    ir_level: IrLevel
+    targets: list[str]
+    evidence: list[Evidence]
+    fx_steps: list[str]
+    impact: Impact
+    confidence: Confidence
+    depends_on: list[str] = Field(default_factory=list)
+    params: dict[str, Any] = Field(default_factory=dict)
+    source: Literal["rules", "llm", "hook"] = "rules"
+    rationale: str = ""
+
+
+class Optimizations(Artifact):
+    workload: str
+    device_type: str
+    proposals: list[Proposal]
+    global_notes: list[str] = Field(default_factory=list)
+    edge_case_flags: list[EdgeCaseFlag] = Field(default_factory=list)
+
+
+# --------------------------------------------------------------------------------- backend
+
+
+class BackendPlan(Model):
+    """What a generated backend does: non-graph changes, passes per IR level, config."""
+
+    dtype: str | None = None
+    channels_last: bool = False
+    pad_batch_to: int | None = None
+    functional: list[str] = Field(default_factory=list)
+    aten: list[str] = Field(default_factory=list)
+    config_patches: dict[str, Any] = Field(default_factory=dict)
+    proposals: list[str] = Field(default_factory=list)
+
+    def without_dtype(self) -> BackendPlan:
+        drop = {"dtype_promotion"}
+        return self.model_copy(
+            update={"dtype": None, "aten": [p for p in self.aten if p not in drop]}
+        )
+
+
+class Numerics(Model):
+    max_abs_err: float
+    rel_err: float
+    rtol: float
+    atol: float
+    dtype: str
+    ok: bool
+
+
+class VariantResult(Model):
+    name: str
+    plan: BackendPlan
+    latency: LatencyStats | None = None
+    speedup: float | None = Field(default=None, description="reference / variant latency")
+    numerics: Numerics | None = None
+    error: str | None = None
+
+
+class WaterfallStep(Model):
+    step: str
+    latency_ms: float
+    speedup_cumulative: float
+    speedup_added: float
+
+
+class DroppedProposal(Model):
+    id: str
+    type: str
+    reason: str
+
+
+class BackendSelection(Artifact):
+    workload: str
+    reference: str
+    reference_ms: float
+    variants: list[VariantResult]
+    chosen: str
+    plan: BackendPlan
+    dropped: list[DroppedProposal] = Field(default_factory=list)
+    waterfall: list[WaterfallStep] = Field(default_factory=list)
+
+
+# -------------------------------------------------------------------------------- validate
+
+
+class StepResult(Model):
+    status: StepStatus
+    detail: str = ""
+
+
+class PassStatus(Model):
+    name: str
+    status: PassStatusName
+    detail: str = ""
+    matches: int = 0
+
+
+VALIDATION_STEPS: tuple[str, ...] = ("syntax", "import", "registration", "tests", "smoke", "numerics")
+
+
+class ValidationReport(Artifact):
+    file: str
+    backend: str
+    steps: dict[str, StepResult]
+    passes: list[PassStatus] = Field(default_factory=list)
+    numerics: Numerics | None = None
+    checks: dict[str, StepResult] = Field(default_factory=dict)
+    overall: Literal["READY_FOR_PROFILING", "BLOCKED"]
+    message: str = ""
+
+
+# --------------------------------------------------------------------------------- session
+
+
+class WorkloadSummary(Model):
+    name: str
+    path: str
+    status: Literal["passed", "failed", "error", "skipped"]
+    stage: str = Field(description="the last stage reached")
+    message: str = ""
+    baseline: str | None = None
+    speedup: float | None = None
+    ci_low: float | None = None
+    ci_high: float | None = None
+    baseline_ms: float | None = None
+    optimized_ms: float | None = None
+    eager_ms: float | None = None
+    compile_ms: float | None = None
+    speedup_vs_eager: float | None = None
+    speedup_vs_compile: float | None = None
+    dtype: str | None = None
+    passes: list[str] = Field(default_factory=list)
+    report: str | None = None
+
+
+class SessionSummary(Artifact):
+    device: str
+    workloads: list[WorkloadSummary]
+    gate_passed: bool
+
+
+class ChildFailure(Model):
+    """What the runner writes when user code broke: read by the parent as one message."""
+
+    kind: str
+    message: str
+
+
+# ------------------------------------------------------------------------------------- I/O
+
+A = TypeVar("A", bound=BaseModel)
+
+
+def write_artifact(path: Path, artifact: BaseModel) -> Path:
+    """Write ``artifact`` as JSON atomically: a temp file in the same folder, then rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = artifact.model_dump_json(indent=2)
+    write_text_atomic(path, text + "\n")
+    return path
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def read_artifact(path: Path, model: type[A]) -> A:
+    """Read and validate; any problem is an ``ArtifactError`` naming the file and the field."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ArtifactError(
+            f"{path}: not found; run the stage that writes it (or drop --opprof-from)"
+        ) from None
+    except OSError as exc:
+        raise ArtifactError(f"{path}: cannot be read ({exc.strerror})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ArtifactError(
+            f"{path}: not valid JSON (line {exc.lineno}, column {exc.colno}: {exc.msg}); "
+            "the file is truncated or was edited by hand — delete it and re-run the stage"
+        ) from None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        raise ArtifactError(
+            f"{path}: field '{where}': {first['msg']}{more}; delete the file and re-run the "
+            "stage that writes it"
+        ) from None
