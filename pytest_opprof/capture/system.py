@@ -1,0 +1,84 @@
+"""What machine a capture ran on: device, versions, and a fingerprint for caching."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import platform
+import shutil
+import subprocess
+from typing import Any
+
+
+def resolve_device(requested: str) -> str:
+    """``auto`` → ``cuda`` when a GPU is usable, else ``cpu`` (the fallback of DESIGN §1)."""
+    import torch
+
+    if requested == "cpu":
+        return "cpu"
+    if torch.cuda.is_available():
+        return "cuda"
+    if requested == "cuda":
+        from pytest_opprof.errors import StageError
+
+        raise StageError(
+            "--opprof-device=cuda but torch sees no CUDA device; use --opprof-device=auto for "
+            "the CPU fallback, or install a CUDA build of torch"
+        )
+    return "cpu"
+
+
+def environment(device: str) -> dict[str, Any]:
+    """Device and software versions; no paths of this machine."""
+    import torch
+
+    info: dict[str, Any] = {
+        "device_type": device,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "cuda_version": torch.version.cuda,
+        "triton_version": _triton_version(),
+        "device_name": platform.processor() or platform.machine(),
+        "sm_count": None,
+        "compute_capability": None,
+        "driver": None,
+    }
+    if device == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info["device_name"] = props.name
+        info["sm_count"] = props.multi_processor_count
+        info["compute_capability"] = f"{props.major}.{props.minor}"
+        info["driver"] = _driver_version()
+    else:
+        info["device_name"] = f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
+    return info
+
+
+def fingerprint(info: dict[str, Any]) -> str:
+    keys = ("device_type", "device_name", "torch_version", "cuda_version", "triton_version",
+            "driver")
+    blob = json.dumps({k: info.get(k) for k in keys}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def _triton_version() -> str | None:
+    try:
+        import triton
+
+        return str(triton.__version__)
+    except Exception:
+        return None
+
+
+def _driver_version() -> str | None:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    try:
+        out = subprocess.run(
+            [exe, "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout else None
