@@ -1,0 +1,465 @@
+"""action.yml and the example workflow: schema, security audit, and a dry run of the steps.
+
+The dry run takes the `run:` scripts out of action.yml and runs them with bash the way a runner
+does (`bash --noprofile --norc -eo pipefail`), with `${{ }}` filled in from the inputs and the
+earlier steps' outputs, against the fake GitHub server. pytest itself is replaced by a stand-in
+that records its arguments and writes a fixture out-dir, so none of this needs the plugin.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import summary
+from fake_github import DATA, PR, REPO, ROOT, TOKEN, FakeGitHub, github_env
+
+yaml = pytest.importorskip("yaml", reason="PyYAML reads action.yml: pip install pyyaml")
+
+ACTION = ROOT / "action.yml"
+WORKFLOW = ROOT / "ci" / "workflows" / "opprof.yml"
+SESSION = DATA / "session"
+MARKER = "<!-- pytest-opprof -->"
+TABLE_HEADER = "| Workload | Status | Speedup (95% CI) | Baseline ms | Optimized ms | Passes |"
+TABLE_ROWS = (
+    "| conv_block | ✅ passed | 1.62× (1.55–1.70) | 4.213 | 2.594 | bn_fold, memory_layout |",
+    "| attention | ❌ failed | 0.97× (0.93–0.99) | 1.250 | 1.291 | sdpa_replacement |",
+    "| mlp\\|wide | ⚠️ error | — | — | — | — |",
+)
+EXPRESSION = re.compile(r"\$\{\{\s*(.+?)\s*\}\}")
+PINNED = re.compile(r"^[\w.-]+/[\w./-]+@[0-9a-f]{40}$")
+
+
+def load(path: Path) -> dict[Any, Any]:
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    assert isinstance(data, dict)
+    return data
+
+
+def tool(name: str) -> str:
+    """A command-line tool from this Python's environment or PATH, or skip."""
+    beside = Path(sys.executable).parent / name
+    found = str(beside) if beside.exists() else shutil.which(name)
+    if found is None:
+        pytest.skip(f"{name} is not installed (pip install {name})")
+    return found
+
+
+def all_steps(doc: dict[Any, Any]) -> list[dict[str, Any]]:
+    if "runs" in doc:
+        return list(doc["runs"]["steps"])
+    return [step for job in doc["jobs"].values() for step in job.get("steps", [])]
+
+
+# --- schema and audit ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("path", "schema"),
+    [(ACTION, "vendor.github-actions"), (WORKFLOW, "vendor.github-workflows")],
+    ids=["action", "workflow"],
+)
+def test_validates_against_the_github_schema(path: Path, schema: str, tmp_path: Path) -> None:
+    exe = tool("check-jsonschema")
+    broken = tmp_path / path.name
+    broken.write_text(path.read_text().replace("steps:", "stepz:", 1))
+
+    good = subprocess.run(
+        [exe, "--builtin-schema", schema, str(path)], capture_output=True, text=True, timeout=120
+    )
+    bad = subprocess.run(
+        [exe, "--builtin-schema", schema, str(broken)], capture_output=True, text=True, timeout=120
+    )
+
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert "ok -- validation done" in good.stdout
+    assert bad.returncode == 1, "the schema check must be able to fail"
+
+
+def zizmor(*paths: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [tool("zizmor"), "--offline", "--strict-collection", "--no-progress", "--color=never"]
+        + [str(p) for p in paths],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_zizmor_finds_nothing() -> None:
+    result = zizmor(ACTION, WORKFLOW)
+
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "No findings to report" in result.stdout
+
+
+def test_zizmor_would_catch_an_input_interpolated_into_run(tmp_path: Path) -> None:
+    unsafe = tmp_path / "action.yml"
+    text = ACTION.read_text()
+    unsafe.write_text(
+        text.replace('"$PYTHON" -m pip install', "${{ inputs.python }} -m pip install")
+    )
+
+    result = zizmor(unsafe)
+
+    assert result.returncode != 0
+    assert "template-injection" in result.stdout
+
+
+# --- structure -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("path", [ACTION, WORKFLOW], ids=["action", "workflow"])
+def test_every_action_used_is_pinned_to_a_full_commit(path: Path) -> None:
+    uses = [step["uses"] for step in all_steps(load(path)) if "uses" in step]
+
+    assert uses
+    assert [u for u in uses if not PINNED.match(u)] == []
+
+
+@pytest.mark.parametrize("path", [ACTION, WORKFLOW], ids=["action", "workflow"])
+def test_no_expression_is_pasted_into_a_shell_script(path: Path) -> None:
+    scripts = [step["run"] for step in all_steps(load(path)) if "run" in step]
+
+    assert scripts
+    assert [s for s in scripts if "${{" in s] == []
+
+
+def test_the_workflow_gives_each_job_least_privilege() -> None:
+    workflow = load(WORKFLOW)
+    triggers = workflow[True]  # PyYAML reads the key `on` as YAML 1.1's true
+
+    assert workflow["permissions"] == {}
+    assert triggers == {"pull_request_target": {"types": ["labeled"]}}
+    for name, job in workflow["jobs"].items():
+        permissions = job["permissions"]
+        writes = {scope for scope, level in permissions.items() if level == "write"}
+        steps = job["steps"]
+        if "self-hosted" in job["runs-on"]:  # runs the pull request's code
+            assert permissions == {"contents": "read"}, name
+            assert "github.event.label.name == 'run-gpu-perf'" in job["if"], name
+            checkouts = [s for s in steps if s.get("uses", "").startswith("actions/checkout@")]
+            assert checkouts, name
+            for checkout in checkouts:
+                assert checkout["with"]["persist-credentials"] is False, name
+                assert checkout["with"]["ref"] == "${{ github.event.pull_request.head.sha }}"
+        if writes:  # may write: must not touch the pull request's code
+            assert writes == {"pull-requests"}, name
+            assert job["runs-on"] == "ubuntu-latest", name
+            assert not any("checkout" in s.get("uses", "") or "run" in s for s in steps), name
+    comment_jobs = [j for j in workflow["jobs"].values() if j["permissions"].get("pull-requests")]
+    assert len(comment_jobs) == 1
+
+
+def test_the_shard_matrix_and_the_future_merge_are_shown() -> None:
+    jobs = load(WORKFLOW)["jobs"]
+    sharded = jobs["perf-sharded"]
+    [merge] = [s["run"] for s in jobs["merge-shards"]["steps"] if "run" in s]
+
+    assert sharded["strategy"]["matrix"]["shard"] == [1, 2]
+    [action_step] = [s for s in sharded["steps"] if "pytest-opprof@" in s.get("uses", "")]
+    assert action_step["with"]["extra-args"] == "--opprof-shard=${{ matrix.shard }}/2"
+    assert "opprof merge shard-*/" in merge
+    assert "# FUTURE: `opprof merge`" in merge
+
+
+# --- dry run of the action's steps ------------------------------------------------------------
+
+FAKE_PYTHON = """#!{python}
+# Stands in for the runner's Python: `-m pytest` records its arguments and "produces" the
+# fixture out-dir; anything else (the action's helper scripts) runs on the real Python.
+import json, os, shutil, sys
+args = sys.argv[1:]
+if args[:2] == ["-m", "pytest"]:
+    with open(os.environ["FAKE_PYTEST_LOG"], "w") as fh:
+        json.dump(args[2:], fh)
+    out = next(a.split("=", 1)[1] for a in args if a.startswith("--opprof-out="))
+    shutil.copytree(os.environ["FAKE_PYTEST_RESULTS"], out, dirs_exist_ok=True)
+    sys.exit(int(os.environ["FAKE_PYTEST_STATUS"]))
+os.execv(sys.executable, [sys.executable, *args])
+"""
+
+
+class ActionRun:
+    """Runs action.yml's shell steps one by one in a scratch workspace, as a runner would."""
+
+    def __init__(self, tmp_path: Path, env: dict[str, str], **inputs: str) -> None:
+        action = load(ACTION)
+        self.steps = {step["name"]: step for step in action["runs"]["steps"]}
+        self.inputs = {
+            name: str(spec.get("default", "")) for name, spec in action["inputs"].items()
+        }
+        self.inputs["github-token"] = TOKEN
+        self.inputs.update(inputs)
+        self.outputs: dict[str, dict[str, str]] = {}
+        self.workspace = tmp_path / "workspace"
+        self.workspace.mkdir()
+        self.summary = tmp_path / "step_summary.md"
+        self.tmp = tmp_path
+        self.env = {
+            "PATH": os.environ["PATH"],
+            "HOME": str(tmp_path),
+            "GITHUB_ACTION_PATH": str(ROOT),
+            "GITHUB_STEP_SUMMARY": str(self.summary),
+            **env,
+        }
+
+    def expand(self, text: str) -> str:
+        def value(match: re.Match[str]) -> str:
+            expr = match.group(1)
+            if expr.startswith("inputs."):
+                return self.inputs[expr.removeprefix("inputs.")]
+            scope, step_id, kind, key = expr.split(".")
+            assert (scope, kind) == ("steps", "outputs"), expr
+            return self.outputs.get(step_id, {}).get(key, "")
+
+        return EXPRESSION.sub(value, text)
+
+    def run(self, name: str) -> subprocess.CompletedProcess[str]:
+        step = self.steps[name]
+        assert step["shell"] == "bash"
+        script = self.tmp / f"step-{len(self.outputs)}.sh"
+        script.write_text(step["run"])
+        output = self.tmp / f"output-{len(self.outputs)}"
+        output.touch()
+        env = {**self.env, "GITHUB_OUTPUT": str(output)}
+        env.update({key: self.expand(str(v)) for key, v in step.get("env", {}).items()})
+        result = subprocess.run(
+            ["bash", "--noprofile", "--norc", "-eo", "pipefail", str(script)],
+            cwd=self.workspace,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        lines = output.read_text().splitlines()
+        self.outputs[step.get("id", name)] = dict(line.split("=", 1) for line in lines)
+        return result
+
+
+@pytest.fixture
+def fake_python(tmp_path: Path) -> Path:
+    path = tmp_path / "fake-python"
+    path.write_text(FAKE_PYTHON.format(python=sys.executable))
+    path.chmod(0o755)
+    return path
+
+
+def pr_env(github: FakeGitHub, tmp_path: Path) -> dict[str, str]:
+    event = tmp_path / "event.json"
+    event.write_text(json.dumps({"pull_request": {"number": PR}}))
+    return {**github_env(github), "GITHUB_EVENT_PATH": str(event), "NO_PROXY": "127.0.0.1"}
+
+
+def session_with(tmp_path: Path, **changes: Any) -> Path:
+    """A copy of the fixture out-dir with session.json changed."""
+    out = tmp_path / "results"
+    shutil.copytree(SESSION, out)
+    data = json.loads((out / "session.json").read_text())
+    data.update(changes)
+    (out / "session.json").write_text(json.dumps(data))
+    return out
+
+
+def test_dry_run_posts_the_table_and_fails_the_job_after_the_comment(
+    github: FakeGitHub, tmp_path: Path, fake_python: Path
+) -> None:
+    env = {
+        **pr_env(github, tmp_path),
+        "FAKE_PYTEST_LOG": str(tmp_path / "pytest-args.json"),
+        "FAKE_PYTEST_RESULTS": str(SESSION),
+        "FAKE_PYTEST_STATUS": "1",
+    }
+    action = ActionRun(
+        tmp_path,
+        env,
+        python=str(fake_python),
+        paths="examples/conv_block  examples/attention\nexamples/mlp*",
+        **{"min-speedup": "1.2", "baseline": "compile"},
+        **{"extra-args": '-n 2 -k "not slow" --opprof-ncu=off'},
+    )
+
+    pytest_step = action.run("Run pytest --opprof")
+    summary_step = action.run("Write the job summary and outputs")
+    comment_step = action.run("Comment on the pull request")
+    final_step = action.run("Fail the job when pytest or the speedup gate failed")
+
+    assert pytest_step.returncode == 0, pytest_step.stderr  # captured, not returned
+    assert json.loads((tmp_path / "pytest-args.json").read_text()) == [
+        "--opprof",
+        "examples/conv_block",
+        "examples/attention",
+        "examples/mlp*",  # not globbed: the plugin gets the path as written
+        "--opprof-out=opprof-results",
+        "--opprof-min-speedup=1.2",
+        "--opprof-baseline=compile",
+        "--junitxml=opprof-results/junit.xml",
+        "--opprof-junit=opprof-results/opprof-junit.xml",
+        "-n",
+        "2",
+        "-k",
+        "not slow",
+        "--opprof-ncu=off",
+    ]
+    assert action.outputs["pytest"] == {"exit-code": "1"}
+
+    assert summary_step.returncode == 0, summary_step.stderr
+    out = (action.workspace / "opprof-results").resolve()
+    assert action.outputs["summary"] == {
+        "report": str(out / "report.md"),
+        "speedup-table": str(out / "speedup-table.md"),
+        "comment-body": str(out / "comment.md"),
+        "passed": "false",
+    }
+    job_summary = action.summary.read_text()
+    comment_body = (out / "comment.md").read_text()
+    table = (out / "speedup-table.md").read_text()
+    assert table.splitlines() == [TABLE_HEADER, "|---|---|---|---|---|---|", *TABLE_ROWS]
+    assert table in job_summary
+    assert table in comment_body
+    assert job_summary.startswith(
+        "### pytest-opprof: ❌ speedup gate failed\n\n3 workloads; minimum speedup 1.2×, "
+        "baseline `compile`; pytest exited with status 1.\n"
+    )
+    assert (
+        "artifact `opprof-results` of [run 42](https://github.com/octo/widgets/actions/runs/42)"
+        in (job_summary)
+    )
+    assert "<details><summary>Session report" in job_summary
+    assert comment_body == f"{MARKER}\n{job_summary}"
+
+    assert comment_step.returncode == 0, comment_step.stderr
+    assert comment_step.stdout == f"created comment 1 on {REPO}#{PR}\n"
+    assert github.bodies() == [comment_body]
+
+    assert final_step.returncode == 1
+    assert "::error title=pytest-opprof::pytest --opprof exited with status 1" in final_step.stdout
+    assert TOKEN not in "".join(
+        s.stdout + s.stderr for s in (pytest_step, summary_step, comment_step, final_step)
+    )
+
+
+def test_dry_run_of_a_passing_gate_leaves_the_job_green(
+    github: FakeGitHub, tmp_path: Path, fake_python: Path
+) -> None:
+    passing = session_with(tmp_path, gate_passed=True, workloads=[{"name": "conv_block"}])
+    env = {
+        **pr_env(github, tmp_path),
+        "FAKE_PYTEST_LOG": str(tmp_path / "pytest-args.json"),
+        "FAKE_PYTEST_RESULTS": str(passing),
+        "FAKE_PYTEST_STATUS": "0",
+    }
+    action = ActionRun(tmp_path, env, python=str(fake_python), **{"out-dir": "perf out"})
+
+    assert action.run("Run pytest --opprof").returncode == 0
+    assert action.run("Write the job summary and outputs").returncode == 0
+    final = action.run("Fail the job when pytest or the speedup gate failed")
+
+    assert action.outputs["summary"]["passed"] == "true"
+    assert action.summary.read_text().startswith("### pytest-opprof: ✅ speedup gate passed")
+    assert (action.workspace / "perf out" / "junit.xml").parent.is_dir()
+    assert final.returncode == 0
+    assert final.stdout == ""
+
+
+def test_comment_only_reads_a_downloaded_out_dir(github: FakeGitHub, tmp_path: Path) -> None:
+    downloaded = session_with(tmp_path)
+    action = ActionRun(
+        tmp_path,
+        pr_env(github, tmp_path),
+        python=sys.executable,
+        **{"comment-only": "true", "out-dir": str(downloaded)},
+    )
+
+    assert action.run("Write the job summary and outputs").returncode == 0
+    assert action.run("Comment on the pull request").returncode == 0
+
+    assert action.outputs["summary"]["passed"] == "false"  # from session.json's gate_passed
+    [posted] = github.bodies()
+    assert posted.startswith(f"{MARKER}\n### pytest-opprof: ❌ speedup gate failed\n\n3 workloads.")
+    assert TABLE_ROWS[0] in posted
+
+
+def test_extra_args_that_are_not_shell_words_stop_the_step(
+    tmp_path: Path, fake_python: Path
+) -> None:
+    env = {"FAKE_PYTEST_LOG": str(tmp_path / "log"), "FAKE_PYTEST_RESULTS": str(SESSION)}
+    action = ActionRun(tmp_path, env, python=str(fake_python), **{"extra-args": '-k "oops'})
+
+    result = action.run("Run pytest --opprof")
+
+    assert result.returncode == 1
+    assert "pytest-opprof: extra-args '-k \"oops' is not shell words: No closing quotation" in (
+        result.stderr
+    )
+    assert not (tmp_path / "log").exists()
+
+
+def test_the_summary_says_when_there_are_no_results(tmp_path: Path) -> None:
+    out = tmp_path / "empty"
+    output = tmp_path / "output"
+    step_summary = tmp_path / "summary.md"
+    env = {"GITHUB_OUTPUT": str(output), "GITHUB_STEP_SUMMARY": str(step_summary)}
+
+    assert summary.main([str(out), "--exit-code=4"], env=env) == 0
+
+    assert "passed=false" in output.read_text().splitlines()
+    text = step_summary.read_text()
+    assert "❌ speedup gate failed" in text
+    assert f"**No results:** `{out.resolve()}/session.json` was not written" in text
+
+
+def test_the_summary_rejects_an_unknown_session_schema(tmp_path: Path) -> None:
+    out = session_with(tmp_path, schema_version="2.0")
+    output = tmp_path / "output"
+
+    summary.main([str(out)], env={"GITHUB_OUTPUT": str(output), "GITHUB_STEP_SUMMARY": os.devnull})
+
+    assert "passed=false" in output.read_text().splitlines()
+    assert "schema_version '2.0'; this action reads 1.x" in (out / "comment.md").read_text()
+
+
+# --- the real plugin, on the CPU fallback ------------------------------------------------------
+
+
+def _plugin_installed() -> bool:
+    return any(ep.name == "opprof" for ep in importlib.metadata.entry_points(group="pytest11"))
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    not _plugin_installed(), reason="pytest-opprof is not installed (pip install .)"
+)
+def test_the_action_steps_with_the_real_plugin_on_the_cpu(
+    github: FakeGitHub, tmp_path: Path
+) -> None:
+    workload = tmp_path / "workspace_src" / "tiny.py"
+    workload.parent.mkdir()
+    shutil.copy(DATA / "tiny_workload.py", workload)
+    action = ActionRun(
+        tmp_path,
+        pr_env(github, tmp_path),
+        python=sys.executable,
+        paths=str(workload),
+        **{"extra-args": "--opprof-device=cpu -p no:cacheprovider"},
+    )
+
+    pytest_step = action.run("Run pytest --opprof")
+    summary_step = action.run("Write the job summary and outputs")
+    comment_step = action.run("Comment on the pull request")
+
+    assert pytest_step.returncode == 0, pytest_step.stderr
+    assert summary_step.returncode == 0, summary_step.stderr
+    assert comment_step.returncode == 0, comment_step.stderr
+    assert "**No results:**" not in action.summary.read_text(), pytest_step.stdout
+    for text in (action.summary.read_text(), github.bodies()[0]):
+        assert TABLE_HEADER in text
+        assert re.search(r"^\| tiny\S* \|", text, re.MULTILINE), text
