@@ -222,6 +222,9 @@ def load(path: Path, device: str) -> LoadedWorkload:
                 f"`def {ENTRY}() -> tuple[nn.Module, torch.Tensor]`"
             )
         try:
+            import torch
+
+            torch.manual_seed(0)  # the same weights as the optimized workload's (runtime.py)
             result = entry()
         except SystemExit as exc:
             raise WorkloadError(

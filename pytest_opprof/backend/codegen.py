@@ -1,0 +1,201 @@
+"""Stage 2's writer: ``<stem>_optimized.py``, ``test_<stem>_optimized.py`` and the
+implementation notes, from the selected plan. Pure Python: the files are text."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from pytest_opprof import __version__
+from pytest_opprof.schema import BackendSelection, Proposal
+from pytest_opprof.workload import GENERATED_MARKER
+
+
+def backend_name(stem: str) -> str:
+    return f"opprof_{stem}"
+
+
+def _relative(target: Path, start: Path) -> str:
+    return Path(os.path.relpath(target.resolve(), start.resolve())).as_posix()
+
+
+def _why(p: Proposal) -> str:
+    first = p.evidence[0] if p.evidence else None
+    shown = f"{first.metric}={first.value}{first.unit}" if first else "no evidence"
+    return f"{p.id} ({p.type}, {p.ir_level}, {p.confidence} confidence): {shown}"
+
+
+def render_optimized(
+    *,
+    stem: str,
+    workload: Path,
+    out_file: Path,
+    selection: BackendSelection,
+    proposals: Sequence[Proposal],
+    rtol: float,
+    atol: float,
+) -> str:
+    plan = selection.plan
+    kept = [p for p in proposals if p.id in plan.proposals]
+    dropped = {d.id: d.reason for d in selection.dropped}
+    kept_lines = "\n".join(f"- {_why(p)}" for p in kept) or "- none: the baseline is kept"
+    dropped_lines = "\n".join(f"- {pid}: {reason}" for pid, reason in dropped.items()) or "- none"
+    rel = _relative(workload, out_file.parent)
+    name = backend_name(stem)
+
+    def listing(values: Sequence[str]) -> str:
+        return "[" + ", ".join(repr(v) for v in values) + "]"
+
+    patches = "{" + ", ".join(f"{k!r}: {v!r}" for k, v in plan.config_patches.items()) + "}"
+    changes = []
+    if plan.dtype:
+        changes.append(f"dtype={plan.dtype!r}")
+    if plan.channels_last:
+        changes.append("channels_last=True")
+    if plan.pad_batch_to:
+        changes.append(f"pad_batch_to={plan.pad_batch_to}")
+    body = (
+        f"    model = runtime.apply_non_graph(model, x, {', '.join(changes)}, "
+        "results=PASS_RESULTS)\n"
+        if changes else ""
+    )
+    return f'''{GENERATED_MARKER} {__version__}; `opprof validate` re-checks it after edits.
+"""Optimized backend for ``{stem}``: compile with ``backend="{name}"``.
+
+Proposals applied (kept by measured selection against {selection.reference}):
+{kept_lines}
+
+Proposals dropped:
+{dropped_lines}
+
+Use it::
+
+    model, x = get_model_and_input()
+    out = torch.compile(model, backend="{name}")(x)
+"""
+
+from __future__ import annotations
+
+import torch
+
+from pytest_opprof.backend import runtime
+from pytest_opprof.passes.base import PassResult
+
+baseline = runtime.import_baseline(__file__, {rel!r}, {stem!r})
+
+BACKEND = {name!r}
+RTOL, ATOL = {rtol!r}, {atol!r}
+PASS_RESULTS: list[PassResult] = []
+
+runtime.register_backend(
+    BACKEND,
+    functional={listing(plan.functional)},
+    aten={listing(plan.aten)},
+    config_patches={patches},
+    results=PASS_RESULTS,
+)
+
+
+def get_model_and_input() -> tuple[torch.nn.Module, torch.Tensor]:
+    """The baseline's model and input; the model carries the non-graph changes and still takes
+    the baseline's input."""
+    model, x = baseline.get_model_and_input()
+{body}    return model, x
+'''
+
+
+def render_test(*, stem: str, seeds: Sequence[int] = (0, 1, 2)) -> str:
+    name = backend_name(stem)
+    return f'''{GENERATED_MARKER} {__version__}; the checks `opprof validate` runs as step 4.
+"""Tests of ``{stem}_optimized.py``: import, registration, contract, numerical equivalence."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pytest_opprof.workload import check_contract, flatten_tensors, fresh_inputs
+
+HERE = Path(__file__).resolve().parent
+
+
+def _load(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+optimized = _load("{stem}_optimized", HERE / "{stem}_optimized.py")
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def test_backend_is_registered():
+    assert {name!r} in torch._dynamo.list_backends(exclude_tags=())
+
+
+def test_contract():
+    result = optimized.get_model_and_input()
+    check_contract(Path("{stem}_optimized.py"), result, DEVICE)
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """The baseline model and the optimized one compiled once for all seeds."""
+    base_model, x = optimized.baseline.get_model_and_input()
+    model, _ = optimized.get_model_and_input()
+    template = x if isinstance(x, tuple) else (x,)
+    return base_model, torch.compile(model, backend=optimized.BACKEND), template
+
+
+@pytest.mark.parametrize("seed", {list(seeds)!r})
+def test_numerically_equivalent_to_baseline(pair, seed):
+    base_model, compiled, template = pair
+    inputs = fresh_inputs(template, seed)
+    with torch.no_grad():
+        want = flatten_tensors(base_model(*inputs))
+        got = [t.clone() for t in flatten_tensors(compiled(*inputs))]
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        err = float((g.double() - w.double()).norm() / w.double().norm().clamp_min(1e-30))
+        assert err <= optimized.RTOL, f"relative error {{err:.3e}} > {{optimized.RTOL:.1e}}"
+'''
+
+
+def render_notes(selection: BackendSelection, proposals: Sequence[Proposal]) -> str:
+    by_id = {p.id: p for p in proposals}
+    lines = [
+        f"# Implementation notes: {selection.workload}",
+        "",
+        f"Reference for selection: `{selection.reference}` at {selection.reference_ms:.4f} ms.",
+        f"Chosen variant: `{selection.chosen}`.",
+        "",
+        "## Variants measured",
+        "",
+        "| variant | median ms | speedup vs reference | numerics | note |",
+        "|---|---|---|---|---|",
+    ]
+    for v in selection.variants:
+        ms = f"{v.latency.median_ms:.4f}" if v.latency else "—"
+        sp = f"{v.speedup:.3f}x" if v.speedup else "—"
+        num = (f"rel {v.numerics.rel_err:.2e} ({'ok' if v.numerics.ok else 'FAIL'})"
+               if v.numerics else "—")
+        lines.append(f"| {v.name} | {ms} | {sp} | {num} | {v.error or ''} |")
+    lines += ["", "## Proposals kept", ""]
+    for pid in selection.plan.proposals:
+        p = by_id.get(pid)
+        lines.append(f"- `{pid}`" + (f": {p.rationale or p.type}" if p else ""))
+    lines += ["", "## Proposals dropped (never ship slower)", ""]
+    lines += [f"- `{d.id}` ({d.type}): {d.reason}" for d in selection.dropped] or ["- none"]
+    lines += ["", "## Waterfall", "", "| step | ms | cumulative | added |", "|---|---|---|---|"]
+    for w in selection.waterfall:
+        lines.append(f"| {w.step} | {w.latency_ms:.4f} | {w.speedup_cumulative:.3f}x | "
+                     f"{w.speedup_added:.3f}x |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,75 @@
+"""What a generated ``<stem>_optimized.py`` calls: the baseline import and the non-graph changes.
+
+Kept small on purpose: the passes live in ``pytest_opprof.passes`` and the pass-routing backend
+in ``pytest_opprof.backend.compiler``; a generated file reads as the plan, not as their code.
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from pytest_opprof.backend import compiler
+from pytest_opprof.workload import cpu_remap, import_workload
+
+register_backend = compiler.register_backend
+
+
+def import_baseline(generated_file: str, relative_path: str, name: str) -> ModuleType:
+    """Import the baseline workload that sits at ``relative_path`` from the generated file.
+
+    Where CUDA is absent its ``get_model_and_input`` runs under the CPU remap, as the loader
+    does for the baseline itself, so the optimized file works on the CPU fallback too.
+    """
+    path = (Path(generated_file).resolve().parent / relative_path).resolve()
+    with _remap_if_cpu():
+        module = import_workload(path, module_name=name)
+    entry = module.get_model_and_input
+
+    @functools.wraps(entry)
+    def get_model_and_input() -> Any:
+        seed_everything()
+        with _remap_if_cpu():
+            return entry()
+
+    module.get_model_and_input = get_model_and_input  # type: ignore[attr-defined]
+    return module
+
+
+MODEL_SEED = 0
+
+
+def seed_everything(seed: int = MODEL_SEED) -> None:
+    """Seed torch's RNG before a workload builds its model, so the baseline and the optimized
+    workload hold the same random weights."""
+    torch.manual_seed(seed)
+
+
+def _remap_if_cpu() -> Any:
+    import contextlib
+
+    return contextlib.nullcontext() if torch.cuda.is_available() else cpu_remap()
+
+
+def apply_non_graph(
+    model: torch.nn.Module,
+    inputs: Any,
+    *,
+    dtype: str | None = None,
+    channels_last: bool = False,
+    pad_batch_to: int | None = None,
+    results: list[Any] | None = None,
+) -> torch.nn.Module:
+    """The model with the non-graph changes; it still takes the baseline's inputs. Each pass's
+    ``PassResult`` is appended to ``results``."""
+    args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    new_model, _, applied = compiler.apply_non_graph(
+        model, args, dtype=dtype, channels_last=channels_last, pad_batch_to=pad_batch_to
+    )
+    if results is not None:
+        results.extend(applied)
+    return new_model

@@ -1,0 +1,506 @@
+"""The child process: ``python -m pytest_opprof.runner SPEC.json``.
+
+User code (the workload, the generated backend) runs only here, so a crash, a hang or a CUDA
+error never takes pytest down. The spec names the task and its inputs; the task writes its
+artifacts atomically. A user's mistake (``OpprofError``) is written to ``failure.json`` beside
+the spec and the process exits with ``EXIT_USER_ERROR``; anything else is a bug of ours and
+keeps its traceback on stderr.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+EXIT_USER_ERROR = 3
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1:
+        print("usage: python -m pytest_opprof.runner SPEC.json", file=sys.stderr)
+        return 2
+    spec_path = Path(args[0])
+    spec = json.loads(spec_path.read_text(encoding="utf-8"))
+    from pytest_opprof.errors import OpprofError
+    from pytest_opprof.schema import ChildFailure, write_artifact
+
+    try:
+        TASKS[spec["task"]](spec)
+    except OpprofError as exc:
+        write_artifact(spec_path.with_name("failure.json"),
+                       ChildFailure(kind=type(exc).__name__, message=str(exc)))
+        return EXIT_USER_ERROR
+    except BaseException as exc:
+        if _is_oom(exc):
+            write_artifact(spec_path.with_name("failure.json"), ChildFailure(
+                kind="WorkloadError",
+                message=f"{Path(spec['workload']).name}: out of GPU memory during "
+                        f"{spec['task']} ({str(exc).splitlines()[0]}); use a smaller model or "
+                        "batch, or free the GPU"))
+            return EXIT_USER_ERROR
+        raise
+    return 0
+
+
+def _is_oom(exc: BaseException) -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return isinstance(exc, torch.cuda.OutOfMemoryError)
+
+
+# ------------------------------------------------------------------------------- helpers
+
+
+def _setup_torch() -> None:
+    import torch
+
+    # Measured selection compiles the same forward many times (one per variant); Dynamo's
+    # default recompile limit (8) would silently fall back to eager past it.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
+        torch._dynamo.config.accumulated_recompile_limit = 512
+
+
+def _options(spec: dict[str, Any]) -> Any:
+    from pytest_opprof.options import OpprofOptions
+
+    return OpprofOptions.from_child(spec["options"])
+
+
+def _setting(spec: dict[str, Any], name: str) -> Any:
+    return spec.get("overrides", {}).get(name, getattr(_options(spec), name))
+
+
+def _load_baseline(spec: dict[str, Any], device: str) -> Any:
+    from pytest_opprof.workload import check_output, load
+
+    import torch
+
+    w = load(Path(spec["workload"]), device)
+    with torch.no_grad():
+        out = w.model(*w.inputs)
+    check_output(w.path, out)
+    return w
+
+
+def _import_generated(path: Path) -> Any:
+    from pytest_opprof.errors import StageError
+
+    name = path.stem
+    mod_spec = importlib.util.spec_from_file_location(name, path)
+    if mod_spec is None or mod_spec.loader is None:
+        raise StageError(f"{path}: cannot be imported")
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules[name] = module
+    mod_spec.loader.exec_module(module)
+    return module
+
+
+def _compile_timed(model: Any, backend: Any, inputs: tuple[Any, ...], device: str
+                   ) -> tuple[Any, float]:
+    import torch
+
+    from pytest_opprof.capture.timing import synchronize
+
+    fn = torch.compile(model, backend=backend)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        fn(*inputs)
+    synchronize(device)
+    return fn, time.perf_counter() - t0
+
+
+def _metadata(spec: dict[str, Any], w: Any, device: str, info: dict[str, Any]) -> Any:
+    from pytest_opprof.capture.system import fingerprint
+    from pytest_opprof.schema import CaptureMetadata
+    from pytest_opprof.workload import WorkloadSpec
+
+    opts = _options(spec)
+    params = list(w.model.parameters())
+    return CaptureMetadata(
+        workload=Path(spec["workload"]).stem,
+        device_type="cuda" if device == "cuda" else "cpu",
+        device_name=info["device_name"],
+        sm_count=info["sm_count"],
+        compute_capability=info["compute_capability"],
+        driver=info["driver"],
+        torch_version=info["torch_version"],
+        cuda_version=info["cuda_version"],
+        triton_version=info["triton_version"],
+        python_version=info["python_version"],
+        dtype=str(params[0].dtype).replace("torch.", "") if params else "float32",
+        input_shapes=[list(t.shape) for t in w.inputs],
+        input_dtypes=[str(t.dtype).replace("torch.", "") for t in w.inputs],
+        warmup_iters=_setting(spec, "warmup_iters"),
+        measure_iters=_setting(spec, "measure_iters"),
+        rounds=_setting(spec, "rounds"),
+        compile_mode=f"torch.compile(backend={opts.compile_backend!r})",
+        timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        environment_fingerprint=fingerprint(info),
+        workload_sha256=WorkloadSpec(Path(spec["workload"])).sha256(),
+        cpu_fallback=device == "cpu",
+    )
+
+
+def _timelines(spec: dict[str, Any], calls: dict[str, tuple[Any, str]], inputs: Any,
+               device: str, out_dir: Path) -> tuple[list[Any], list[Any]]:
+    from pytest_opprof.capture.provenance import collect_inductor_provenance
+    from pytest_opprof.capture.timeline import capture_timeline
+
+    stem = Path(spec["workload"]).stem
+    provenance = collect_inductor_provenance()
+    timelines, flags = [], []
+    for label, (fn, mode) in calls.items():
+        suffix = "" if label == "eager" else f".{label}"
+        timeline, found = capture_timeline(
+            fn, inputs, device=device, label=label, compile_mode=mode, warmup=3,
+            iterations=spec.get("timeline_iters", 3),
+            trace_path=out_dir / "profiler_output" / f"{stem}{suffix}.trace.json",
+            provenance=provenance,
+        )
+        timelines.append(timeline)
+        flags += [f for f in found if f.name not in {x.name for x in flags}]
+    return timelines, flags
+
+
+def _timing(samples: dict[str, list[float]], device: str, calls_per_round: int,
+            pairs: list[tuple[str, str]], timelines: list[Any], compile_s: dict[str, float]
+            ) -> Any:
+    from pytest_opprof.measure import latency_stats, speedup
+    from pytest_opprof.schema import Timing
+
+    return Timing(
+        device=device,
+        clock="cuda_event" if device == "cuda" else "perf_counter",
+        variants={k: latency_stats(v, calls_per_round) for k, v in samples.items()},
+        gpu_kernel_ms={t.label: t.summary.device_time_per_iter_us / 1000.0 for t in timelines},
+        speedups=[speedup(a, samples[a], b, samples[b]) for a, b in pairs
+                  if a in samples and b in samples],
+        compile_seconds=compile_s,
+    )
+
+
+# --------------------------------------------------------------------------------- tasks
+
+
+def task_capture(spec: dict[str, Any]) -> None:
+    """Stage 0: graph summary, timing (eager vs compiled, interleaved), both timelines."""
+    import torch
+
+    from pytest_opprof.capture.graph import capture_graph
+    from pytest_opprof.capture.system import environment, resolve_device
+    from pytest_opprof.capture.timing import time_interleaved
+    from pytest_opprof.schema import Profile, write_artifact
+
+    _setup_torch()
+    opts = _options(spec)
+    out_dir = Path(spec["out_dir"])
+    device = resolve_device(opts.device)
+    w = _load_baseline(spec, device)
+    info = environment(device)
+    write_artifact(out_dir / "graph.json", capture_graph(w.model, w.inputs))
+    compiled, compile_s = _compile_timed(w.model, opts.compile_backend, w.inputs, device)
+    calls_per_round = _setting(spec, "measure_iters")
+    samples = time_interleaved(
+        {"eager": w.model, "compile": compiled}, w.inputs, device=device,
+        warmup=_setting(spec, "warmup_iters"), calls_per_round=calls_per_round,
+        rounds=_setting(spec, "rounds"),
+    )
+    mode = f"torch.compile(backend={opts.compile_backend!r})"
+    timelines, flags = _timelines(
+        spec, {"eager": (w.model, "eager"), "compiled": (compiled, mode)}, w.inputs, device,
+        out_dir,
+    )
+    timing = _timing(samples, device, calls_per_round, [("eager", "compile")], timelines,
+                     {"compile": compile_s})
+    profile = Profile(
+        capture_metadata=_metadata(spec, w, device, info), timing=timing, timelines=timelines,
+        edge_case_flags=flags,
+        warnings=[] if device == "cuda" else [
+            "CPU fallback: no CUDA device, so CPU operators were profiled and no hardware "
+            "counters were read"],
+    )
+    write_artifact(out_dir / spec.get("profile_name", "profile.json"), profile)
+    del torch
+
+
+def task_select(spec: dict[str, Any]) -> None:
+    """Measured selection: climb the ladder of proposals, keeping a rung only when it is
+    faster than the rung below it and numerically equivalent to the eager baseline."""
+    import torch
+
+    from pytest_opprof.backend.build import build
+    from pytest_opprof.backend.plan import add_proposal, ladder
+    from pytest_opprof.capture.system import resolve_device
+    from pytest_opprof.capture.timing import synchronize, time_interleaved
+    from pytest_opprof.measure import latency_stats
+    from pytest_opprof.schema import (
+        BackendPlan, BackendSelection, DroppedProposal, Optimizations, Proposal, VariantResult,
+        WaterfallStep, read_artifact, write_artifact,
+    )
+    from pytest_opprof.validate import compare, tolerance_for
+    from pytest_opprof.workload import fresh_inputs
+
+    _setup_torch()
+    opts = _options(spec)
+    device = resolve_device(opts.device)
+    out_dir = Path(spec["out_dir"])
+    opt = read_artifact(out_dir / "optimizations.json", Optimizations)
+    w = _load_baseline(spec, device)
+    eager = w.model
+    compiled, _ = _compile_timed(eager, opts.compile_backend, w.inputs, device)
+    check_in = fresh_inputs(w.inputs, 7)
+    with torch.no_grad():
+        reference_out = [t.clone() for t in _flat(eager(*check_in))]
+    calls = max(3, _setting(spec, "measure_iters") // 2)
+    rounds = max(5, min(7, _setting(spec, "rounds")))
+    brief = {"device": device, "warmup": 3, "calls_per_round": calls, "rounds": rounds}
+
+    base = time_interleaved({"eager": eager, "compile": compiled}, w.inputs, **brief)
+    ref_name = min(base, key=lambda k: sorted(base[k])[len(base[k]) // 2])
+    ref_ms = latency_stats(base[ref_name], calls).median_ms
+    variants = [
+        VariantResult(name=name, plan=BackendPlan(), latency=latency_stats(s, calls),
+                      speedup=ref_ms / latency_stats(s, calls).median_ms)
+        for name, s in base.items()
+    ]
+    current_plan, current_fn, current_name = BackendPlan(), compiled, "compile"
+    waterfall = [WaterfallStep(step=ref_name, latency_ms=ref_ms, speedup_cumulative=1.0,
+                               speedup_added=1.0)]
+    if ref_name == "eager":
+        current_fn, current_name = eager, "eager"
+    dropped: list[DroppedProposal] = []
+    skip = set(spec.get("overrides", {}).get("skip", []))
+    proposals = [p for p in opt.proposals if p.type not in skip]
+    for p in opt.proposals:
+        if p.type in skip:
+            dropped.append(DroppedProposal(id=p.id, type=p.type,
+                                           reason="skipped by the workload's OPPROF['skip']"))
+    current_ms = ref_ms
+    for rung in ladder(proposals):
+        plan = current_plan
+        for p in rung.proposals:
+            plan = add_proposal(plan, p)
+        name = "+".join([*(current_plan.proposals or []), *(p.id for p in rung.proposals)])
+        ids = ", ".join(p.id for p in rung.proposals)
+        torch.manual_seed(0)
+        fresh = _load_baseline(spec, device).model
+        try:
+            built = build(fresh, w.inputs, plan)
+            with torch.no_grad():
+                got = [t.clone() for t in _flat(built.fn(*check_in))]
+            synchronize(device)
+        except Exception as exc:  # a pass or Inductor failed on this rung: drop, go on
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            variants.append(VariantResult(name=name, plan=plan, error=reason[:300]))
+            dropped += [DroppedProposal(id=p.id, type=p.type, reason=f"failed to build: "
+                                        f"{reason[:200]}") for p in rung.proposals]
+            continue
+        rtol, atol = tolerance_for(plan.dtype, spec.get("overrides"))
+        numerics = compare(reference_out, got, dtype=plan.dtype, rtol=rtol, atol=atol)
+        if not numerics.ok:
+            variants.append(VariantResult(name=name, plan=plan, numerics=numerics,
+                                          error="numerics out of tolerance"))
+            dropped += [DroppedProposal(id=p.id, type=p.type, reason=(
+                f"changed the output: relative error {numerics.rel_err:.2e} > {rtol:.1e}"))
+                for p in rung.proposals]
+            continue
+        s = time_interleaved({"current": current_fn, "candidate": built.fn}, w.inputs, **brief)
+        cur = latency_stats(s["current"], calls)
+        cand = latency_stats(s["candidate"], calls)
+        variants.append(VariantResult(name=name, plan=plan, latency=cand, numerics=numerics,
+                                      speedup=ref_ms * (cur.median_ms / current_ms)
+                                      / cand.median_ms if cand.median_ms else None))
+        # Keep the rung only when it is faster than the rung below, beyond the noise: its
+        # CI's upper end must lie under the current median.
+        if cand.ci_high_ms < cur.median_ms:
+            added = cur.median_ms / cand.median_ms
+            current_ms = current_ms / added
+            current_plan, current_fn, current_name = plan, built.fn, name
+            waterfall.append(WaterfallStep(
+                step=f"+{rung.name} ({ids})", latency_ms=current_ms,
+                speedup_cumulative=ref_ms / current_ms, speedup_added=added))
+        else:
+            dropped += [DroppedProposal(id=p.id, type=p.type, reason=(
+                f"made nothing faster: {cand.median_ms:.4f} ms (CI {cand.ci_low_ms:.4f}–"
+                f"{cand.ci_high_ms:.4f}) against {cur.median_ms:.4f} ms without it"))
+                for p in rung.proposals]
+    selection = BackendSelection(
+        workload=Path(spec["workload"]).stem, reference=ref_name, reference_ms=ref_ms,
+        variants=variants, chosen=current_name, plan=current_plan, dropped=dropped,
+        waterfall=waterfall,
+    )
+    write_artifact(out_dir / "profiler_output" / "backend_selection.json", selection)
+    del Proposal
+
+
+def _flat(value: Any) -> list[Any]:
+    from pytest_opprof.workload import flatten_tensors
+
+    return flatten_tensors(value)
+
+
+def task_validate_import(spec: dict[str, Any]) -> None:
+    """Validation steps 2 and 3: the generated file imports and registers its backend."""
+    import torch
+
+    from pytest_opprof.schema import StepResult, write_artifact
+
+    _setup_torch()
+    path = Path(spec["generated"])
+    steps: dict[str, StepResult] = {}
+    try:
+        module = _import_generated(path)
+        steps["import"] = StepResult(status="pass", detail=f"imported {path.name}")
+    except BaseException as exc:
+        steps["import"] = StepResult(status="fail", detail=f"{type(exc).__name__}: {exc}")
+        steps["registration"] = StepResult(status="skipped", detail="blocked by import")
+        _write_steps(spec, steps)
+        return
+    name = getattr(module, "BACKEND", None)
+    listed = torch._dynamo.list_backends(exclude_tags=())
+    ok = isinstance(name, str) and name in listed
+    steps["registration"] = StepResult(
+        status="pass" if ok else "fail",
+        detail=f"backend {name!r} is registered" if ok else
+        f"backend {name!r} is not in torch._dynamo.list_backends(); the file must call "
+        "runtime.register_backend(BACKEND, ...) at import",
+    )
+    _write_steps(spec, steps)
+    del write_artifact
+
+
+def _write_steps(spec: dict[str, Any], steps: dict[str, Any], **extra: Any) -> None:
+    payload = {"steps": {k: v.model_dump() for k, v in steps.items()}, **extra}
+    from pytest_opprof.schema import write_text_atomic
+
+    write_text_atomic(Path(spec["result"]), json.dumps(payload, indent=2))
+
+
+def task_validate_run(spec: dict[str, Any]) -> None:
+    """Validation steps 5 and 6: a smoke run (1 warmup, 1 measured call) and the numerics
+    and anti-cheating checks against the eager baseline."""
+    import torch
+
+    from pytest_opprof.backend import runtime
+    from pytest_opprof.capture.system import resolve_device
+    from pytest_opprof.capture.timing import synchronize
+    from pytest_opprof.schema import PassStatus, StepResult
+    from pytest_opprof.validate import anti_cheat_checks, tolerance_for
+
+    _setup_torch()
+    opts = _options(spec)
+    device = resolve_device(opts.device)
+    module = _import_generated(Path(spec["generated"]))
+    steps: dict[str, StepResult] = {}
+    base_model, x = module.baseline.get_model_and_input()
+    template = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+    try:
+        model, _ = module.get_model_and_input()
+        fn = torch.compile(model, backend=module.BACKEND)
+        with torch.no_grad():
+            fn(*template)
+            synchronize(device)
+            t0 = time.perf_counter()
+            fn(*template)
+            synchronize(device)
+        steps["smoke"] = StepResult(status="pass", detail=(
+            f"1 warmup + 1 measured call ran ({(time.perf_counter() - t0) * 1000:.3f} ms)"))
+    except BaseException as exc:
+        steps["smoke"] = StepResult(status="fail", detail=f"{type(exc).__name__}: {exc}"[:500])
+        steps["numerics"] = StepResult(status="skipped", detail="blocked by smoke")
+        _write_steps(spec, steps)
+        return
+    dtype = spec.get("dtype")
+    rtol, atol = tolerance_for(dtype, spec.get("overrides"))
+    if hasattr(module, "RTOL"):
+        rtol, atol = float(module.RTOL), float(module.ATOL)
+    numerics, checks = anti_cheat_checks(base_model, fn, template, dtype=dtype, rtol=rtol,
+                                         atol=atol)
+    failed = [k for k, v in checks.items() if v.status == "fail"]
+    steps["numerics"] = StepResult(
+        status="fail" if failed else "pass",
+        detail="; ".join(f"{k}: {checks[k].detail}" for k in failed) if failed else
+        checks["equivalent"].detail,
+    )
+    results = list(getattr(module, "PASS_RESULTS", []))
+    passes = [PassStatus(name=r.name, status=r.status, detail=r.detail, matches=r.matches)
+              for r in results]
+    _write_steps(spec, steps, numerics=numerics.model_dump(),
+                 checks={k: v.model_dump() for k, v in checks.items()},
+                 passes=[p.model_dump() for p in passes])
+    del runtime
+
+
+def task_recapture(spec: dict[str, Any]) -> None:
+    """Stage 4: the optimized workload through its backend, timed interleaved with eager and
+    the compiled baseline (and, when the dtype changed, the same plan at the baseline dtype)."""
+    import torch
+
+    from pytest_opprof.backend.build import build
+    from pytest_opprof.capture.system import environment, resolve_device
+    from pytest_opprof.capture.timing import time_interleaved
+    from pytest_opprof.schema import BackendSelection, Profile, read_artifact, write_artifact
+
+    _setup_torch()
+    opts = _options(spec)
+    device = resolve_device(opts.device)
+    out_dir = Path(spec["out_dir"])
+    w = _load_baseline(spec, device)
+    info = environment(device)
+    module = _import_generated(Path(spec["generated"]))
+    model, _ = module.get_model_and_input()
+    compile_s: dict[str, float] = {}
+    compiled, compile_s["compile"] = _compile_timed(w.model, opts.compile_backend, w.inputs,
+                                                    device)
+    optimized, compile_s["optimized"] = _compile_timed(model, module.BACKEND, w.inputs, device)
+    calls: dict[str, Any] = {"eager": w.model, "compile": compiled, "optimized": optimized}
+    pairs = [("eager", "compile"), ("eager", "optimized"), ("compile", "optimized")]
+    selection_path = out_dir / "profiler_output" / "backend_selection.json"
+    if selection_path.exists():
+        plan = read_artifact(selection_path, BackendSelection).plan
+        if plan.dtype not in (None, "float32"):
+            torch.manual_seed(0)
+            same = build(_load_baseline(spec, device).model, w.inputs, plan.without_dtype())
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                same.fn(*w.inputs)
+            compile_s["optimized_baseline_dtype"] = time.perf_counter() - t0
+            calls["optimized_baseline_dtype"] = same.fn
+            pairs += [("eager", "optimized_baseline_dtype"),
+                      ("compile", "optimized_baseline_dtype")]
+    calls_per_round = _setting(spec, "measure_iters")
+    samples = time_interleaved(calls, w.inputs, device=device,
+                               warmup=_setting(spec, "warmup_iters"),
+                               calls_per_round=calls_per_round, rounds=_setting(spec, "rounds"))
+    timelines, flags = _timelines(
+        spec, {"optimized": (optimized, f"torch.compile(backend={module.BACKEND!r})")},
+        w.inputs, device, out_dir,
+    )
+    timing = _timing(samples, device, calls_per_round, pairs, timelines, compile_s)
+    profile = Profile(capture_metadata=_metadata(spec, w, device, info), timing=timing,
+                      timelines=timelines, edge_case_flags=flags)
+    write_artifact(out_dir / "profile_optimized.json", profile)
+
+
+TASKS = {
+    "capture": task_capture,
+    "select": task_select,
+    "validate_import": task_validate_import,
+    "validate_run": task_validate_run,
+    "recapture": task_recapture,
+}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

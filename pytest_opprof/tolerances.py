@@ -1,0 +1,19 @@
+"""Numerical tolerances per compute dtype (pure Python: the parent and the child share them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Relative L2 error allowed per compute dtype: about two units of the dtype's rounding for a
+# network's worth of accumulation. fp32 leaves room for reassociation by Inductor.
+TOLERANCES: dict[str, tuple[float, float]] = {
+    "float32": (1e-4, 1e-5),
+    "bfloat16": (1.6e-2, 1e-3),
+    "float16": (4e-3, 1e-4),
+}
+
+
+def tolerance_for(dtype: str | None, overrides: dict[str, Any] | None = None) -> tuple[float, float]:
+    rtol, atol = TOLERANCES.get(dtype or "float32", TOLERANCES["float32"])
+    overrides = overrides or {}
+    return float(overrides.get("rtol", rtol)), float(overrides.get("atol", atol))
