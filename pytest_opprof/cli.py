@@ -1,0 +1,251 @@
+"""``opprof``: the pipeline without pytest, over the same code (DESIGN §4).
+
+    opprof optimize examples/conv_block/conv_block.py [more.py …] [--out DIR] [--from STAGE]
+    opprof capture workload.py [--profile-name=optimized]
+    opprof propose out/conv_block/profile.json
+    opprof backend workload.py out/conv_block/optimizations.json
+    opprof validate out/conv_block/conv_block_optimized.py
+    opprof report workload.py
+    opprof preflight
+
+Exit status: 0 when every gate passed, 1 when one failed, 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import pytest
+
+from pytest_opprof import STAGES
+from pytest_opprof.errors import OpprofError
+from pytest_opprof.options import OPTIONS, OpprofOptions, add_cli_arguments
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="opprof", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (
+        ("optimize", "all six stages"),
+        ("capture", "stage 0: profile the workload"),
+        ("report", "stage 5: write report.md from the artifacts on disk"),
+    ):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("workloads", nargs="+", type=Path)
+        if name == "capture":
+            p.add_argument("--profile-name", default="", help="'optimized' writes "
+                           "profile_optimized.json")
+        add_cli_arguments(p)
+    p = sub.add_parser("propose", help="stage 1 from a profile.json")
+    p.add_argument("profile", type=Path)
+    add_cli_arguments(p)
+    p = sub.add_parser("backend", help="stage 2 from a workload and its optimizations.json")
+    p.add_argument("workload", type=Path)
+    p.add_argument("optimizations", type=Path)
+    add_cli_arguments(p)
+    p = sub.add_parser("validate", help="stage 3 on any backend file, generated or edited")
+    p.add_argument("file", type=Path)
+    add_cli_arguments(p)
+    sub.add_parser("preflight", help="check Python, torch, CUDA, the GPU, ncu and permissions")
+    return parser
+
+
+def _options(ns: argparse.Namespace) -> OpprofOptions:
+    values = {spec.field: getattr(ns, spec.field) for spec in OPTIONS if hasattr(ns, spec.field)}
+    return OpprofOptions.from_values(values)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ns = _parser().parse_args(argv)
+    try:
+        if ns.command == "preflight":
+            return preflight()
+        options = _options(ns)
+        return COMMANDS[ns.command](ns, options)
+    except pytest.UsageError as exc:
+        print(f"opprof: error: {exc}", file=sys.stderr)
+        return 2
+    except OpprofError as exc:
+        print(f"opprof: {exc}", file=sys.stderr)
+        return 1
+
+
+def _session(options: OpprofOptions):  # type: ignore[no-untyped-def]
+    from pytest_opprof.session import OpprofSession
+
+    return OpprofSession(options=options)
+
+
+def _spec(path: Path):  # type: ignore[no-untyped-def]
+    from pytest_opprof.workload import discover
+
+    spec = discover(path) if path.exists() else None
+    if spec is None:
+        raise OpprofError(f"{path}: not a workload (no top-level def get_model_and_input)")
+    return spec
+
+
+def _print(name: str, stage: str, status: str, message: str) -> None:
+    mark = {"passed": "ok", "skipped": "skip", "failed": "FAIL", "error": "ERROR"}[status]
+    first, *rest = (message or "").splitlines() or [""]
+    print(f"[{name}] {stage:<9} {mark:<5} {first}", flush=True)
+    for line in rest:
+        print(f"    {line}")
+
+
+def _run_stages(ns: argparse.Namespace, options: OpprofOptions, stages: Sequence[str]) -> int:
+    session = _session(options)
+    failed = False
+    for path in ns.workloads:
+        spec = _spec(path)
+        name = session.workload(spec).name
+        for stage in stages:
+            print(f"[{name}] {stage} …", flush=True)
+            outcome = session.run(spec, stage)
+            _print(name, stage, outcome.status, outcome.message)
+            failed |= outcome.status in ("failed", "error")
+    if "report" in stages:
+        from pytest_opprof.report import terminal_summary_lines
+        from pytest_opprof.session import session_device
+
+        summaries = session.collect_summaries()
+        report = session.write_session(summaries, session_device(summaries, options.out))
+        print("\n".join(terminal_summary_lines(summaries)))
+        print(f"session report: {report}")
+    return 1 if failed else 0
+
+
+def cmd_optimize(ns: argparse.Namespace, options: OpprofOptions) -> int:
+    return _run_stages(ns, options, options.stages_to_run())
+
+
+def cmd_capture(ns: argparse.Namespace, options: OpprofOptions) -> int:
+    if ns.profile_name and ns.profile_name != "optimized":
+        raise pytest.UsageError("--profile-name: only 'optimized' is accepted")
+    stage = "recapture" if ns.profile_name == "optimized" else "capture"
+    return _run_stages(ns, options, [stage])
+
+
+def cmd_report(ns: argparse.Namespace, options: OpprofOptions) -> int:
+    from dataclasses import replace
+
+    return _run_stages(ns, replace(options, from_="report"), STAGES)
+
+
+def cmd_propose(ns: argparse.Namespace, options: OpprofOptions) -> int:
+    from pytest_opprof.propose import propose
+    from pytest_opprof.schema import FxGraphSummary, Profile, read_artifact, write_artifact
+
+    profile = read_artifact(ns.profile, Profile)
+    graph_path = ns.profile.with_name("graph.json")
+    graph = read_artifact(graph_path, FxGraphSummary) if graph_path.exists() else None
+    result = propose(profile, graph, min_confidence=options.min_confidence,
+                     max_opts=options.max_opts)
+    out = ns.profile.with_name("optimizations.json")
+    write_artifact(out, result)
+    for p in result.proposals:
+        print(f"{p.id:<28} {p.type:<24} {p.confidence:<6} "
+              f"~{p.impact.estimated_saving_us:.1f} µs")
+    print(f"wrote {out}")
+    return 0
+
+
+def cmd_backend(ns: argparse.Namespace, options: OpprofOptions) -> int:
+    from dataclasses import replace
+
+    out = ns.optimizations.resolve().parent.parent
+    options = replace(options, out=out, from_="backend", stage="backend")
+    ns.workloads = [ns.workload]
+    return _run_stages(ns, options, ["backend"])
+
+
+def cmd_validate(ns: argparse.Namespace, options: OpprofOptions) -> int:
+    """Validate any backend file: it must sit in ``<out>/<stem>/`` beside its test file and
+    import its baseline itself, as generated files do."""
+    from dataclasses import replace
+
+    from pytest_opprof.pipeline import WorkloadRun, validate_file
+    from pytest_opprof.schema import write_artifact
+    from pytest_opprof.workload import WorkloadSpec
+
+    file = ns.file.resolve()
+    if not file.exists():
+        raise OpprofError(f"{ns.file}: no such file")
+    stem = file.name.removesuffix("_optimized.py")
+    run = WorkloadRun(spec=WorkloadSpec(path=file), name=stem,
+                      options=replace(options, out=file.parent.parent))
+    run.spec = WorkloadSpec(path=_baseline_of(file) or file)
+    report = validate_file(run, file)
+    write_artifact(run.profiler_output / "validation_report.json", report)
+    for step, result in report.steps.items():
+        print(f"{step:<13} {result.status:<8} {result.detail}")
+    for p in report.passes:
+        print(f"pass {p.name:<24} {p.status:<12} {p.detail}")
+    print(report.overall + (f": {report.message}" if report.message else ""))
+    return 0 if report.overall == "READY_FOR_PROFILING" else 1
+
+
+def _baseline_of(generated: Path) -> Path | None:
+    """The workload a generated file imports: the path in its ``import_baseline`` call."""
+    import ast
+
+    try:
+        tree = ast.parse(generated.read_text(encoding="utf-8"))
+    except (OSError, SyntaxError):
+        return None
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_baseline"
+                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)):
+            return (generated.parent / str(node.args[1].value)).resolve()
+    return None
+
+
+def preflight() -> int:
+    """Check what the pipeline needs and print what to fix; non-zero when something is off."""
+    problems = 0
+
+    def line(ok: bool, what: str, fix: str = "") -> None:
+        nonlocal problems
+        problems += 0 if ok else 1
+        print(f"[{'ok' if ok else 'FIX'}] {what}" + (f" — {fix}" if fix and not ok else ""))
+
+    line(sys.version_info >= (3, 10), f"Python {sys.version.split()[0]}", "use Python ≥ 3.10")
+    has_torch = importlib.util.find_spec("torch") is not None
+    line(has_torch, "torch installed", "pip install torch")
+    if has_torch:
+        import torch
+
+        line(True, f"torch {torch.__version__} (CUDA {torch.version.cuda})")
+        cuda = torch.cuda.is_available()
+        print(f"[{'ok' if cuda else 'note'}] CUDA device: "
+              + (torch.cuda.get_device_name(0) if cuda else "none — the CPU fallback is used"))
+    ncu = shutil.which("ncu")
+    print(f"[{'ok' if ncu else 'note'}] ncu: {ncu or 'not found; no hardware counters'}")
+    params = Path("/proc/driver/nvidia/params")
+    if params.exists():
+        restricted = "RmProfilingAdminOnly: 1" in params.read_text(errors="replace")
+        root = os.geteuid() == 0
+        line(not restricted or root, "GPU counters readable by this user",
+             "run with --opprof-ncu-sudo=true, or set the driver option "
+             "NVreg_RestrictProfilingToAdminUsers=0")
+    return 1 if problems else 0
+
+
+COMMANDS = {
+    "optimize": cmd_optimize,
+    "capture": cmd_capture,
+    "report": cmd_report,
+    "propose": cmd_propose,
+    "backend": cmd_backend,
+    "validate": cmd_validate,
+}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,209 @@
+"""pytest hooks of pytest-opprof: options, collection of workloads, one item per stage, the
+summary. Hook functions only; the work is in ``session.py`` and ``pipeline.py``. Importing this
+module imports no torch."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_opprof import STAGES, ITEM_NAMES
+from pytest_opprof.options import OPTIONS, OpprofOptions
+from pytest_opprof.workload import WorkloadSpec, discover, is_generated
+
+SESSION_KEY = pytest.StashKey["OpprofSession"]()
+RESULTS_KEY = pytest.StashKey[list[Any]]()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("opprof", "GPU optimization gate (pytest-opprof)")
+    group.addoption("--opprof", action="store_true", dest="opprof", default=False,
+                    help="profile, optimize, validate and gate every workload found")
+    for spec in OPTIONS:
+        flag = f"--opprof-{spec.noun}"
+        if spec.flag:
+            group.addoption(flag, action="store_true", dest=spec.dest, default=None,
+                            help=spec.help)
+        else:
+            group.addoption(flag, dest=spec.dest, default=None, metavar=spec.metavar,
+                            help=spec.help)
+        parser.addini(spec.dest, help=spec.help, default=None)
+
+
+def _options(config: pytest.Config) -> OpprofOptions:
+    values: dict[str, Any] = {}
+    for spec in OPTIONS:
+        value = config.getoption(spec.dest)
+        if value is None:
+            value = config.getini(spec.dest)
+        values[spec.field] = spec.default if value in (None, "") else value
+    return OpprofOptions.from_values(values)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "opprof: an item of a pytest-opprof workload stage")
+    if not config.getoption("opprof"):
+        return
+    options = _options(config)  # raises pytest.UsageError naming the accepted values
+    if importlib.util.find_spec("torch") is None:
+        raise pytest.UsageError(
+            "--opprof needs PyTorch, which is not installed here: `pip install torch` (a CUDA "
+            "build for GPU runs), then run again"
+        )
+    from pytest_opprof.session import OpprofSession
+
+    config.stash[SESSION_KEY] = OpprofSession(options=options)
+    config.stash[RESULTS_KEY] = []
+
+
+def pytest_report_header(config: pytest.Config) -> list[str] | None:
+    if SESSION_KEY not in config.stash:
+        return None
+    from importlib import metadata
+
+    try:
+        torch_version = metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        torch_version = "absent"
+    ncu = shutil.which("ncu")
+    gpu = _gpu_name()
+    opts = config.stash[SESSION_KEY].options
+    return [
+        f"opprof: out={opts.out} device={opts.device} ({gpu}) torch {torch_version}",
+        f"opprof: ncu {'found at ' + ncu if ncu else 'not found (no hardware counters)'}; "
+        f"min speedup {opts.min_speedup} against {opts.baseline}",
+    ]
+
+
+def _gpu_name() -> str:
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return "no NVIDIA GPU found: CPU fallback"
+    import subprocess
+
+    try:
+        out = subprocess.run([exe, "--query-gpu=name", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return "nvidia-smi did not answer"
+    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else "no GPU listed"
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """The output folder and the files the pipeline generates are never collected."""
+    if collection_path.name == "opprof-results" or is_generated(collection_path):
+        return True
+    if SESSION_KEY in config.stash:
+        out = config.stash[SESSION_KEY].options.out.resolve()
+        if collection_path.resolve() == out:
+            return True
+    return None
+
+
+def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.File | None:
+    config = parent.config
+    if SESSION_KEY not in config.stash or file_path.suffix != ".py":
+        return None
+    spec = discover(file_path)
+    if spec is None:
+        return None
+    session = config.stash[SESSION_KEY]
+    shard = session.options.shard
+    if shard and not _in_shard(file_path, config, shard):
+        return None
+    item = WorkloadFile.from_parent(parent, path=file_path)
+    item.spec = spec
+    return item
+
+
+def _in_shard(path: Path, config: pytest.Config, shard: tuple[int, int]) -> bool:
+    import hashlib
+
+    rel = str(path.resolve().relative_to(config.rootpath.resolve())) \
+        if path.resolve().is_relative_to(config.rootpath.resolve()) else path.name
+    k, n = shard
+    return int(hashlib.sha256(rel.encode()).hexdigest(), 16) % n == k - 1
+
+
+class WorkloadFile(pytest.File):
+    """A workload file: one item per stage."""
+
+    spec: WorkloadSpec
+
+    def collect(self) -> Iterator[pytest.Item]:
+        stages = self.config.stash[SESSION_KEY].options.stages_to_run()
+        for stage in STAGES:
+            if stage in stages:
+                yield StageItem.from_parent(self, name=ITEM_NAMES[stage], stage=stage)
+
+
+class StageFailure(Exception):
+    """A stage's user-facing message; shown without a traceback."""
+
+
+class StageItem(pytest.Item):
+    def __init__(self, *, stage: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.stage = stage
+        self.add_marker("opprof")
+
+    def runtest(self) -> None:
+        session = self.config.stash[SESSION_KEY]
+        spec = self.parent.spec  # type: ignore[union-attr]
+        outcome = session.run(spec, self.stage)
+        self.config.stash[RESULTS_KEY].append((session.workload(spec).name, outcome))
+        if self.stage == "report":
+            summary = session.summaries.get(session.workload(spec).name)
+            if summary is not None:
+                from pytest_opprof.session import user_properties
+
+                self.user_properties.extend(user_properties(summary))
+        if outcome.status == "skipped":
+            pytest.skip(outcome.message)
+        if outcome.status in ("failed", "error"):
+            raise StageFailure(outcome.message)
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None
+                     ) -> str | Any:
+        if isinstance(excinfo.value, StageFailure):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self) -> tuple[Path, int | None, str]:
+        return self.path, None, f"{self.path.name}::{self.name}"
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    if SESSION_KEY not in config.stash or hasattr(config, "workerinput"):
+        return
+    from pytest_opprof.report import terminal_summary_lines
+    from pytest_opprof.session import session_device
+
+    session = config.stash[SESSION_KEY]
+    summaries = session.collect_summaries()
+    if not summaries:
+        return
+    path = session.write_session(summaries, session_device(summaries, session.options.out))
+    terminalreporter.section("opprof")
+    for line in terminal_summary_lines(summaries):
+        terminalreporter.write_line(line)
+    terminalreporter.write_line(f"session report: {path}")
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    if SESSION_KEY not in config.stash or not config.stash[SESSION_KEY].options.junit:
+        return
+    from pytest_opprof.report import StageResultRecord, write_stage_junit
+
+    records = [
+        StageResultRecord(workload=name, stage=ITEM_NAMES[o.stage], outcome=o.status,
+                          seconds=o.seconds, message=o.message)
+        for name, o in config.stash[RESULTS_KEY]
+    ]
+    write_stage_junit(config.stash[SESSION_KEY].options.junit, records)

@@ -1,0 +1,243 @@
+"""One run's state: the workloads found, their stage outcomes, and the session-level outputs.
+
+Shared by the pytest plugin (kept in ``config.stash``) and the ``opprof`` command, so both run
+the same code. Pure Python: torch is imported only by the child processes.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pytest_opprof import STAGES
+from pytest_opprof.errors import ArtifactError, GateFailed
+from pytest_opprof.measure import gate_verdict
+from pytest_opprof.options import OpprofOptions
+from pytest_opprof.pipeline import StageOutcome, WorkloadRun, run_stage
+from pytest_opprof.schema import (
+    BackendSelection,
+    Optimizations,
+    Profile,
+    SessionSummary,
+    Speedup,
+    ValidationReport,
+    WorkloadSummary,
+    read_artifact,
+    write_artifact,
+    write_text_atomic,
+)
+from pytest_opprof.workload import WorkloadSpec
+
+SUMMARY_FILE = "workload_summary.json"
+
+
+@dataclass
+class OpprofSession:
+    options: OpprofOptions
+    runs: dict[Path, WorkloadRun] = field(default_factory=dict)
+    summaries: dict[str, WorkloadSummary] = field(default_factory=dict)
+    started: float = field(default_factory=time.time)
+
+    def workload(self, spec: WorkloadSpec) -> WorkloadRun:
+        key = spec.path.resolve()
+        if key not in self.runs:
+            taken = {r.name for r in self.runs.values()}
+            name = spec.stem if spec.stem not in taken else f"{spec.path.parent.name}_{spec.stem}"
+            self.runs[key] = WorkloadRun(spec=spec, options=self.options, name=name)
+        return self.runs[key]
+
+    def run(self, spec: WorkloadSpec, stage: str) -> StageOutcome:
+        """Run ``stage`` after any earlier stage not yet run in this session (deselected
+        items still get their stage computed or read from disk)."""
+        wr = self.workload(spec)
+        for earlier in STAGES[: STAGES.index(stage)]:
+            if earlier not in wr.outcomes and earlier != "report":
+                run_stage(wr, earlier)
+        if stage == "report":
+            return self.report(wr)
+        return wr.outcomes.get(stage) or run_stage(wr, stage)
+
+    # --------------------------------------------------------------------------- report
+
+    def report(self, wr: WorkloadRun) -> StageOutcome:
+        """Stage 5: the report and the gate's verdict (raised as ``GateFailed``)."""
+        start = time.perf_counter()
+        summary = self.summarize(wr)
+        try:
+            self.write_report(wr, summary)
+        except OSError as exc:
+            outcome = StageOutcome("report", "error", f"cannot write the report: {exc}")
+            wr.outcomes["report"] = outcome
+            return outcome
+        blocked = next((s for s in STAGES[:-1] if wr.outcomes.get(s) and
+                        wr.outcomes[s].status != "passed"), None)
+        if blocked:
+            outcome = StageOutcome("report", "skipped", f"blocked by {blocked}")
+        elif summary.status == "failed":
+            outcome = StageOutcome("report", "failed", summary.message)
+        else:
+            outcome = StageOutcome("report", "passed", summary.message)
+        outcome.seconds = time.perf_counter() - start
+        wr.outcomes["report"] = outcome
+        return outcome
+
+    def gate_baseline(self, wr: WorkloadRun, optimized: Profile) -> str:
+        choice = wr.setting("baseline")
+        if choice != "best":
+            return str(choice)
+        v = optimized.timing.variants
+        return "eager" if v["eager"].median_ms < v["compile"].median_ms else "compile"
+
+    def summarize(self, wr: WorkloadRun) -> WorkloadSummary:
+        out = wr.out_dir
+        status, message, stage_reached = "passed", "", "capture"
+        for s in STAGES[:-1]:
+            o = wr.outcomes.get(s)
+            if o is None:
+                continue
+            stage_reached = s
+            if o.status != "passed":
+                status = "error" if o.status == "error" else (
+                    "skipped" if o.status == "skipped" else "failed")
+                message = f"{s}: {o.message}"
+                break
+        summary = WorkloadSummary(name=wr.name, path=_display(wr.spec.path), status=status,
+                                  stage=stage_reached, message=message,
+                                  report=_display(out / "report.md"))
+        optimized = _maybe(out / "profile_optimized.json", Profile)
+        selection = _maybe(wr.profiler_output / "backend_selection.json", BackendSelection)
+        if selection is not None:
+            summary.passes = list(selection.plan.proposals)
+            summary.dtype = selection.plan.dtype or None
+        if status != "passed" or optimized is None:
+            return summary
+        t = optimized.timing
+        baseline = self.gate_baseline(wr, optimized)
+        ratio = _find(t.speedups, baseline, "optimized")
+        summary.baseline = baseline
+        summary.baseline_ms = t.variants[baseline].median_ms
+        summary.optimized_ms = t.variants["optimized"].median_ms
+        summary.eager_ms = t.variants["eager"].median_ms
+        summary.compile_ms = t.variants["compile"].median_ms
+        vs_eager = _find(t.speedups, "eager", "optimized")
+        vs_compile = _find(t.speedups, "compile", "optimized")
+        summary.speedup_vs_eager = vs_eager.ratio if vs_eager else None
+        summary.speedup_vs_compile = vs_compile.ratio if vs_compile else None
+        if ratio is None:
+            summary.status, summary.message = "error", "no interleaved speedup was measured"
+            return summary
+        summary.speedup, summary.ci_low, summary.ci_high = ratio.ratio, ratio.ci_low, ratio.ci_high
+        min_speedup = float(wr.setting("min_speedup"))
+        ok, why = gate_verdict(ratio, min_speedup, strict=self.options.strict_gate)
+        on_cpu = optimized.capture_metadata.device_type == "cpu"
+        if on_cpu and not self.options.gate_on_cpu:
+            summary.message = f"{why} (CPU fallback: gate not enforced; --opprof-gate-on-cpu)"
+        elif not ok:
+            summary.status = "failed"
+            summary.message = f"{why}; see {summary.report}"
+        else:
+            summary.message = why
+        return summary
+
+    def write_report(self, wr: WorkloadRun, summary: WorkloadSummary) -> None:
+        from pytest_opprof.report import WorkloadArtifacts, render_workload_report
+
+        out = wr.out_dir
+        notes = wr.profiler_output / "implementation_notes.md"
+        artifacts = WorkloadArtifacts(
+            name=wr.name, path=_display(wr.spec.path), out_dir=out,
+            profile=_maybe(out / "profile.json", Profile),
+            optimizations=_maybe(out / "optimizations.json", Optimizations),
+            selection=_maybe(wr.profiler_output / "backend_selection.json", BackendSelection),
+            validation=_maybe(wr.profiler_output / "validation_report.json", ValidationReport),
+            optimized=_maybe(out / "profile_optimized.json", Profile),
+            summary=summary,
+            implementation_notes=notes.read_text(encoding="utf-8") if notes.exists() else None,
+            stage_errors={s: o.message for s, o in wr.outcomes.items() if o.status != "passed"},
+            min_speedup=float(wr.setting("min_speedup")),
+            gate_baseline=summary.baseline or str(wr.setting("baseline")),
+            strict_gate=self.options.strict_gate,
+        )
+        out.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(out / "report.md", render_workload_report(artifacts))
+        self.summaries[wr.name] = summary
+        write_artifact(out / SUMMARY_FILE, summary)
+
+    # -------------------------------------------------------------------------- session
+
+    def collect_summaries(self) -> list[WorkloadSummary]:
+        """This process's summaries plus those other workers wrote during this session."""
+        found = dict(self.summaries)
+        out = self.options.out
+        if out.is_dir():
+            for path in sorted(out.glob(f"*/{SUMMARY_FILE}")):
+                if path.stat().st_mtime + 1 < self.started:
+                    continue
+                try:
+                    s = read_artifact(path, WorkloadSummary)
+                except ArtifactError:
+                    continue
+                found.setdefault(s.name, s)
+        return [found[k] for k in sorted(found)]
+
+    def write_session(self, summaries: list[WorkloadSummary], device: str) -> Path:
+        from pytest_opprof.report import render_session_report
+
+        out = self.options.out
+        gate = all(s.status in ("passed", "skipped") for s in summaries)
+        write_artifact(out / "session.json",
+                       SessionSummary(device=device, workloads=summaries, gate_passed=gate))
+        path = out / "report.md"
+        write_text_atomic(path, render_session_report(summaries, device=device, out_dir=out))
+        return path
+
+
+def session_device(summaries: Iterable[WorkloadSummary], out: Path) -> str:
+    for s in summaries:
+        prof = _maybe(out / s.name / "profile.json", Profile)
+        if prof is not None:
+            return prof.capture_metadata.device_name
+    return "unknown"
+
+
+def _find(speedups: list[Speedup], baseline: str, candidate: str) -> Speedup | None:
+    return next((s for s in speedups if s.baseline == baseline and s.candidate == candidate),
+                None)
+
+
+def _maybe(path: Path, model: Any) -> Any:
+    try:
+        return read_artifact(path, model) if path.exists() else None
+    except ArtifactError:
+        return None
+
+
+def _display(path: Path) -> str:
+    try:
+        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def user_properties(summary: WorkloadSummary) -> list[tuple[str, object]]:
+    props: list[tuple[str, object]] = []
+    for key in ("speedup", "ci_low", "ci_high", "baseline", "baseline_ms", "optimized_ms",
+                "eager_ms", "compile_ms", "dtype"):
+        value = getattr(summary, key)
+        if value is not None and not (isinstance(value, float) and math.isnan(value)):
+            props.append((f"opprof_{key}", value))
+    props.append(("opprof_passes", ",".join(summary.passes)))
+    return props
+
+
+def gate_error(summary: WorkloadSummary) -> GateFailed:
+    return GateFailed(summary.message)
+
+
+def dump_json(value: Any) -> str:
+    return json.dumps(value, indent=2, default=str)

@@ -1,0 +1,91 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pytest_opprof.options import (
+    OPTIONS,
+    OpprofOptions,
+    parse_shard,
+    parse_workload_overrides,
+)
+
+
+def test_defaults_parse() -> None:
+    opts = OpprofOptions.from_values({s.field: s.default for s in OPTIONS})
+    assert opts.out == Path("opprof-results")
+    assert opts.baseline == "best" and opts.min_speedup == 1.0 and opts.ncu == "auto"
+    assert opts.stages_to_run()[-1] == "report"
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "expected"),
+    [
+        ("min_speedup", "1.5", 1.5),
+        ("baseline", "Compile", "compile"),
+        ("device", "cpu", "cpu"),
+        ("ncu", "off", "off"),
+        ("ncu_sudo", "true", "true"),
+        ("ncu_clock_control", "base", "base"),
+        ("min_confidence", "high", "high"),
+        ("max_opts", "3", 3),
+        ("max_opts", "all", None),
+        ("warmup_iters", "5", 5),
+        ("rounds", "3", 3),
+        ("from", "speedup", "report"),
+        ("stage", "propose", "propose"),
+        ("shard", "2/3", (2, 3)),
+        ("strict_gate", "true", True),
+    ],
+)
+def test_accepted_values(field: str, value: str, expected: object) -> None:
+    opts = OpprofOptions.from_values({field: value})
+    assert getattr(opts, "from_" if field == "from" else field) == expected
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "accepted"),
+    [
+        ("min_speedup", "fast", "not a number"),
+        ("min_speedup", "0", "> 0"),
+        ("min_speedup", "nan", "finite"),
+        ("baseline", "fastest", "eager, compile, best"),
+        ("device", "tpu", "auto, cuda, cpu"),
+        ("ncu", "maybe", "auto, on, off"),
+        ("ncu_sudo", "yes please", "auto, true, false"),
+        ("ncu_clock_control", "max", "none, base"),
+        ("min_confidence", "certain", "low, medium, high"),
+        ("max_opts", "-1", "≥ 1"),
+        ("max_opts", "many", "integer"),
+        ("warmup_iters", "0", "≥ 1"),
+        ("rounds", "2", "≥ 3"),
+        ("from", "compile", "capture, propose"),
+        ("stage", "x", "capture, propose"),
+        ("compile_backend", "tvm", "inductor"),
+        ("shard", "3/2", "K/N"),
+        ("timeout", "-5", "> 0"),
+        ("strict_gate", "perhaps", "boolean"),
+    ],
+)
+def test_rejected_values_name_the_accepted_form(field: str, value: str, accepted: str) -> None:
+    with pytest.raises(pytest.UsageError, match=accepted):
+        OpprofOptions.from_values({field: value})
+
+
+def test_shard_empty_is_none() -> None:
+    assert parse_shard("") is None
+
+
+def test_workload_overrides() -> None:
+    assert parse_workload_overrides({"min_speedup": 1.2, "skip": ["bn_fold"]}) == {
+        "min_speedup": 1.2, "skip": ["bn_fold"]}
+    with pytest.raises(pytest.UsageError, match="unknown key 'speed'.*min_speedup"):
+        parse_workload_overrides({"speed": 2})
+    with pytest.raises(pytest.UsageError, match="not a transformation type"):
+        parse_workload_overrides({"skip": ["magic"]})
+
+
+def test_child_round_trip() -> None:
+    opts = OpprofOptions.from_values({"out": "x", "junit": "j.xml", "shard": "1/2"})
+    assert OpprofOptions.from_child(opts.to_child()) == opts
