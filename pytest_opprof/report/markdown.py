@@ -1,0 +1,1154 @@
+"""``report.md`` of one workload and of the session (DESIGN §2.5).
+
+Each section is a function from the artifacts to Markdown lines; a section whose artifact is
+missing says which stage did not run and why, and the rest of the report still renders. Numbers
+are only ever copied or derived (ratios, per-iteration division, differences) from the artifacts,
+with the artifact named where the reader might want to check.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tabulate import tabulate
+
+from pytest_opprof import ITEM_NAMES, STAGES
+from pytest_opprof.report import plots as _plots
+from pytest_opprof.schema import (
+    VALIDATION_STEPS,
+    BackendPlan,
+    OperatorAggregate,
+    Profile,
+    Proposal,
+    Speedup,
+    Timeline,
+    WaterfallStep,
+    WorkloadSummary,
+    write_text_atomic,
+)
+
+if TYPE_CHECKING:
+    from pytest_opprof.report import WorkloadArtifacts
+
+COMMENT_MARKER = "<!-- pytest-opprof -->"
+"""Hidden first line of the pull-request comment; ci/post_comment.py finds the comment by it."""
+TOP_OPERATORS = 15
+BEFORE_AFTER_ROWS = 25
+DASH = "—"
+CPU_CAVEAT = "measured on the CPU; not a GPU figure; gate not enforced unless --opprof-gate-on-cpu"
+BASELINE_LABELS = {"eager": "eager", "compile": "torch.compile"}
+TIMELINE_LABELS = {"eager": ("eager",), "compile": ("compiled", "compile")}
+CANDIDATE_ORDER = ("optimized", "optimized_baseline_dtype")
+
+# ------------------------------------------------------------------------------ formatting
+
+
+def fmt_ms(value: float | None, *, unit: bool = True) -> str:
+    """Milliseconds with three decimals (three significant digits below 0.1 ms)."""
+    if value is None:
+        return DASH
+    text = f"{value:.3f}" if value == 0 or abs(value) >= 0.1 else f"{value:.3g}"
+    return f"{text} ms" if unit else text
+
+
+def fmt_us(value: float | None) -> str:
+    if value is None:
+        return DASH
+    return f"{value:,.1f} µs" if abs(value) >= 1 else f"{value:.2f} µs"
+
+
+def fmt_x(value: float | None) -> str:
+    return DASH if value is None else f"{value:.2f}×"
+
+
+def fmt_speedup(ratio: float | None, low: float | None = None, high: float | None = None) -> str:
+    """``1.23× (95% CI 1.20–1.26)``; the bare ratio when no interval was measured."""
+    if ratio is None:
+        return DASH
+    if low is None or high is None:
+        return fmt_x(ratio)
+    return f"{ratio:.2f}× (95% CI {low:.2f}–{high:.2f})"
+
+
+def fmt_pct(share: float | None) -> str:
+    return DASH if share is None else f"{share * 100:.1f}%"
+
+
+def fmt_count(value: float) -> str:
+    return f"{value:.0f}" if abs(value - round(value)) < 1e-9 else f"{value:.1f}"
+
+
+def fmt_dtype(dtype: str | None) -> str:
+    return DASH if not dtype else dtype.removeprefix("torch.")
+
+
+def code(text: str, limit: int = 0) -> str:
+    if limit and len(text) > limit:
+        text = text[: limit - 1] + "…"
+    return "`" + text.replace("`", "'") + "`"
+
+
+def one_line(text: str, limit: int = 400) -> str:
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 1] + "…"
+
+
+def _cell(value: object) -> str:
+    return str(value).replace("\n", " ").replace("|", "\\|")
+
+
+def table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> list[str]:
+    """A GitHub Markdown table; cells are escaped so a ``|`` in a name cannot break it."""
+    text = tabulate(
+        [[_cell(c) for c in row] for row in rows],
+        headers=[_cell(h) for h in headers],
+        tablefmt="github",
+        disable_numparse=True,
+    )
+    return [*text.splitlines(), ""]
+
+
+# ----------------------------------------------------------------------- artifact look-ups
+
+
+def _not_available(a: WorkloadArtifacts, stage: str) -> str:
+    reason = a.stage_errors.get(stage)
+    if reason is None:
+        for earlier in STAGES[: STAGES.index(stage)]:
+            if earlier in a.stage_errors:
+                reason = f"blocked by {earlier}: {a.stage_errors[earlier]}"
+                break
+    blocked = a.validation is not None and a.validation.overall == "BLOCKED"
+    if reason is None and stage == "recapture" and a.validation is not None and blocked:
+        reason = f"validation BLOCKED: {a.validation.message or 'see Validation'}"
+    if reason is None and a.summary.stage == stage and a.summary.message:
+        reason = a.summary.message
+    if reason is None:
+        reason = "its artifact was not found"
+    return f"_Not available (stage {stage} did not run: {one_line(reason)})._"
+
+
+def gate_baseline(a: WorkloadArtifacts) -> str | None:
+    """The baseline the gate compared against, resolved (eager or compile)."""
+    if a.summary.baseline:
+        return a.summary.baseline
+    if a.gate_baseline in ("eager", "compile"):
+        return a.gate_baseline
+    for prof in (a.optimized, a.profile):
+        variants = prof.timing.variants if prof else {}
+        if "eager" in variants and "compile" in variants:
+            faster = variants["compile"].median_ms < variants["eager"].median_ms
+            return "compile" if faster else "eager"
+    return None
+
+
+def baseline_timeline(profile: Profile, baseline: str | None) -> Timeline | None:
+    for label in TIMELINE_LABELS.get(baseline or "eager", ()):
+        found = profile.timeline(label)
+        if found is not None:
+            return found
+    return profile.primary if (baseline or "eager") == "eager" and profile.timelines else None
+
+
+def _find_speedup(profile: Profile | None, baseline: str, candidate: str) -> Speedup | None:
+    if profile is None:
+        return None
+    return next(
+        (s for s in profile.timing.speedups if (s.baseline, s.candidate) == (baseline, candidate)),
+        None,
+    )
+
+
+def gate_figures(
+    a: WorkloadArtifacts,
+) -> tuple[float | None, float | None, float | None, float | None, float | None]:
+    """(speedup, CI low, CI high, baseline ms, optimized ms) against the gate's baseline: the
+    session summary's figures, else the recapture's own interleaved measurement."""
+    s = a.summary
+    if s.speedup is not None:
+        return s.speedup, s.ci_low, s.ci_high, s.baseline_ms, s.optimized_ms
+    base = gate_baseline(a)
+    r = _find_speedup(a.optimized, base, "optimized") if base else None
+    if r is None or a.optimized is None:
+        return None, None, None, None, None
+    variants = a.optimized.timing.variants
+    b, o = variants.get(r.baseline), variants.get(r.candidate)
+    return (r.ratio, r.ci_low, r.ci_high, b.median_ms if b else None, o.median_ms if o else None)
+
+
+def per_iter_divisor(t: Timeline) -> float:
+    """What turns the timeline's aggregates into per-iteration figures.
+
+    ``aggregated[]`` may hold totals over the profiled iterations or per-iteration values; the
+    summary's device time per iteration tells which (their sum matches one or the other).
+    """
+    n = t.summary.iterations
+    per_iter = t.summary.device_time_per_iter_us
+    total = sum(op.gpu_time_us for op in t.aggregated)
+    total += sum(k.duration_us for k in t.unattributed_kernels)
+    if n <= 1 or per_iter <= 0 or total <= 0:
+        return 1.0
+    return float(n) if abs(total / n - per_iter) < abs(total - per_iter) else 1.0
+
+
+def _unattributed_us(t: Timeline) -> float:
+    return sum(k.duration_us for k in t.unattributed_kernels) / per_iter_divisor(t)
+
+
+def _has_counters(profile: Profile) -> bool:
+    for t in profile.timelines:
+        for op in t.operators:
+            for k in op.kernels:
+                if any(v is not None for v in k.metrics.values()):
+                    return True
+        if any(any(v is not None for v in agg.metrics.values()) for agg in t.aggregated):
+            return True
+    return False
+
+
+def _dtype_change(a: WorkloadArtifacts) -> tuple[str | None, str | None]:
+    before = a.profile.capture_metadata.dtype if a.profile else None
+    after: str | None = None
+    if a.selection is not None and a.selection.plan.dtype:
+        after = a.selection.plan.dtype
+    elif a.optimized is not None:
+        after = a.optimized.capture_metadata.dtype
+    if before and after and fmt_dtype(before) == fmt_dtype(after):
+        after = None
+    return before, after
+
+
+def _step_for(p: Proposal, steps: Sequence[WaterfallStep]) -> int | None:
+    for key in (p.id, p.type):
+        for i, step in enumerate(steps):
+            if step.step == key:
+                return i
+    return None
+
+
+def proposal_status(a: WorkloadArtifacts, p: Proposal) -> str:
+    """APPLIED / NOT_APPLIED / FAILED from validation, or why selection left it out."""
+    if a.selection is not None:
+        for d in a.selection.dropped:
+            if d.id == p.id:
+                return f"dropped: {one_line(d.reason, 200)}"
+    in_plan = a.selection is not None and p.id in a.selection.plan.proposals
+    if a.validation is not None:
+        for ps in a.validation.passes:
+            if ps.name in (p.id, p.type):
+                return ps.status + (f" ({one_line(ps.detail, 160)})" if ps.detail else "")
+        if in_plan:
+            return "in the chosen plan (non-graph change, no pass record)"
+    if a.selection is None:
+        return "unknown (stage backend did not run)"
+    if in_plan:
+        return "in the chosen plan (not validated)"
+    return f"not in the chosen variant ({a.selection.chosen})"
+
+
+def _is_applied(status: str) -> bool:
+    return status.startswith(("APPLIED", "in the chosen plan"))
+
+
+def _figure(
+    a: WorkloadArtifacts, plots: bool, filename: str, alt: str, draw: Callable[[Path], object]
+) -> list[str]:
+    """Draw one PNG beside the report and link it; a missing extra is a note, not an error."""
+    if not plots:
+        return []
+    if not _plots.have_matplotlib():
+        return [f"_{_plots.PLOTS_MISSING}._", ""]
+    target = a.out_dir / "profiler_output" / filename
+    try:
+        draw(target)
+    except (OSError, ValueError, RuntimeError) as exc:
+        return [f"_Plot {filename} not drawn: {type(exc).__name__}: {one_line(str(exc))}._", ""]
+    return [f"![{alt}](profiler_output/{filename})", ""]
+
+
+# --------------------------------------------------------------------------------- sections
+
+
+def _title(a: WorkloadArtifacts) -> list[str]:
+    s = a.summary
+    base = gate_baseline(a)
+    label = BASELINE_LABELS.get(base or "", base or "the baseline")
+    ratio = gate_figures(a)[0]
+    if ratio is not None:
+        word = "faster than" if ratio >= 1 else "against"
+        title = f"# {a.name}: {fmt_x(ratio)} {word} {label}"
+    else:
+        title = f"# {a.name}: no speedup measured"
+    lines = [title, "", f"Workload {code(a.path)} · status **{s.status}** (last stage: {s.stage})"]
+    if s.message and s.status != "passed":
+        lines += ["", f"> {one_line(s.message, 1000)}"]
+    return [*lines, ""]
+
+
+def _gate_line(a: WorkloadArtifacts) -> str:
+    base = gate_baseline(a)
+    against = f"`{a.gate_baseline}`"
+    if a.gate_baseline == "best" and base:
+        against += f" (the faster baseline: {BASELINE_LABELS.get(base, base)})"
+    if a.strict_gate:
+        rule = f"passes only when the 95% CI lies wholly above {a.min_speedup:.2f}×"
+    else:
+        rule = f"fails only when the 95% CI lies wholly below {a.min_speedup:.2f}×"
+    line = f"Gate: at least {a.min_speedup:.2f}× against {against}; {rule}."
+    cpu = a.profile is not None and a.profile.capture_metadata.cpu_fallback
+    if cpu and not a.gate_on_cpu:
+        line += " Not enforced here: " + CPU_CAVEAT + "."
+    return line
+
+
+def section_headline(a: WorkloadArtifacts) -> list[str]:
+    lines = ["## Headline", ""]
+    s = a.summary
+    base = gate_baseline(a)
+    before, after = _dtype_change(a)
+    ratio, low, high, base_ms, opt_ms = gate_figures(a)
+    if ratio is not None:
+        label = BASELINE_LABELS.get(base or "", base or "baseline")
+        lines += [
+            f"**{fmt_speedup(ratio, low, high)}** against {label} "
+            f"({fmt_ms(base_ms)} → {fmt_ms(opt_ms)} per call).",
+            "",
+        ]
+    lines += [_gate_line(a), ""]
+    opt = a.optimized
+    if opt is None:
+        lines.append(_not_available(a, "recapture"))
+        if s.speedup_vs_eager is not None or s.speedup_vs_compile is not None:
+            lines += [
+                "",
+                f"From the session summary: {fmt_x(s.speedup_vs_eager)} against eager, "
+                f"{fmt_x(s.speedup_vs_compile)} against torch.compile.",
+            ]
+        return [*lines, ""]
+    variants = opt.timing.variants
+    order = [base, *(b for b in ("compile", "eager") if b != base)]
+    records = sorted(
+        opt.timing.speedups,
+        key=lambda r: (
+            order.index(r.baseline) if r.baseline in order else len(order),
+            CANDIDATE_ORDER.index(r.candidate) if r.candidate in CANDIDATE_ORDER else 9,
+            r.baseline,
+            r.candidate,
+        ),
+    )
+    rows = []
+    for r in records:
+        who = BASELINE_LABELS.get(r.baseline, r.baseline) + (
+            " (gate)" if r.baseline == base else ""
+        )
+        if r.candidate == "optimized_baseline_dtype":
+            what = f"optimized at {fmt_dtype(before)} (graph changes only)"
+        elif r.candidate == "optimized" and after:
+            what = f"optimized, {fmt_dtype(before)} → {fmt_dtype(after)}"
+        else:
+            what = r.candidate
+        b, c = variants.get(r.baseline), variants.get(r.candidate)
+        rows.append(
+            [
+                who,
+                what,
+                fmt_ms(b.median_ms if b else None),
+                fmt_ms(c.median_ms if c else None),
+                fmt_speedup(r.ratio, r.ci_low, r.ci_high),
+            ]
+        )
+    if rows:
+        lines += table(
+            ["against", "candidate", "baseline", "candidate latency", "speedup (95% CI)"], rows
+        )
+        lines.append(
+            "Median latency per call from `profile_optimized.json` (`timing`), baseline and "
+            "candidate timed interleaved in one process; the CI is a paired bootstrap."
+        )
+        lines.append("")
+    else:
+        lines += ["_No interleaved speedup was recorded in `profile_optimized.json`._", ""]
+    lines += _dtype_lines(a, base, before, after)
+    return lines
+
+
+def _dtype_lines(
+    a: WorkloadArtifacts, base: str | None, before: str | None, after: str | None
+) -> list[str]:
+    if not after:
+        return [
+            f"Precision: the backend keeps the baseline dtype ({fmt_dtype(before)}); every "
+            "figure above is at the baseline dtype.",
+            "",
+        ]
+    lines = [
+        f"Precision is reported apart from graph changes ({fmt_dtype(before)} → "
+        f"{fmt_dtype(after)}):",
+        "",
+    ]
+    for b in (base, *(x for x in ("compile", "eager") if x != base)):
+        if b is None:
+            continue
+        label = BASELINE_LABELS.get(b, b)
+        with_dtype = _find_speedup(a.optimized, b, "optimized")
+        without = _find_speedup(a.optimized, b, "optimized_baseline_dtype")
+        if with_dtype is None and without is None:
+            continue
+        lines.append(
+            f"- against {label}: with the dtype change "
+            f"{_sp(with_dtype)}; at the baseline dtype {_sp(without, 'not measured')}"
+        )
+    return [*lines, ""]
+
+
+def _sp(r: Speedup | None, missing: str = DASH) -> str:
+    return missing if r is None else fmt_speedup(r.ratio, r.ci_low, r.ci_high)
+
+
+def section_hardware(a: WorkloadArtifacts) -> list[str]:
+    lines = ["## Hardware context", ""]
+    prof = a.profile or a.optimized
+    if prof is None:
+        return [*lines, _not_available(a, "capture"), ""]
+    m = prof.capture_metadata
+    inputs = ", ".join(
+        f"{tuple(shape)} {fmt_dtype(dt)}"
+        for shape, dt in zip(m.input_shapes, m.input_dtypes, strict=False)
+    )
+    rows: list[list[object]] = [
+        ["device", f"{m.device_name} ({m.device_type})"],
+        ["SMs", m.sm_count if m.sm_count is not None else DASH],
+        ["compute capability", m.compute_capability or DASH],
+        ["driver", m.driver or DASH],
+        [
+            "torch / CUDA / Triton",
+            f"{m.torch_version} / {m.cuda_version or DASH} / {m.triton_version or DASH}",
+        ],
+        ["Python", m.python_version],
+        ["model dtype", fmt_dtype(m.dtype)],
+        ["inputs", inputs or DASH],
+        ["iterations", f"{m.warmup_iters} warmup, {m.rounds} rounds × {m.measure_iters} calls"],
+        ["compile mode", m.compile_mode],
+        ["timing clock", prof.timing.clock],
+        ["hardware counters", "collected" if _has_counters(prof) else "not collected"],
+        ["captured", m.timestamp],
+        ["environment fingerprint", code(m.environment_fingerprint)],
+    ]
+    if m.cpu_fallback:
+        rows.insert(1, ["CPU fallback", CPU_CAVEAT])
+    lines += table(["", "value"], rows)
+    if a.profile is None:
+        lines += ["_From `profile_optimized.json`: " + _not_available(a, "capture")[1:], ""]
+    elif a.optimized is not None:
+        o = a.optimized.capture_metadata
+        if (o.device_name, o.torch_version) != (m.device_name, m.torch_version):
+            lines += [
+                f"The recapture ran on {o.device_name} with torch {o.torch_version}: the "
+                "two profiles do not compare.",
+                "",
+            ]
+    return lines
+
+
+def _timeline_line(t: Timeline, artifact: str, index: int) -> str:
+    s = t.summary
+    idle = f", GPU idle {fmt_us(s.idle_time_per_iter_us)}" if s.idle_time_per_iter_us else ""
+    return (
+        f"{t.label} timeline (`{artifact}` → `timelines[{index}]`, compile mode {t.compile_mode}): "
+        f"{fmt_us(s.device_time_per_iter_us)} of device time per iteration over "
+        f"{s.iterations} profiled iterations, {fmt_count(s.kernels_per_iter)} kernels per "
+        f"iteration{idle}; {fmt_pct(s.attributed_share)} of kernel time attributed "
+        f"({fmt_pct(s.high_share)} at high confidence)."
+    )
+
+
+def section_operators(a: WorkloadArtifacts, plots: bool) -> list[str]:
+    lines = ["## Operator summary", ""]
+    if a.profile is None or not a.profile.timelines:
+        return [*lines, _not_available(a, "capture"), ""]
+    t = a.profile.primary
+    div = per_iter_divisor(t)
+    lines += [_timeline_line(t, "profile.json", 0), ""]
+    ranked = sorted(t.aggregated, key=lambda op: -op.gpu_time_us)
+    rows = [
+        [
+            i,
+            code(op.name),
+            fmt_count(op.calls / div),
+            fmt_us(op.gpu_time_us / div),
+            fmt_pct(op.share),
+            fmt_count(op.kernel_count / div),
+            op.bottleneck or DASH,
+            code(op.kernel_names[0], 60) if op.kernel_names else DASH,
+        ]
+        for i, op in enumerate(ranked[:TOP_OPERATORS], 1)
+    ]
+    rest = ranked[TOP_OPERATORS:]
+    if rest:
+        rows.append(
+            [
+                "",
+                f"… {len(rest)} more operators",
+                "",
+                fmt_us(sum(op.gpu_time_us for op in rest) / div),
+                fmt_pct(sum(op.share for op in rest)),
+                fmt_count(sum(op.kernel_count for op in rest) / div),
+                "",
+                "",
+            ]
+        )
+    if t.unattributed_kernels:
+        rows.append(
+            [
+                "",
+                "(unattributed kernels)",
+                "",
+                fmt_us(_unattributed_us(t)),
+                fmt_pct(1 - t.summary.attributed_share),
+                fmt_count(len(t.unattributed_kernels) / div),
+                "",
+                "",
+            ]
+        )
+    lines += table(
+        [
+            "#",
+            "operator",
+            "calls/iter",
+            "GPU time/iter",
+            "time %",
+            "kernels/iter",
+            "bottleneck",
+            "main kernel",
+        ],
+        rows,
+    )
+    compiled = a.profile.timeline("compiled")
+    if compiled is not None and compiled is not t:
+        lines += [_timeline_line(compiled, "profile.json", a.profile.timelines.index(compiled)), ""]
+    series = {"baseline": _plots.roofline_points(a.profile.timelines)}
+    if a.optimized is not None:
+        series["optimized"] = _plots.roofline_points(a.optimized.timelines[:1])
+    if not any(series.values()):
+        if plots:
+            lines += ["_No roofline: no kernel carries both FLOP and DRAM-byte counters._", ""]
+    else:
+        peak_flops, peak_bw = _plots.roofline_peaks(a.profile.counters)
+        lines += _figure(
+            a,
+            plots,
+            "roofline.png",
+            "roofline of the measured kernels",
+            lambda p: _plots.roofline(p, series, peak_flops, peak_bw),
+        )
+    return lines
+
+
+def section_optimizations(a: WorkloadArtifacts) -> list[str]:
+    lines = ["## Optimizations", ""]
+    opts = a.optimizations
+    if opts is None:
+        return [*lines, _not_available(a, "propose"), ""]
+    if not opts.proposals:
+        lines += ["No proposal: the rules found nothing to change in this profile.", ""]
+    else:
+        rows = [
+            [
+                p.id,
+                p.type,
+                p.ir_level,
+                ", ".join(code(t) for t in p.targets) or DASH,
+                p.confidence,
+                f"{fmt_us(p.impact.estimated_saving_us)}, {fmt_x(p.impact.estimated_speedup)}",
+                proposal_status(a, p),
+            ]
+            for p in opts.proposals
+        ]
+        lines += table(
+            ["id", "type", "IR level", "targets", "confidence", "estimated", "status"], rows
+        )
+    for p in opts.proposals:
+        lines += [f"### {p.id} · {p.type}", ""]
+        lines.append(f"- **Status:** {proposal_status(a, p)}")
+        lines.append(f"- **Confidence:** {p.confidence} (source: {p.source})")
+        lines.append(
+            f"- **Estimated impact:** {fmt_us(p.impact.estimated_saving_us)} per iteration, "
+            f"{fmt_x(p.impact.estimated_speedup)} — {one_line(p.impact.basis)}"
+        )
+        if p.depends_on:
+            lines.append(f"- **Depends on:** {', '.join(p.depends_on)}")
+        if p.evidence:
+            lines.append("- **Evidence:**")
+            for e in p.evidence:
+                value = f"{e.value:g}" if isinstance(e.value, float) else str(e.value)
+                unit = f" {e.unit}" if e.unit else ""
+                lines.append(
+                    f"  - {code(e.metric)} = {code(value + unit, 90)} ({code(e.source, 120)})"
+                )
+        if p.fx_steps:
+            lines.append("- **Steps:**")
+            lines += [f"  {i}. {one_line(step)}" for i, step in enumerate(p.fx_steps, 1)]
+        if p.rationale:
+            lines.append(f"- **Rationale:** {one_line(p.rationale, 1000)}")
+        lines.append("")
+    if opts.global_notes:
+        lines += ["Notes from the propose stage:", ""]
+        lines += [f"- {one_line(n, 1000)}" for n in opts.global_notes]
+        lines.append("")
+    return lines
+
+
+def _plan_text(plan: BackendPlan) -> str:
+    parts = []
+    if plan.dtype:
+        parts.append(f"dtype {fmt_dtype(plan.dtype)}")
+    if plan.channels_last:
+        parts.append("channels_last")
+    if plan.pad_batch_to:
+        parts.append(f"batch padded to {plan.pad_batch_to}")
+    if plan.functional:
+        parts.append("functional passes " + ", ".join(plan.functional))
+    if plan.aten:
+        parts.append("aten passes " + ", ".join(plan.aten))
+    if plan.config_patches:
+        parts.append(
+            "Inductor config "
+            + ", ".join(f"{k}={v}" for k, v in sorted(plan.config_patches.items()))
+        )
+    return "; ".join(parts) or "no change (the reference itself)"
+
+
+def _demote(markdown: str) -> list[str]:
+    """Nest the notes' own headings under this section's (``#`` → ``###``), outside code."""
+    out, fenced = [], False
+    for line in markdown.strip("\n").splitlines():
+        if line.lstrip().startswith(("```", "~~~")):
+            fenced = not fenced
+        out.append("##" + line if not fenced and line.startswith("#") else line)
+    return out
+
+
+def section_implementation(a: WorkloadArtifacts) -> list[str]:
+    lines = ["## Implementation notes", ""]
+    sel = a.selection
+    if sel is None:
+        lines += [_not_available(a, "backend"), ""]
+    else:
+        lines += [
+            f"Chosen variant {code(sel.chosen)}: {_plan_text(sel.plan)}. Reference "
+            f"{BASELINE_LABELS.get(sel.reference, sel.reference)} at {fmt_ms(sel.reference_ms)} "
+            "(brief timing during selection, `backend_selection.json`).",
+            "",
+        ]
+        if sel.variants:
+            rows = [
+                [
+                    code(v.name),
+                    _plan_text(v.plan),
+                    fmt_ms(v.latency.median_ms) if v.latency else DASH,
+                    fmt_x(v.speedup),
+                    DASH if v.numerics is None else ("ok" if v.numerics.ok else "out of tolerance"),
+                    one_line(v.error, 160) if v.error else "",
+                ]
+                for v in sel.variants
+            ]
+            lines += table(
+                ["variant", "plan", "latency", "vs reference", "numerics", "error"], rows
+            )
+        if sel.dropped:
+            lines += ["Dropped by measurement (never ship slower):", ""]
+            lines += [f"- {d.id} ({d.type}): {one_line(d.reason, 400)}" for d in sel.dropped]
+            lines.append("")
+    if a.implementation_notes:
+        lines += ["From `profiler_output/implementation_notes.md`:", ""]
+        lines += [*_demote(a.implementation_notes), ""]
+    elif sel is not None:
+        lines += ["_`profiler_output/implementation_notes.md` was not written._", ""]
+    return lines
+
+
+def section_validation(a: WorkloadArtifacts) -> list[str]:
+    lines = ["## Validation", ""]
+    v = a.validation
+    if v is None:
+        return [*lines, _not_available(a, "validate"), ""]
+    lines += [
+        f"**{v.overall}**"
+        + (f" — {one_line(v.message, 600)}" if v.message else "")
+        + f" (backend {code(v.backend)}, file {code(v.file)})",
+        "",
+    ]
+    names = [s for s in VALIDATION_STEPS if s in v.steps] + [
+        s for s in v.steps if s not in VALIDATION_STEPS
+    ]
+    lines += table(
+        ["#", "step", "status", "detail"],
+        [
+            [i, n, v.steps[n].status, one_line(v.steps[n].detail, 200)]
+            for i, n in enumerate(names, 1)
+        ],
+    )
+    if v.passes:
+        lines += table(
+            ["pass", "status", "matches", "detail"],
+            [[p.name, p.status, p.matches, one_line(p.detail, 200)] for p in v.passes],
+        )
+    if v.numerics is not None:
+        n = v.numerics
+        lines += [
+            f"Numerics ({fmt_dtype(n.dtype)}): max abs error {n.max_abs_err:.3g}, "
+            f"relative error {n.rel_err:.3g} (rtol {n.rtol:g}, atol {n.atol:g}) — "
+            f"{'within' if n.ok else 'OUT OF'} tolerance.",
+            "",
+        ]
+    if v.checks:
+        lines += table(
+            ["check", "status", "detail"],
+            [[k, c.status, one_line(c.detail, 200)] for k, c in v.checks.items()],
+        )
+    return lines
+
+
+def _by_name(t: Timeline) -> dict[str, OperatorAggregate]:
+    return {op.name: op for op in t.aggregated}
+
+
+def section_before_after(a: WorkloadArtifacts, plots: bool) -> list[str]:
+    lines = ["## Before and after, per operator", ""]
+    base = gate_baseline(a)
+    before = baseline_timeline(a.profile, base) if a.profile else None
+    if before is None:
+        return [*lines, _not_available(a, "capture"), ""]
+    if a.optimized is None or not a.optimized.timelines:
+        return [*lines, _not_available(a, "recapture"), ""]
+    after = a.optimized.primary
+    db, da = per_iter_divisor(before), per_iter_divisor(after)
+    b_ops, a_ops = _by_name(before), _by_name(after)
+    names = sorted(b_ops, key=lambda n: -b_ops[n].gpu_time_us)
+    names += sorted((n for n in a_ops if n not in b_ops), key=lambda n: -a_ops[n].gpu_time_us)
+    rows = []
+    chart: list[tuple[str, float, float]] = []
+    for name in names:
+        b, o = b_ops.get(name), a_ops.get(name)
+        bt = b.gpu_time_us / db if b else 0.0
+        at = o.gpu_time_us / da if o else 0.0
+        if b is None:
+            change = "new overhead"
+        elif o is None:
+            change = "removed"
+        else:
+            change = f"{(at - bt) / bt * 100:+.1f}%" if bt else DASH
+        rows.append(
+            [
+                code(name),
+                fmt_us(bt) if b else DASH,
+                fmt_count(b.kernel_count / db) if b else DASH,
+                fmt_us(at) if o else DASH,
+                fmt_count(o.kernel_count / da) if o else DASH,
+                change,
+            ]
+        )
+        chart.append((name, bt, at))
+    if len(rows) > BEFORE_AFTER_ROWS:
+        # keep every "new overhead" row: those are what a reader must not miss
+        keep = [r for i, r in enumerate(rows) if i < BEFORE_AFTER_ROWS or r[-1] == "new overhead"]
+        rows = [*keep, ["", f"… {len(rows) - len(keep)} smaller operators", "", "", "", ""]]
+    ub, ua = _unattributed_us(before), _unattributed_us(after)
+    if ub or ua:
+        rows.append(
+            [
+                "(unattributed kernels)",
+                fmt_us(ub),
+                fmt_count(len(before.unattributed_kernels) / db),
+                fmt_us(ua),
+                fmt_count(len(after.unattributed_kernels) / da),
+                "",
+            ]
+        )
+    sb, sa = before.summary, after.summary
+    total_change = (
+        f"{(sa.device_time_per_iter_us - sb.device_time_per_iter_us) / sb.device_time_per_iter_us * 100:+.1f}%"  # noqa: E501
+        if sb.device_time_per_iter_us
+        else DASH
+    )
+    rows.append(
+        [
+            "**device time per iteration**",
+            fmt_us(sb.device_time_per_iter_us),
+            fmt_count(sb.kernels_per_iter),
+            fmt_us(sa.device_time_per_iter_us),
+            fmt_count(sa.kernels_per_iter),
+            total_change,
+        ]
+    )
+    lines += [
+        f"Before: the {before.label} timeline of `profile.json` (the gate's baseline); after: "
+        f"the {after.label} timeline of `profile_optimized.json`. GPU time and kernels per "
+        'iteration. "new overhead" marks operators only the optimized backend runs.',
+        "",
+    ]
+    lines += table(
+        ["operator", "before", "kernels before", "after", "kernels after", "change"], rows
+    )
+    lines += _figure(
+        a,
+        plots,
+        "operators_before_after.png",
+        "GPU time per operator, before and after",
+        lambda p: _plots.operator_bars(p, chart, before.label, after.label),
+    )
+    return lines
+
+
+def section_waterfall(a: WorkloadArtifacts, plots: bool) -> list[str]:
+    lines = ["## What drove the speedup (per-pass waterfall)", ""]
+    sel = a.selection
+    if sel is None:
+        return [*lines, _not_available(a, "backend"), ""]
+    if not sel.waterfall:
+        return [
+            *lines,
+            "_No waterfall: the chosen variant applies no pass (it is the "
+            f"reference {sel.reference} itself)._",
+            "",
+        ]
+    ref = BASELINE_LABELS.get(sel.reference, sel.reference)
+    rows = [[f"{ref} (reference)", fmt_ms(sel.reference_ms), fmt_x(1.0), DASH]]
+    rows += [
+        [s.step, fmt_ms(s.latency_ms), fmt_x(s.speedup_cumulative), fmt_x(s.speedup_added)]
+        for s in sel.waterfall
+    ]
+    lines += table(["step", "latency", "cumulative speedup", "added by this step"], rows)
+    lines += [
+        "Each step adds one pass to the previous one, timed briefly during variant "
+        "selection (`backend_selection.json`); the headline comes from the recapture and "
+        "can differ.",
+        "",
+    ]
+    steps = [(f"{ref}", sel.reference_ms), *((s.step, s.latency_ms) for s in sel.waterfall)]
+    lines += _figure(
+        a, plots, "waterfall.png", "per-pass waterfall", lambda p: _plots.waterfall(p, steps)
+    )
+    return lines
+
+
+def section_estimated_vs_measured(a: WorkloadArtifacts) -> list[str]:
+    lines = ["## Estimated vs measured impact", ""]
+    if a.optimizations is None:
+        return [*lines, _not_available(a, "propose"), ""]
+    if a.selection is None:
+        return [*lines, _not_available(a, "backend"), ""]
+    if not a.optimizations.proposals:
+        return [*lines, "No proposal, so nothing to compare.", ""]
+    steps = a.selection.waterfall
+    rows = []
+    for p in a.optimizations.proposals:
+        est_us = p.impact.estimated_saving_us
+        i = _step_for(p, steps)
+        if i is None:
+            status = proposal_status(a, p)
+            rows.append(
+                [
+                    p.id,
+                    p.type,
+                    fmt_us(est_us),
+                    fmt_x(p.impact.estimated_speedup),
+                    f"not measured ({status})",
+                    DASH,
+                    DASH,
+                ]
+            )
+            continue
+        prev_ms = steps[i - 1].latency_ms if i else a.selection.reference_ms
+        saved_us = (prev_ms - steps[i].latency_ms) * 1000
+        ratio = f"{saved_us / est_us:.2f}" if est_us > 0 else DASH
+        rows.append(
+            [
+                p.id,
+                p.type,
+                fmt_us(est_us),
+                fmt_x(p.impact.estimated_speedup),
+                fmt_us(saved_us),
+                fmt_x(steps[i].speedup_added),
+                ratio,
+            ]
+        )
+    lines += table(
+        [
+            "proposal",
+            "type",
+            "estimated saving",
+            "estimated speedup",
+            "measured saving",
+            "measured speedup (added)",
+            "measured / estimated",
+        ],
+        rows,
+    )
+    lines += [
+        "Estimated: `optimizations.json` (`impact`, from the roofline model). Measured: "
+        "the proposal's step of the waterfall (latency before the step minus after it). "
+        "A ratio well below 1 means the model was optimistic.",
+        "",
+    ]
+    return lines
+
+
+def section_remaining(a: WorkloadArtifacts) -> list[str]:
+    lines = ["## Remaining opportunities", ""]
+    found = False
+    if a.optimizations is not None:
+        for p in a.optimizations.proposals:
+            status = proposal_status(a, p)
+            if not _is_applied(status):
+                found = True
+                lines.append(
+                    f"- {p.id} {p.type} on {', '.join(code(t) for t in p.targets)}: "
+                    f"{status}; estimated {fmt_us(p.impact.estimated_saving_us)}, "
+                    f"{fmt_x(p.impact.estimated_speedup)}."
+                )
+    else:
+        lines.append(f"- Proposals: {_not_available(a, 'propose')}")
+    prof, artifact = (a.optimized, "optimized") if a.optimized else (a.profile, "baseline")
+    if prof is not None and prof.timelines:
+        t = prof.primary
+        div = per_iter_divisor(t)
+        dominant = [
+            op for op in sorted(t.aggregated, key=lambda op: -op.share)[:3] if op.share >= 0.1
+        ]
+        for op in dominant:
+            found = True
+            lines.append(
+                f"- {code(op.name)} still takes {fmt_pct(op.share)} of the {artifact} "
+                f"timeline ({fmt_us(op.gpu_time_us / div)} per iteration, "
+                f"{fmt_count(op.kernel_count / div)} kernels), bottleneck "
+                f"{op.bottleneck or 'not classified'}."
+            )
+        if t.summary.idle_time_per_iter_us and t.summary.device_time_per_iter_us:
+            idle = (
+                t.summary.idle_time_per_iter_us / t.summary.wall_time_per_iter_us
+                if t.summary.wall_time_per_iter_us
+                else None
+            )
+            if idle is not None and idle >= 0.2:
+                found = True
+                lines.append(
+                    f"- The GPU is idle {fmt_pct(idle)} of the {artifact} iteration "
+                    f"({fmt_us(t.summary.idle_time_per_iter_us)}): launch-bound."
+                )
+    if not found:
+        lines.append(
+            "None: every proposal was applied and no operator takes 10% or more of "
+            "the optimized timeline."
+        )
+    return [*lines, ""]
+
+
+def _session_out(out_dir: Path) -> str:
+    out = Path(out_dir).parent
+    try:
+        rel = os.path.relpath(out.resolve(), Path.cwd().resolve())
+    except ValueError:  # another drive on Windows
+        return str(out)
+    return str(out) if rel.startswith("..") else rel
+
+
+def section_reproduction(a: WorkloadArtifacts) -> list[str]:
+    out = _session_out(a.out_dir)
+    stem = Path(a.path).stem
+    extra, cli_extra = [], []
+    if a.min_speedup != 1.0:
+        extra.append(f"--opprof-min-speedup={a.min_speedup:g}")
+        cli_extra.append(f"--min-speedup={a.min_speedup:g}")
+    if a.gate_baseline != "best":
+        extra.append(f"--opprof-baseline={a.gate_baseline}")
+        cli_extra.append(f"--baseline={a.gate_baseline}")
+    if a.strict_gate:
+        extra.append("--opprof-strict-gate")
+        cli_extra.append("--strict-gate")
+    prof = a.profile or a.optimized
+    if prof is not None and prof.capture_metadata.cpu_fallback:
+        extra.append("--opprof-device=cpu")
+        cli_extra.append("--device=cpu")
+        if a.gate_on_cpu:
+            extra.append("--opprof-gate-on-cpu")
+            cli_extra.append("--gate-on-cpu")
+    q = shlex.quote
+    generated = f"{out}/{a.name}/{stem}_optimized.py"
+    return [
+        "## Reproduce",
+        "",
+        "From the folder pytest ran in:",
+        "",
+        "```bash",
+        " ".join(["pytest --opprof", q(a.path), f"--opprof-out={q(out)}", *extra]),
+        " ".join(["opprof optimize", q(a.path), f"--out={q(out)}", *cli_extra]),
+        f"opprof validate {q(generated)}",
+        "```",
+        "",
+    ]
+
+
+def section_caveats(a: WorkloadArtifacts) -> list[str]:
+    lines = ["## Caveats", ""]
+    for prof, artifact in ((a.profile, "profile.json"), (a.optimized, "profile_optimized.json")):
+        if prof is None or not prof.timelines:
+            continue
+        t = prof.primary
+        n = len(t.unattributed_kernels)
+        lines.append(
+            f"- Unattributed: {fmt_pct(1 - t.summary.attributed_share)} of the kernel time of "
+            f"the {t.label} timeline (`{artifact}`) is not tied to an operator "
+            f"({n} kernel record{'s' if n != 1 else ''}, {fmt_us(_unattributed_us(t))} per "
+            "iteration); it is listed, never dropped."
+        )
+    prof = a.profile or a.optimized
+    if prof is None:
+        lines.append(f"- Capture: {_not_available(a, 'capture')}")
+    else:
+        counters = prof.counters or {}
+        clock = counters.get("clock_control")
+        if _has_counters(prof):
+            lines.append(
+                "- Hardware counters come from Nsight Compute replaying one measured iteration "
+                f"(clock control: {clock or 'not recorded'}); replayed kernels run serialised, "
+                "so counter durations are not the latencies above."
+            )
+        else:
+            lines.append(
+                "- Hardware counters missing: Nsight Compute did not run or was not permitted; "
+                "bottleneck classes come from the fallbacks (kernel names, idle gaps)."
+            )
+        if prof.capture_metadata.cpu_fallback:
+            lines.append(f"- CPU fallback: {CPU_CAVEAT}.")
+        else:
+            lines.append(
+                f"- Clocks: latencies are timed with {prof.timing.clock} at the GPU's own "
+                "clocks (not locked); thermal state and other tenants move them, which the "
+                "interleaved rounds and the CI account for."
+            )
+    seen: set[tuple[str, str]] = set()
+    for source in (a.profile, a.optimizations, a.optimized):
+        for flag in getattr(source, "edge_case_flags", []) or []:
+            if (flag.name, flag.detail) not in seen:
+                seen.add((flag.name, flag.detail))
+                lines.append(f"- Edge case {code(flag.name)}: {one_line(flag.detail).rstrip('.')}.")
+    for prof, artifact in ((a.profile, "profile.json"), (a.optimized, "profile_optimized.json")):
+        for w in prof.warnings if prof else []:
+            lines.append(f"- Warning (`{artifact}`): {one_line(w)}")
+    for stage, msg in a.stage_errors.items():
+        lines.append(f"- Stage {stage}: {one_line(msg)}")
+    return [*lines, ""]
+
+
+def render_workload_report(a: WorkloadArtifacts, *, plots: bool = True) -> str:
+    """The whole ``report.md`` of one workload. With ``plots`` and matplotlib present, the PNGs
+    are written to ``a.out_dir / "profiler_output"`` and linked relatively."""
+    lines: list[str] = []
+    lines += _title(a)
+    lines += section_headline(a)
+    lines += section_hardware(a)
+    lines += section_operators(a, plots)
+    lines += section_optimizations(a)
+    lines += section_implementation(a)
+    lines += section_validation(a)
+    lines += section_before_after(a, plots)
+    lines += section_waterfall(a, plots)
+    lines += section_estimated_vs_measured(a)
+    lines += section_remaining(a)
+    lines += section_reproduction(a)
+    lines += section_caveats(a)
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def write_workload_report(a: WorkloadArtifacts, *, plots: bool = True) -> Path:
+    """Render and write ``a.out_dir / "report.md"`` atomically; returns its path."""
+    path = Path(a.out_dir) / "report.md"
+    write_text_atomic(path, render_workload_report(a, plots=plots))
+    return path
+
+
+# ---------------------------------------------------------------------------------- session
+
+
+def summary_row(s: WorkloadSummary) -> list[str]:
+    return [
+        s.name,
+        s.status,
+        BASELINE_LABELS.get(s.baseline or "", s.baseline or DASH),
+        fmt_ms(s.baseline_ms, unit=False),
+        fmt_ms(s.optimized_ms, unit=False),
+        fmt_speedup(s.speedup, s.ci_low, s.ci_high),
+        fmt_dtype(s.dtype),
+        ", ".join(s.passes) or DASH,
+    ]
+
+
+def _report_link(s: WorkloadSummary, out_dir: Path) -> str | None:
+    if s.report:
+        target = Path(s.report)
+        if target.is_absolute():
+            try:
+                return Path(os.path.relpath(target, Path(out_dir).resolve())).as_posix()
+            except ValueError:
+                return target.as_posix()
+        return target.as_posix()
+    default = Path(out_dir) / s.name / "report.md"
+    return f"{s.name}/report.md" if default.is_file() else None
+
+
+def render_session_report(items: Sequence[WorkloadSummary], *, device: str, out_dir: Path) -> str:
+    """The session's ``report.md``: one table of every workload, then links to their reports."""
+    counts = {
+        k: sum(1 for s in items if s.status == k) for k in ("passed", "failed", "error", "skipped")
+    }
+    tally = ", ".join(f"{n} {k}" for k, n in counts.items() if n) or "no workload"
+    lines = [
+        "# pytest-opprof session report",
+        "",
+        f"Device: {device} · {len(items)} workload{'s' if len(items) != 1 else ''}: {tally}",
+        "",
+    ]
+    if items:
+        lines += table(
+            [
+                "workload",
+                "status",
+                "baseline",
+                "baseline (ms)",
+                "optimized (ms)",
+                "speedup (95% CI)",
+                "dtype",
+                "passes",
+            ],
+            [summary_row(s) for s in items],
+        )
+    problems = [s for s in items if s.status in ("failed", "error") and s.message]
+    if problems:
+        lines += ["## Problems", ""]
+        lines += [
+            f"- **{_cell(s.name)}** ({s.status} at {ITEM_NAMES.get(s.stage, s.stage)}): "
+            f"{one_line(s.message)}"
+            for s in problems
+        ]
+        lines.append("")
+    lines += ["## Reports", ""]
+    links = 0
+    for s in items:
+        link = _report_link(s, out_dir)
+        if link:
+            links += 1
+            label = s.name.replace("[", "\\[").replace("]", "\\]")
+            lines.append(f"- [{label}]({link.replace(' ', '%20')})")
+    if not links:
+        lines.append("_No workload report was written._")
+    return "\n".join(lines).rstrip("\n") + "\n"
+
+
+def render_comment_body(session_md: str) -> str:
+    """The pull-request comment: the session report behind the hidden marker."""
+    return f"{COMMENT_MARKER}\n{session_md}"

@@ -1,0 +1,220 @@
+"""PNG plots beside ``report.md``: per-operator before/after bars, the per-pass waterfall, and a
+roofline of the kernels that carry counters.
+
+matplotlib is the optional ``plots`` extra. It is imported inside each drawing function, and
+only its object-oriented API is used (``Figure`` + Agg canvas): no pyplot, so no global state,
+no GUI backend and nothing left open between calls.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pytest_opprof.schema import KernelRecord, Timeline
+
+PLOTS_MISSING = "plots need `pip install pytest-opprof[plots]`"
+MAX_BARS = 12
+
+FLOP_KEYS: tuple[str, ...] = ("flops", "flop_count", "executed_flops")
+"""Kernel metric names read as floating-point operations of one launch (base unit: FLOP)."""
+BYTE_KEYS: tuple[str, ...] = ("dram_bytes",)
+BYTE_PAIRS: tuple[tuple[str, str], ...] = (
+    ("dram_bytes_read", "dram_bytes_write"),
+    ("dram_bytes_read", "dram_bytes_written"),
+)
+"""DRAM traffic of one launch, in bytes: one total key, or read + written."""
+PEAK_FLOPS_KEYS: tuple[str, ...] = ("peak_flops_per_s", "peak_flops")
+PEAK_BW_KEYS: tuple[str, ...] = ("peak_dram_bytes_per_s", "peak_bandwidth_bytes_per_s")
+
+
+def have_matplotlib() -> bool:
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+@dataclass(frozen=True)
+class RooflinePoint:
+    kernel: str
+    intensity: float
+    """FLOP per DRAM byte."""
+    flops_per_s: float
+
+
+def _first(metrics: Mapping[str, float | None], keys: Iterable[str]) -> float | None:
+    for key in keys:
+        value = metrics.get(key)
+        if value is not None:
+            return float(value)
+    return None
+
+
+def _kernel_point(k: KernelRecord) -> RooflinePoint | None:
+    flops = _first(k.metrics, FLOP_KEYS)
+    nbytes = _first(k.metrics, BYTE_KEYS)
+    if nbytes is None:
+        for read, written in BYTE_PAIRS:
+            r, w = k.metrics.get(read), k.metrics.get(written)
+            if r is not None and w is not None:
+                nbytes = float(r) + float(w)
+                break
+    if not flops or not nbytes or k.duration_us <= 0:
+        return None
+    return RooflinePoint(k.name, flops / nbytes, flops / (k.duration_us * 1e-6))
+
+
+def roofline_points(timelines: Sequence[Timeline]) -> list[RooflinePoint]:
+    """One point per kernel launch whose counters give both FLOPs and DRAM bytes."""
+    points = []
+    for t in timelines:
+        kernels = [k for op in t.operators for k in op.kernels] + list(t.unattributed_kernels)
+        points += [p for p in map(_kernel_point, kernels) if p is not None]
+    return points
+
+
+def roofline_peaks(counters: Mapping[str, Any] | None) -> tuple[float | None, float | None]:
+    """Peak FLOP/s and DRAM bytes/s the counters pass recorded for this GPU, if any."""
+    if not counters:
+        return None, None
+
+    def pick(keys: tuple[str, ...]) -> float | None:
+        for key in keys:
+            value = counters.get(key)
+            if isinstance(value, int | float) and value > 0:
+                return float(value)
+        return None
+
+    return pick(PEAK_FLOPS_KEYS), pick(PEAK_BW_KEYS)
+
+
+def _figure(width: float, height: float) -> Any:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=110, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _save(fig: Any, path: Path) -> Path:
+    """PNG written atomically, like every artifact: a reader never sees half a file."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png")
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(buf.getvalue())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+
+
+def _short(name: str, limit: int = 40) -> str:
+    return name if len(name) <= limit else name[: limit - 1] + "…"
+
+
+def operator_bars(
+    path: Path, rows: Sequence[tuple[str, float, float]], before_label: str, after_label: str
+) -> Path:
+    """Horizontal bars of GPU time per iteration (µs), before and after, largest first."""
+    top = sorted(rows, key=lambda r: -max(r[1], r[2]))[:MAX_BARS]
+    if not top:
+        raise ValueError("no operator to plot")
+    fig = _figure(8.0, 1.2 + 0.42 * len(top))
+    ax = fig.add_subplot()
+    ys = list(range(len(top)))[::-1]
+    h = 0.4
+    ax.barh([y + h / 2 for y in ys], [r[1] for r in top], h, label=before_label, color="#9e9e9e")
+    ax.barh([y - h / 2 for y in ys], [r[2] for r in top], h, label=after_label, color="#1f77b4")
+    ax.set_yticks(ys, [_short(r[0]) for r in top], fontsize=8)
+    ax.set_xlabel("GPU time per iteration (µs)")
+    ax.set_title("Per-operator GPU time, before and after")
+    ax.legend(loc="lower right", fontsize=8)
+    return _save(fig, path)
+
+
+def waterfall(path: Path, steps: Sequence[tuple[str, float]]) -> Path:
+    """Latency after each step (the first is the reference), with the speedup so far."""
+    if not steps:
+        raise ValueError("no waterfall step to plot")
+    fig = _figure(1.5 + 1.1 * len(steps), 4.0)
+    ax = fig.add_subplot()
+    names = [_short(s[0], 22) for s in steps]
+    latencies = [s[1] for s in steps]
+    colors = ["#9e9e9e"] + ["#1f77b4"] * (len(steps) - 1)
+    bars = ax.bar(range(len(steps)), latencies, color=colors)
+    ref = latencies[0]
+    for bar, value in zip(bars, latencies, strict=True):
+        label = f"{value:.3f} ms\n{ref / value:.2f}×" if value > 0 else f"{value:.3f} ms"
+        ax.annotate(
+            label,
+            (bar.get_x() + bar.get_width() / 2, bar.get_height()),
+            ha="center",
+            va="bottom",
+            fontsize=8,
+        )
+    ax.set_xticks(range(len(steps)), names, rotation=20, ha="right", fontsize=8)
+    ax.set_ylabel("latency per call (ms)")
+    ax.set_ylim(0, max(latencies) * 1.25)
+    ax.set_title("Per-pass waterfall")
+    return _save(fig, path)
+
+
+def roofline(
+    path: Path,
+    series: Mapping[str, Sequence[RooflinePoint]],
+    peak_flops: float | None = None,
+    peak_bw: float | None = None,
+) -> Path:
+    """Kernels placed by measured arithmetic intensity and achieved FLOP/s (log-log), one colour
+    per profile, under the GPU's roof when the counters pass recorded its peaks."""
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    points = [p for pts in series.values() for p in pts]
+    if not points:
+        raise ValueError("no kernel with FLOP and byte counters")
+    fig = _figure(7.0, 4.8)
+    ax = fig.add_subplot()
+    for (label, pts), color in zip(series.items(), ("#9e9e9e", "#1f77b4", "#2ca02c"), strict=False):
+        if pts:
+            ax.scatter(
+                [p.intensity for p in pts],
+                [p.flops_per_s / 1e12 for p in pts],
+                s=22,
+                alpha=0.8,
+                color=color,
+                label=f"{label} kernels",
+            )
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    xs = [p.intensity for p in points]
+    if peak_flops and peak_bw:
+        ridge = peak_flops / peak_bw
+        lo, hi = min(min(xs) / 4, ridge / 8), max(max(xs) * 4, ridge * 8)
+        grid = [lo * (hi / lo) ** (i / 100) for i in range(101)]
+        ax.plot(
+            grid,
+            [min(peak_flops, peak_bw * x) / 1e12 for x in grid],
+            color="#d62728",
+            label=f"roof: {peak_flops / 1e12:g} TFLOP/s, {peak_bw / 1e12:g} TB/s",
+        )
+        ax.set_title("Roofline of the measured kernels")
+    else:
+        ax.set_title("Roofline (peaks not recorded: kernels only)", fontsize=9)
+    plain = FuncFormatter(lambda v, _pos: f"{v:g}")
+    for axis in (ax.xaxis, ax.yaxis):
+        axis.set_major_formatter(plain)
+        axis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("arithmetic intensity (FLOP / DRAM byte)")
+    ax.set_ylabel("achieved TFLOP/s")
+    ax.legend(fontsize=8)
+    return _save(fig, path)

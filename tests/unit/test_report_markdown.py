@@ -1,0 +1,499 @@
+"""report.md of one workload and of the session, on the artifacts in tests/data/report/."""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pytest_opprof.options import OPTIONS
+from pytest_opprof.report import (
+    COMMENT_MARKER,
+    WorkloadArtifacts,
+    load_workload_artifacts,
+    plots,
+    render_comment_body,
+    render_session_report,
+    render_workload_report,
+    write_workload_report,
+)
+from pytest_opprof.report import markdown as md
+from pytest_opprof.schema import (
+    OperatorAggregate,
+    PassStatus,
+    SessionSummary,
+    WorkloadSummary,
+    read_artifact,
+)
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "report"
+SECTIONS = (
+    "## Headline",
+    "## Hardware context",
+    "## Operator summary",
+    "## Optimizations",
+    "## Implementation notes",
+    "## Validation",
+    "## Before and after, per operator",
+    "## What drove the speedup (per-pass waterfall)",
+    "## Estimated vs measured impact",
+    "## Remaining opportunities",
+    "## Reproduce",
+    "## Caveats",
+)
+
+
+def _session() -> SessionSummary:
+    return read_artifact(DATA / "session.json", SessionSummary)
+
+
+@pytest.fixture
+def out(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A session output folder holding a copy of the conv_block artifacts; cwd is its parent."""
+    shutil.copytree(DATA / "conv_block", tmp_path / "results" / "conv_block")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "results"
+
+
+@pytest.fixture
+def full(out: Path) -> WorkloadArtifacts:
+    return load_workload_artifacts(out / "conv_block", _session().workloads[0])
+
+
+def _section(text: str, heading: str) -> str:
+    start = text.index(heading + "\n")
+    end = text.find("\n## ", start + len(heading))
+    return text[start : end if end != -1 else len(text)]
+
+
+def test_every_section_present_in_order(full: WorkloadArtifacts) -> None:
+    text = render_workload_report(full, plots=False)
+    positions = [text.index(heading + "\n") for heading in SECTIONS]
+    assert positions == sorted(positions)
+    assert text.startswith("# conv_block: 1.39× faster than torch.compile\n")
+    assert "Not available" not in text
+
+
+def test_headline_numbers_come_from_profile_optimized(full: WorkloadArtifacts) -> None:
+    text = _section(render_workload_report(full, plots=False), "## Headline")
+    assert full.optimized is not None
+    for s in full.optimized.timing.speedups:
+        assert md.fmt_speedup(s.ratio, s.ci_low, s.ci_high) in text
+    # the gate figure, against eager and compile, with and without the dtype change, apart
+    assert "**1.39× (95% CI 1.36–1.42)** against torch.compile (0.254 ms → 0.183 ms" in text
+    assert "| torch.compile (gate) | optimized, float32 → bfloat16" in text.replace("  ", "")
+    assert re.search(r"\| eager\s+\| optimized at float32 \(graph changes only\)", text)
+    assert (
+        "- against torch.compile: with the dtype change 1.39× (95% CI 1.36–1.42); "
+        "at the baseline dtype 1.10× (95% CI 1.08–1.12)" in text
+    )
+    assert "- against eager: with the dtype change 1.44× (95% CI 1.41–1.47)" in text
+    assert "fails only when the 95% CI lies wholly below 1.00×" in text
+
+
+def test_headline_falls_back_to_the_recapture(full: WorkloadArtifacts) -> None:
+    full.summary = full.summary.model_copy(
+        update={"speedup": None, "ci_low": None, "ci_high": None, "baseline": None}
+    )
+    text = render_workload_report(full, plots=False)
+    # best resolves to compile (0.254 ms < 0.264 ms in profile_optimized.json)
+    assert text.startswith("# conv_block: 1.39× faster than torch.compile\n")
+    assert "**1.39× (95% CI 1.36–1.42)** against torch.compile (0.254 ms → 0.183 ms" in text
+
+
+def test_strict_gate_and_threshold_are_stated(full: WorkloadArtifacts) -> None:
+    full.strict_gate, full.min_speedup = True, 1.25
+    text = render_workload_report(full, plots=False)
+    assert "Gate: at least 1.25× against `best`" in text
+    assert "passes only when the 95% CI lies wholly above 1.25×" in text
+    assert "--opprof-min-speedup=1.25 --opprof-strict-gate" in text
+
+
+def test_hardware_and_operator_numbers_are_traced(full: WorkloadArtifacts) -> None:
+    text = render_workload_report(full, plots=False)
+    hw = _section(text, "## Hardware context")
+    for value in (
+        "NVIDIA H200 (cuda)",
+        "| 132 ",
+        "9.0",
+        "2.11.0+cu130 / 13.0 / 3.5.0",
+        "(16, 3, 64, 64) float32",
+        "10 warmup, 15 rounds × 30 calls",
+        "collected",
+    ):
+        assert value in hw, value
+    ops = _section(text, "## Operator summary")
+    assert full.profile is not None
+    eager = full.profile.primary
+    top = max(eager.aggregated, key=lambda op: op.gpu_time_us)
+    # aggregated[] holds totals over 5 iterations: the report shows them per iteration
+    assert md.per_iter_divisor(eager) == 5.0
+    row = next(line for line in ops.splitlines() if "`aten::cudnn_convolution`" in line)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:7] == [
+        "1",
+        "`aten::cudnn_convolution`",
+        "3",
+        "152.4 µs",
+        "64.2%",
+        "3",
+        "tensor-core idle",
+    ]
+    assert md.fmt_us(top.gpu_time_us / 5) == "152.4 µs"
+    assert "237.3 µs of device time per iteration over 5 profiled iterations" in ops
+    assert "99.5% of kernel time attributed" in ops
+    assert "(unattributed kernels)" in ops
+
+
+def test_optimizations_show_evidence_confidence_and_status(full: WorkloadArtifacts) -> None:
+    text = _section(render_workload_report(full, plots=False), "## Optimizations")
+    assert "| P3   | bn_fold" in text
+    assert "APPLIED (folded 3 BatchNorm2d)" in text
+    assert "dropped: made the variant slower: 0.186 ms with it vs 0.183 ms without" in text
+    assert "`tensor_pipe_active_pct` = `0 %`" in text
+    assert "`timelines[0].aggregated[1].gpu_time_us`" in text
+    assert "- **Confidence:** medium (source: rules)" in text
+    assert "96.5 µs per iteration, 1.52×" in text
+
+
+def test_status_from_validation_not_applied_and_failed(full: WorkloadArtifacts) -> None:
+    assert full.validation is not None
+    full.validation.passes = [
+        PassStatus(name="bn_fold", status="NOT_APPLIED", detail="Pattern not found"),
+        PassStatus(name="memory_layout", status="FAILED", detail="Failed: lint error"),
+    ]
+    text = render_workload_report(full, plots=False)
+    opts = _section(text, "## Optimizations")
+    assert "NOT_APPLIED (Pattern not found)" in opts
+    assert "FAILED (Failed: lint error)" in opts
+    # P1 is in the plan but has no pass record: said so, not invented
+    assert "in the chosen plan (non-graph change, no pass record)" in opts
+    remaining = _section(text, "## Remaining opportunities")
+    assert "P3 bn_fold on `aten::cudnn_batch_norm`: NOT_APPLIED" in remaining
+    assert "P2 memory_layout" in remaining
+    assert "P1 dtype_promotion" not in remaining
+
+
+def test_implementation_notes_and_validation(full: WorkloadArtifacts) -> None:
+    text = render_workload_report(full, plots=False)
+    notes = _section(text, "## Implementation notes")
+    assert "Chosen variant `P1+P2+P3`: dtype bfloat16; channels_last; aten passes bn_fold" in notes
+    assert "### Implementation notes: conv_block" in notes  # demoted under the section
+    assert "#### Plan" in notes
+    assert "# not a heading inside code\n" in notes  # code fences are left alone
+    assert "Inductor config triton.cudagraphs=True" in notes
+    val = _section(text, "## Validation")
+    assert "**READY_FOR_PROFILING**" in val
+    assert "max abs error 0.0123, relative error 0.0031 (rtol 0.01, atol 0.01)" in val
+    assert re.search(r"\| 3\s+\| registration\s+\| pass", val)
+
+
+def test_before_after_has_kernel_counts_and_new_overhead(full: WorkloadArtifacts) -> None:
+    text = _section(render_workload_report(full, plots=False), "## Before and after, per operator")
+    assert "Before: the compiled timeline" in text  # the gate's baseline resolved to compile
+
+    def cells(name: str) -> list[str]:
+        row = next(line for line in text.splitlines() if line.startswith(f"| `{name}`"))
+        return [c.strip() for c in row.strip("|").split("|")]
+
+    assert cells("aten::convolution")[1:] == ["148.0 µs", "3", "71.2 µs", "3", "-51.9%"]
+    assert cells("aten::_to_copy")[1:] == ["—", "—", "1.8 µs", "1", "new overhead"]
+    assert cells("aten::_native_batch_norm_legit_no_training")[-1] == "removed"
+    assert re.search(r"\*\*device time per iteration\*\*\s+\| 190.2 µs\s+\| 9\s+\| 91.0 µs", text)
+
+
+def test_before_after_against_eager_when_the_gate_uses_eager(full: WorkloadArtifacts) -> None:
+    full.summary = full.summary.model_copy(update={"baseline": "eager"})
+    text = _section(render_workload_report(full, plots=False), "## Before and after, per operator")
+    assert "Before: the eager timeline" in text
+    assert "`aten::cudnn_convolution` | 152.4 µs" in text.replace("  ", "").replace(" |", " |")
+
+
+def test_waterfall_and_estimated_vs_measured(full: WorkloadArtifacts) -> None:
+    text = render_workload_report(full, plots=False)
+    wf = _section(text, "## What drove the speedup (per-pass waterfall)")
+    assert re.search(r"\| torch.compile \(reference\)\s+\| 0.254 ms\s+\| 1.00×", wf)
+    assert re.search(r"\| dtype_promotion\s+\| 0.183 ms\s+\| 1.39×\s+\| 1.26×", wf)
+    est = _section(text, "## Estimated vs measured impact")
+    # bn_fold: estimated 30.0 µs; measured 0.254 - 0.236 ms = 18.0 µs; ratio 0.60
+    assert re.search(
+        r"\| P3\s+\| bn_fold\s+\| 30.0 µs\s+\| 1.15×\s+\| 18.0 µs\s+\| 1.08×\s+\| 0.60", est
+    )
+    # dtype_promotion: 0.231 - 0.183 ms = 48.0 µs against 96.5 estimated
+    assert re.search(r"\| P1 .*\| 48.0 µs\s+\| 1.26×\s+\| 0.50", est)
+    assert "not measured (dropped: made the variant slower" in est
+
+
+def test_remaining_opportunities(full: WorkloadArtifacts) -> None:
+    text = _section(render_workload_report(full, plots=False), "## Remaining opportunities")
+    assert "P4 cuda_graphs on `*`: dropped" in text
+    assert "`aten::convolution` still takes 78.2% of the optimized timeline (71.2 µs" in text
+    assert "bottleneck compute-bound" in text
+
+
+def test_reproduction_commands_use_real_options(full: WorkloadArtifacts) -> None:
+    text = _section(render_workload_report(full, plots=False), "## Reproduce")
+    block = text.split("```bash\n", 1)[1].split("```", 1)[0].strip().splitlines()
+    assert block == [
+        "pytest --opprof examples/conv_block/conv_block.py --opprof-out=results",
+        "opprof optimize examples/conv_block/conv_block.py --out=results",
+        "opprof validate results/conv_block/conv_block_optimized.py",
+    ]
+    nouns = {spec.noun for spec in OPTIONS}
+    full.min_speedup, full.gate_baseline, full.strict_gate = 1.5, "eager", True
+    text = _section(render_workload_report(full, plots=False), "## Reproduce")
+    pytest_argv, cli_argv, _ = (
+        shlex.split(line) for line in text.split("```bash\n")[1].split("```")[0].splitlines()
+    )
+    for arg in pytest_argv[3:]:
+        assert arg.startswith("--opprof-") and arg[9:].split("=")[0] in nouns, arg
+    for arg in cli_argv[3:]:
+        assert arg[2:].split("=")[0] in nouns, arg
+
+
+def test_caveats(full: WorkloadArtifacts) -> None:
+    text = _section(render_workload_report(full, plots=False), "## Caveats")
+    assert "Unattributed: 0.5% of the kernel time of the eager timeline (`profile.json`)" in text
+    assert "5 kernel records, 1.2 µs per iteration" in text
+    assert "(clock control: none)" in text
+    assert "not locked" in text
+    assert "Edge case `launch_bound`: GPU idle 45.0 µs" in text
+    assert "CPU" not in text
+
+
+def test_cpu_fallback(full: WorkloadArtifacts) -> None:
+    assert full.profile is not None
+    full.profile.capture_metadata.cpu_fallback = True
+    text = render_workload_report(full, plots=False)
+    caveat = "measured on the CPU; not a GPU figure; gate not enforced unless --opprof-gate-on-cpu"
+    assert f"- CPU fallback: {caveat}." in _section(text, "## Caveats")
+    assert "Not enforced here" in _section(text, "## Headline")
+    assert "--opprof-device=cpu" in _section(text, "## Reproduce")
+    full.gate_on_cpu = True
+    text = render_workload_report(full, plots=False)
+    assert "Not enforced here" not in text
+    assert "--opprof-device=cpu --opprof-gate-on-cpu" in text
+
+
+def test_counters_missing(full: WorkloadArtifacts) -> None:
+    assert full.profile is not None and full.optimized is not None
+    for prof in (full.profile, full.optimized):
+        prof.counters = None
+        for t in prof.timelines:
+            for op in t.operators:
+                for k in op.kernels:
+                    k.metrics = {}
+    text = render_workload_report(full, plots=True)
+    assert "Hardware counters missing" in _section(text, "## Caveats")
+    assert "| hardware counters       | not collected" in text
+    assert "_No roofline: no kernel carries both FLOP and DRAM-byte counters._" in text
+
+
+def test_no_dtype_change(full: WorkloadArtifacts) -> None:
+    assert full.selection is not None and full.optimized is not None
+    full.selection.plan.dtype = None
+    full.optimized.capture_metadata.dtype = "float32"
+    full.optimized.timing.speedups = [
+        s for s in full.optimized.timing.speedups if s.candidate == "optimized"
+    ]
+    text = _section(render_workload_report(full, plots=False), "## Headline")
+    assert "the backend keeps the baseline dtype (float32)" in text
+
+
+def test_only_a_summary_renders_every_section(tmp_path: Path) -> None:
+    summary = WorkloadSummary(
+        name="broken",
+        path="w/broken.py",
+        status="error",
+        stage="capture",
+        message="child process crashed:\nCUDA error: out of memory",
+    )
+    a = WorkloadArtifacts(
+        name="broken",
+        path="w/broken.py",
+        out_dir=tmp_path / "o" / "broken",
+        summary=summary,
+        stage_errors={"capture": summary.message},
+    )
+    text = render_workload_report(a, plots=True)
+    for heading in SECTIONS:
+        assert heading + "\n" in text
+    assert text.startswith("# broken: no speedup measured")
+    reason = "child process crashed: CUDA error: out of memory"
+    assert f"_Not available (stage capture did not run: {reason})._" in text
+    assert f"_Not available (stage propose did not run: blocked by capture: {reason})._" in text
+    assert "_Not available (stage recapture did not run: blocked by capture" in text
+    assert not (tmp_path / "o").exists()  # no plot was drawn without data
+
+
+def test_blocked_validation_explains_missing_recapture(full: WorkloadArtifacts) -> None:
+    assert full.validation is not None
+    full.validation.overall = "BLOCKED"
+    full.validation.message = "BLOCKED — fix step 6 (numerics: output is constant)"
+    full.optimized = None
+    full.summary = full.summary.model_copy(
+        update={"status": "failed", "stage": "validate", "speedup": None}
+    )
+    text = render_workload_report(full, plots=False)
+    expected = (
+        "_Not available (stage recapture did not run: validation BLOCKED: BLOCKED — fix "
+        "step 6 (numerics: output is constant))._"
+    )
+    assert expected in _section(text, "## Headline")
+    assert expected in _section(text, "## Before and after, per operator")
+    assert "**BLOCKED** — BLOCKED — fix step 6" in _section(text, "## Validation")
+
+
+def test_loader_reports_an_unreadable_artifact(out: Path) -> None:
+    (out / "conv_block" / "optimizations.json").write_text("{", encoding="utf-8")
+    (out / "conv_block" / "profile_optimized.json").unlink()
+    a = load_workload_artifacts(out / "conv_block", _session().workloads[0])
+    assert a.optimizations is None and a.optimized is None and a.profile is not None
+    assert "not valid JSON" in a.stage_errors["propose"]
+    text = render_workload_report(a, plots=False)
+    assert "_Not available (stage propose did not run: " in _section(text, "## Optimizations")
+    assert "optimizations.json: not valid JSON" in text
+    before_after = _section(text, "## Before and after, per operator")
+    assert "(stage recapture did not run: blocked by propose: " in before_after
+    del a.stage_errors["propose"]
+    text = render_workload_report(a, plots=False)
+    assert "(stage recapture did not run: its artifact was not found)" in text
+
+
+def test_many_operators_are_cut_at_the_top_fifteen(full: WorkloadArtifacts) -> None:
+    assert full.profile is not None
+    t = full.profile.primary
+    t.aggregated += [
+        OperatorAggregate(
+            name=f"aten::op{i}",
+            calls=5,
+            cpu_time_us=1,
+            gpu_time_us=0.5,
+            share=0.0001,
+            kernel_count=5,
+        )
+        for i in range(20)
+    ]
+    ops = _section(render_workload_report(full, plots=False), "## Operator summary")
+    assert "| 15  |" in ops and "| 16  |" not in ops
+    assert "… 11 more operators" in ops
+
+
+def test_names_with_pipes_do_not_break_tables(full: WorkloadArtifacts) -> None:
+    assert full.profile is not None
+    full.profile.primary.aggregated[0].name = "aten::weird|op"
+    text = render_workload_report(full, plots=False)
+    assert "`aten::weird\\|op`" in text
+
+
+def test_write_workload_report_with_plots(full: WorkloadArtifacts) -> None:
+    pytest.importorskip("matplotlib", reason="plots are the optional [plots] extra")
+    path = write_workload_report(full)
+    assert path == full.out_dir / "report.md"
+    text = path.read_text(encoding="utf-8")
+    links = re.findall(r"!\[[^\]]*\]\(([^)]+)\)", text)
+    assert links == [
+        "profiler_output/roofline.png",
+        "profiler_output/operators_before_after.png",
+        "profiler_output/waterfall.png",
+    ]
+    for link in links:
+        png = path.parent / link
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        assert png.stat().st_size > 5000
+    assert not list(path.parent.rglob(".*.tmp"))
+
+
+def test_plots_missing_matplotlib_says_how_to_install(
+    full: WorkloadArtifacts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(plots, "have_matplotlib", lambda: False)
+    text = render_workload_report(full)
+    assert text.count("_plots need `pip install pytest-opprof[plots]`._") == 3
+    assert not list((full.out_dir / "profiler_output").glob("*.png"))
+
+
+def test_plots_off_draws_and_mentions_nothing(full: WorkloadArtifacts) -> None:
+    text = render_workload_report(full, plots=False)
+    assert "![" not in text and "pip install" not in text
+    assert not list((full.out_dir / "profiler_output").glob("*.png"))
+
+
+def test_roofline_points_from_counters(full: WorkloadArtifacts) -> None:
+    assert full.profile is not None
+    points = plots.roofline_points(full.profile.timelines)
+    assert len(points) == 3  # the three fp32 convolutions carry flops + DRAM bytes
+    p = points[0]
+    assert p.intensity == pytest.approx(2.42e9 / (3.1e7 + 1.6e7))
+    assert plots.roofline_peaks(full.profile.counters) == (6.7e13, 4.8e12)
+    assert plots.roofline_peaks(None) == (None, None)
+
+
+# ------------------------------------------------------------------------------- session
+
+
+def test_session_report(tmp_path: Path) -> None:
+    session = _session()
+    (tmp_path / "conv_block").mkdir()
+    text = render_session_report(session.workloads, device=session.device, out_dir=tmp_path)
+    assert text.startswith("# pytest-opprof session report\n")
+    assert "Device: NVIDIA H200 · 3 workloads: 1 passed, 1 failed, 1 error" in text
+    rows = {
+        line.split("|")[1].strip(): [c.strip() for c in line.strip("|").split("|")]
+        for line in text.splitlines()
+        if line.startswith("| ") and "workload" not in line
+    }
+    assert rows["conv_block"] == [
+        "conv_block",
+        "passed",
+        "torch.compile",
+        "0.254",
+        "0.183",
+        "1.39× (95% CI 1.36–1.42)",
+        "bfloat16",
+        "bn_fold, dtype_promotion, memory_layout",
+    ]
+    assert "sdpa\\|attention" in text  # escaped, the table keeps its columns
+    assert "- **lstm_sequence_encoder** (error at capture): child process crashed" in text
+    assert "(failed at speedup)" in text
+    links = re.findall(r"^- \[([^\]]+)\]\(([^)]+)\)$", text, re.M)
+    assert links == [("conv_block", "conv_block/report.md")]
+    assert text.index("| conv_block") < text.index("## Reports")
+
+
+def test_session_report_links_absolute_report_paths(tmp_path: Path) -> None:
+    s = WorkloadSummary(
+        name="w",
+        path="w.py",
+        status="passed",
+        stage="report",
+        report=str(tmp_path / "w" / "report.md"),
+    )
+    text = render_session_report([s], device="cpu", out_dir=tmp_path)
+    assert "- [w](w/report.md)" in text
+    empty = render_session_report([], device="cpu", out_dir=tmp_path)
+    assert "0 workloads: no workload" in empty and "_No workload report was written._" in empty
+
+
+def test_comment_body_has_the_hidden_marker() -> None:
+    body = render_comment_body("# pytest-opprof session report\n")
+    assert COMMENT_MARKER == "<!-- pytest-opprof -->"
+    assert body.splitlines()[0] == COMMENT_MARKER
+    assert body.endswith("# pytest-opprof session report\n")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [(4.2134, "4.213 ms"), (0.254, "0.254 ms"), (0.01234, "0.0123 ms"), (None, "—")],
+)
+def test_fmt_ms(value: float | None, expected: str) -> None:
+    assert md.fmt_ms(value) == expected
+
+
+def test_fmt_speedup() -> None:
+    assert md.fmt_speedup(1.2345, 1.2011, 1.2649) == "1.23× (95% CI 1.20–1.26)"
+    assert md.fmt_speedup(1.5) == "1.50×"
+    assert md.fmt_speedup(None) == "—"
