@@ -9,14 +9,6 @@ import pytest
 # Inductor on 2 CPU cores: keep compile threads low so tests do not oversubscribe.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
-FAST = [
-    "--opprof-warmup-iters=1",
-    "--opprof-measure-iters=2",
-    "--opprof-rounds=3",
-    "--opprof-device=cpu",
-]
-
-
 def cuda_available() -> bool:
     try:
         import torch

@@ -1,0 +1,84 @@
+"""What a user runs: ``pytest --opprof`` over a folder, end to end on the CPU fallback."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+
+
+pytestmark = pytest.mark.slow
+
+FAST = ["--opprof-warmup-iters=1", "--opprof-measure-iters=2", "--opprof-rounds=3",
+        "--opprof-device=cpu"]
+
+TINY = """
+import torch
+from torch import nn
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = torch.relu(self.bn(self.conv(x)))
+        return self.fc(y.mean(dim=(2, 3)))
+
+
+def get_model_and_input():
+    model = Tiny().to("cuda").eval()
+    return model, torch.randn(2, 3, 8, 8, device="cuda")
+"""
+
+BROKEN = """
+import torch
+
+def get_model_and_input():
+    return torch.nn.Linear(4, 4), torch.randn(2, 4, device="cuda")
+"""
+
+
+def test_all_stages_on_a_tiny_workload(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(**{"work/tiny": textwrap.dedent(TINY),
+                           "work/broken": textwrap.dedent(BROKEN)})
+    result = pytester.runpytest_subprocess("--opprof", "work", *FAST, "-v",
+                                           "--opprof-junit=stages.xml")
+    result.stdout.fnmatch_lines([
+        "*tiny.py::capture PASSED*",
+        "*tiny.py::propose PASSED*",
+        "*tiny.py::backend PASSED*",
+        "*tiny.py::validate PASSED*",
+        "*tiny.py::recapture PASSED*",
+        "*tiny.py::speedup PASSED*",
+        "*broken.py::capture FAILED*",
+        "*broken.py::propose SKIPPED*blocked by capture*",
+    ])
+    result.stdout.fnmatch_lines(["*training mode*call .eval()*"])
+    out = pytester.path / "opprof-results"
+    for rel in ("profile.json", "graph.json", "optimizations.json", "tiny_optimized.py",
+                "test_tiny_optimized.py", "profiler_output/validation_report.json",
+                "profiler_output/implementation_notes.md", "profile_optimized.json",
+                "report.md"):
+        assert (out / "tiny" / rel).exists(), rel
+    report = json.loads((out / "tiny/profiler_output/validation_report.json").read_text())
+    assert report["overall"] == "READY_FOR_PROFILING"
+    assert [s["status"] for s in report["steps"].values()] == ["pass"] * 6
+    session = json.loads((out / "session.json").read_text())
+    assert {w["name"]: w["status"] for w in session["workloads"]} == {
+        "tiny": "passed", "broken": "error"}
+    assert (out / "report.md").exists() and (pytester.path / "stages.xml").exists()
+    assert result.ret == 1  # the broken workload fails its items
+
+    # A second run over the same tree: generated files and the output folder are not
+    # collected, and the unchanged stages are read back from disk.
+    again = pytester.runpytest_subprocess("--opprof", ".", *FAST, "-v", "-k", "tiny")
+    again.stdout.no_fnmatch_line("*_optimized.py*")
+    again.stdout.fnmatch_lines(["*tiny.py::speedup PASSED*"])
+    assert again.ret == 0
+    collected = pytester.runpytest_subprocess("--opprof", ".", "--collect-only", "-q")
+    collected.stdout.fnmatch_lines(["*12 tests collected*"])
