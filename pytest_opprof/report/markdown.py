@@ -8,7 +8,9 @@ with the artifact named where the reader might want to check.
 
 from __future__ import annotations
 
+import math
 import os
+import re
 import shlex
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -21,6 +23,7 @@ from pytest_opprof.report import plots as _plots
 from pytest_opprof.schema import (
     VALIDATION_STEPS,
     BackendPlan,
+    BackendSelection,
     OperatorAggregate,
     Profile,
     Proposal,
@@ -180,7 +183,21 @@ def gate_figures(
     return (r.ratio, r.ci_low, r.ci_high, b.median_ms if b else None, o.median_ms if o else None)
 
 
-def per_iter_divisor(t: Timeline) -> float:
+def on_cpu(a: WorkloadArtifacts) -> bool:
+    """CPU fallback: operator time is then the CPU time, and there are no GPU kernels."""
+    prof = a.profile or a.optimized
+    return prof is not None and prof.capture_metadata.device_type == "cpu"
+
+
+def op_time(op: OperatorAggregate, cpu: bool) -> float:
+    return op.cpu_time_us if cpu else op.gpu_time_us
+
+
+def time_label(cpu: bool) -> str:
+    return "CPU time" if cpu else "GPU time"
+
+
+def per_iter_divisor(t: Timeline, cpu: bool = False) -> float:
     """What turns the timeline's aggregates into per-iteration figures.
 
     ``aggregated[]`` may hold totals over the profiled iterations or per-iteration values; the
@@ -188,15 +205,15 @@ def per_iter_divisor(t: Timeline) -> float:
     """
     n = t.summary.iterations
     per_iter = t.summary.device_time_per_iter_us
-    total = sum(op.gpu_time_us for op in t.aggregated)
+    total = sum(op_time(op, cpu) for op in t.aggregated)
     total += sum(k.duration_us for k in t.unattributed_kernels)
     if n <= 1 or per_iter <= 0 or total <= 0:
         return 1.0
     return float(n) if abs(total / n - per_iter) < abs(total - per_iter) else 1.0
 
 
-def _unattributed_us(t: Timeline) -> float:
-    return sum(k.duration_us for k in t.unattributed_kernels) / per_iter_divisor(t)
+def _unattributed_us(t: Timeline, cpu: bool = False) -> float:
+    return sum(k.duration_us for k in t.unattributed_kernels) / per_iter_divisor(t, cpu)
 
 
 def _has_counters(profile: Profile) -> bool:
@@ -222,12 +239,24 @@ def _dtype_change(a: WorkloadArtifacts) -> tuple[str | None, str | None]:
     return before, after
 
 
-def _step_for(p: Proposal, steps: Sequence[WaterfallStep]) -> int | None:
-    for key in (p.id, p.type):
-        for i, step in enumerate(steps):
-            if step.step == key:
-                return i
-    return None
+def waterfall_steps(sel: BackendSelection) -> list[WaterfallStep]:
+    """The steps after the reference: selection may record the reference itself as step 0."""
+    steps = list(sel.waterfall)
+    if steps and steps[0].step == sel.reference and steps[0].speedup_added == 1.0:
+        steps = steps[1:]
+    return steps
+
+
+def step_proposals(step: WaterfallStep, proposals: Sequence[Proposal]) -> list[Proposal]:
+    """Proposals a waterfall step applied: its name is a proposal id or type, or ends with the
+    ids it carried in parentheses (``+layout (P1, P2)``)."""
+    exact = [p for p in proposals if step.step in (p.id, p.type)]
+    if exact:
+        return exact[:1]
+    found = re.search(r"\(([^()]*)\)\s*$", step.step)
+    ids = [x.strip() for x in found.group(1).split(",")] if found else []
+    by_id = {p.id: p for p in proposals}
+    return [by_id[i] for i in dict.fromkeys(ids) if i in by_id]
 
 
 def proposal_status(a: WorkloadArtifacts, p: Proposal) -> str:
@@ -350,7 +379,7 @@ def section_headline(a: WorkloadArtifacts) -> list[str]:
         elif r.candidate == "optimized" and after:
             what = f"optimized, {fmt_dtype(before)} → {fmt_dtype(after)}"
         else:
-            what = r.candidate
+            what = BASELINE_LABELS.get(r.candidate, r.candidate)
         b, c = variants.get(r.baseline), variants.get(r.candidate)
         rows.append(
             [
@@ -456,12 +485,12 @@ def section_hardware(a: WorkloadArtifacts) -> list[str]:
 
 def _timeline_line(t: Timeline, artifact: str, index: int) -> str:
     s = t.summary
-    idle = f", GPU idle {fmt_us(s.idle_time_per_iter_us)}" if s.idle_time_per_iter_us else ""
+    idle = f", idle {fmt_us(s.idle_time_per_iter_us)}" if s.idle_time_per_iter_us else ""
     return (
         f"{t.label} timeline (`{artifact}` → `timelines[{index}]`, compile mode {t.compile_mode}): "
         f"{fmt_us(s.device_time_per_iter_us)} of device time per iteration over "
         f"{s.iterations} profiled iterations, {fmt_count(s.kernels_per_iter)} kernels per "
-        f"iteration{idle}; {fmt_pct(s.attributed_share)} of kernel time attributed "
+        f"iteration{idle}; {fmt_pct(s.attributed_share)} of that time attributed to operators "
         f"({fmt_pct(s.high_share)} at high confidence)."
     )
 
@@ -471,15 +500,16 @@ def section_operators(a: WorkloadArtifacts, plots: bool) -> list[str]:
     if a.profile is None or not a.profile.timelines:
         return [*lines, _not_available(a, "capture"), ""]
     t = a.profile.primary
-    div = per_iter_divisor(t)
+    cpu = on_cpu(a)
+    div = per_iter_divisor(t, cpu)
     lines += [_timeline_line(t, "profile.json", 0), ""]
-    ranked = sorted(t.aggregated, key=lambda op: -op.gpu_time_us)
+    ranked = sorted(t.aggregated, key=lambda op: -op_time(op, cpu))
     rows = [
         [
             i,
             code(op.name),
             fmt_count(op.calls / div),
-            fmt_us(op.gpu_time_us / div),
+            fmt_us(op_time(op, cpu) / div),
             fmt_pct(op.share),
             fmt_count(op.kernel_count / div),
             op.bottleneck or DASH,
@@ -494,7 +524,7 @@ def section_operators(a: WorkloadArtifacts, plots: bool) -> list[str]:
                 "",
                 f"… {len(rest)} more operators",
                 "",
-                fmt_us(sum(op.gpu_time_us for op in rest) / div),
+                fmt_us(sum(op_time(op, cpu) for op in rest) / div),
                 fmt_pct(sum(op.share for op in rest)),
                 fmt_count(sum(op.kernel_count for op in rest) / div),
                 "",
@@ -507,7 +537,7 @@ def section_operators(a: WorkloadArtifacts, plots: bool) -> list[str]:
                 "",
                 "(unattributed kernels)",
                 "",
-                fmt_us(_unattributed_us(t)),
+                fmt_us(_unattributed_us(t, cpu)),
                 fmt_pct(1 - t.summary.attributed_share),
                 fmt_count(len(t.unattributed_kernels) / div),
                 "",
@@ -519,7 +549,7 @@ def section_operators(a: WorkloadArtifacts, plots: bool) -> list[str]:
             "#",
             "operator",
             "calls/iter",
-            "GPU time/iter",
+            f"{time_label(cpu)}/iter",
             "time %",
             "kernels/iter",
             "bottleneck",
@@ -726,16 +756,17 @@ def section_before_after(a: WorkloadArtifacts, plots: bool) -> list[str]:
     if a.optimized is None or not a.optimized.timelines:
         return [*lines, _not_available(a, "recapture"), ""]
     after = a.optimized.primary
-    db, da = per_iter_divisor(before), per_iter_divisor(after)
+    cpu = on_cpu(a)
+    db, da = per_iter_divisor(before, cpu), per_iter_divisor(after, cpu)
     b_ops, a_ops = _by_name(before), _by_name(after)
-    names = sorted(b_ops, key=lambda n: -b_ops[n].gpu_time_us)
-    names += sorted((n for n in a_ops if n not in b_ops), key=lambda n: -a_ops[n].gpu_time_us)
+    names = sorted(b_ops, key=lambda n: -op_time(b_ops[n], cpu))
+    names += sorted((n for n in a_ops if n not in b_ops), key=lambda n: -op_time(a_ops[n], cpu))
     rows = []
     chart: list[tuple[str, float, float]] = []
     for name in names:
         b, o = b_ops.get(name), a_ops.get(name)
-        bt = b.gpu_time_us / db if b else 0.0
-        at = o.gpu_time_us / da if o else 0.0
+        bt = op_time(b, cpu) / db if b else 0.0
+        at = op_time(o, cpu) / da if o else 0.0
         if b is None:
             change = "new overhead"
         elif o is None:
@@ -757,7 +788,7 @@ def section_before_after(a: WorkloadArtifacts, plots: bool) -> list[str]:
         # keep every "new overhead" row: those are what a reader must not miss
         keep = [r for i, r in enumerate(rows) if i < BEFORE_AFTER_ROWS or r[-1] == "new overhead"]
         rows = [*keep, ["", f"… {len(rows) - len(keep)} smaller operators", "", "", "", ""]]
-    ub, ua = _unattributed_us(before), _unattributed_us(after)
+    ub, ua = _unattributed_us(before, cpu), _unattributed_us(after, cpu)
     if ub or ua:
         rows.append(
             [
@@ -787,8 +818,8 @@ def section_before_after(a: WorkloadArtifacts, plots: bool) -> list[str]:
     )
     lines += [
         f"Before: the {before.label} timeline of `profile.json` (the gate's baseline); after: "
-        f"the {after.label} timeline of `profile_optimized.json`. GPU time and kernels per "
-        'iteration. "new overhead" marks operators only the optimized backend runs.',
+        f"the {after.label} timeline of `profile_optimized.json`. {time_label(cpu)} and "
+        'kernels per iteration. "new overhead" marks operators only the optimized backend runs.',
         "",
     ]
     lines += table(
@@ -798,8 +829,8 @@ def section_before_after(a: WorkloadArtifacts, plots: bool) -> list[str]:
         a,
         plots,
         "operators_before_after.png",
-        "GPU time per operator, before and after",
-        lambda p: _plots.operator_bars(p, chart, before.label, after.label),
+        f"{time_label(cpu)} per operator, before and after",
+        lambda p: _plots.operator_bars(p, chart, before.label, after.label, time_label(cpu)),
     )
     return lines
 
@@ -809,29 +840,30 @@ def section_waterfall(a: WorkloadArtifacts, plots: bool) -> list[str]:
     sel = a.selection
     if sel is None:
         return [*lines, _not_available(a, "backend"), ""]
-    if not sel.waterfall:
+    steps = waterfall_steps(sel)
+    ref = BASELINE_LABELS.get(sel.reference, sel.reference)
+    if not steps:
         return [
             *lines,
-            "_No waterfall: the chosen variant applies no pass (it is the "
-            f"reference {sel.reference} itself)._",
+            f"_No step: no proposal made the backend faster, so it is the reference ({ref}) "
+            "itself._",
             "",
         ]
-    ref = BASELINE_LABELS.get(sel.reference, sel.reference)
     rows = [[f"{ref} (reference)", fmt_ms(sel.reference_ms), fmt_x(1.0), DASH]]
     rows += [
         [s.step, fmt_ms(s.latency_ms), fmt_x(s.speedup_cumulative), fmt_x(s.speedup_added)]
-        for s in sel.waterfall
+        for s in steps
     ]
     lines += table(["step", "latency", "cumulative speedup", "added by this step"], rows)
     lines += [
-        "Each step adds one pass to the previous one, timed briefly during variant "
+        "Each step adds its passes to the previous one, timed briefly during variant "
         "selection (`backend_selection.json`); the headline comes from the recapture and "
         "can differ.",
         "",
     ]
-    steps = [(f"{ref}", sel.reference_ms), *((s.step, s.latency_ms) for s in sel.waterfall)]
+    bars = [(ref, sel.reference_ms), *((s.step, s.latency_ms) for s in steps)]
     lines += _figure(
-        a, plots, "waterfall.png", "per-pass waterfall", lambda p: _plots.waterfall(p, steps)
+        a, plots, "waterfall.png", "per-pass waterfall", lambda p: _plots.waterfall(p, bars)
     )
     return lines
 
@@ -842,45 +874,45 @@ def section_estimated_vs_measured(a: WorkloadArtifacts) -> list[str]:
         return [*lines, _not_available(a, "propose"), ""]
     if a.selection is None:
         return [*lines, _not_available(a, "backend"), ""]
-    if not a.optimizations.proposals:
+    proposals = a.optimizations.proposals
+    if not proposals:
         return [*lines, "No proposal, so nothing to compare.", ""]
-    steps = a.selection.waterfall
+    steps = waterfall_steps(a.selection)
     rows = []
-    for p in a.optimizations.proposals:
-        est_us = p.impact.estimated_saving_us
-        i = _step_for(p, steps)
-        if i is None:
-            status = proposal_status(a, p)
+    measured: set[str] = set()
+    prev_ms = a.selection.reference_ms
+    for step in steps:
+        group = step_proposals(step, proposals)
+        measured.update(p.id for p in group)
+        est_us = sum(p.impact.estimated_saving_us for p in group)
+        est_x = math.prod(p.impact.estimated_speedup for p in group) if group else None
+        saved_us = (prev_ms - step.latency_ms) * 1000
+        prev_ms = step.latency_ms
+        rows.append(
+            [
+                ", ".join(f"{p.id} {p.type}" for p in group) or step.step,
+                fmt_us(est_us) if group else DASH,
+                fmt_x(est_x),
+                fmt_us(saved_us),
+                fmt_x(step.speedup_added),
+                f"{saved_us / est_us:.2f}" if est_us > 0 else DASH,
+            ]
+        )
+    for p in proposals:
+        if p.id not in measured:
             rows.append(
                 [
-                    p.id,
-                    p.type,
-                    fmt_us(est_us),
+                    f"{p.id} {p.type}",
+                    fmt_us(p.impact.estimated_saving_us),
                     fmt_x(p.impact.estimated_speedup),
-                    f"not measured ({status})",
+                    f"not measured ({proposal_status(a, p)})",
                     DASH,
                     DASH,
                 ]
             )
-            continue
-        prev_ms = steps[i - 1].latency_ms if i else a.selection.reference_ms
-        saved_us = (prev_ms - steps[i].latency_ms) * 1000
-        ratio = f"{saved_us / est_us:.2f}" if est_us > 0 else DASH
-        rows.append(
-            [
-                p.id,
-                p.type,
-                fmt_us(est_us),
-                fmt_x(p.impact.estimated_speedup),
-                fmt_us(saved_us),
-                fmt_x(steps[i].speedup_added),
-                ratio,
-            ]
-        )
     lines += table(
         [
-            "proposal",
-            "type",
+            "proposals",
             "estimated saving",
             "estimated speedup",
             "measured saving",
@@ -890,9 +922,9 @@ def section_estimated_vs_measured(a: WorkloadArtifacts) -> list[str]:
         rows,
     )
     lines += [
-        "Estimated: `optimizations.json` (`impact`, from the roofline model). Measured: "
-        "the proposal's step of the waterfall (latency before the step minus after it). "
-        "A ratio well below 1 means the model was optimistic.",
+        "Estimated: `optimizations.json` (`impact`, from the roofline model; summed over the "
+        "proposals a step carried). Measured: that step of the waterfall (latency before the "
+        "step minus after it). A ratio well below 1 means the model was optimistic.",
         "",
     ]
     return lines
@@ -916,7 +948,8 @@ def section_remaining(a: WorkloadArtifacts) -> list[str]:
     prof, artifact = (a.optimized, "optimized") if a.optimized else (a.profile, "baseline")
     if prof is not None and prof.timelines:
         t = prof.primary
-        div = per_iter_divisor(t)
+        cpu = on_cpu(a)
+        div = per_iter_divisor(t, cpu)
         dominant = [
             op for op in sorted(t.aggregated, key=lambda op: -op.share)[:3] if op.share >= 0.1
         ]
@@ -924,7 +957,7 @@ def section_remaining(a: WorkloadArtifacts) -> list[str]:
             found = True
             lines.append(
                 f"- {code(op.name)} still takes {fmt_pct(op.share)} of the {artifact} "
-                f"timeline ({fmt_us(op.gpu_time_us / div)} per iteration, "
+                f"timeline ({fmt_us(op_time(op, cpu) / div)} per iteration, "
                 f"{fmt_count(op.kernel_count / div)} kernels), bottleneck "
                 f"{op.bottleneck or 'not classified'}."
             )
@@ -1001,10 +1034,11 @@ def section_caveats(a: WorkloadArtifacts) -> list[str]:
         t = prof.primary
         n = len(t.unattributed_kernels)
         lines.append(
-            f"- Unattributed: {fmt_pct(1 - t.summary.attributed_share)} of the kernel time of "
+            f"- Unattributed: {fmt_pct(1 - t.summary.attributed_share)} of the device time of "
             f"the {t.label} timeline (`{artifact}`) is not tied to an operator "
-            f"({n} kernel record{'s' if n != 1 else ''}, {fmt_us(_unattributed_us(t))} per "
-            "iteration); it is listed, never dropped."
+            f"({n} kernel record{'s' if n != 1 else ''}, "
+            f"{fmt_us(_unattributed_us(t, on_cpu(a)))} per iteration); it is listed, never "
+            "dropped."
         )
     prof = a.profile or a.optimized
     if prof is None:

@@ -123,9 +123,13 @@ def _short(name: str, limit: int = 40) -> str:
 
 
 def operator_bars(
-    path: Path, rows: Sequence[tuple[str, float, float]], before_label: str, after_label: str
+    path: Path,
+    rows: Sequence[tuple[str, float, float]],
+    before_label: str,
+    after_label: str,
+    what: str = "GPU time",
 ) -> Path:
-    """Horizontal bars of GPU time per iteration (µs), before and after, largest first."""
+    """Horizontal bars of time per iteration (µs), before and after, largest first."""
     top = sorted(rows, key=lambda r: -max(r[1], r[2]))[:MAX_BARS]
     if not top:
         raise ValueError("no operator to plot")
@@ -136,8 +140,8 @@ def operator_bars(
     ax.barh([y + h / 2 for y in ys], [r[1] for r in top], h, label=before_label, color="#9e9e9e")
     ax.barh([y - h / 2 for y in ys], [r[2] for r in top], h, label=after_label, color="#1f77b4")
     ax.set_yticks(ys, [_short(r[0]) for r in top], fontsize=8)
-    ax.set_xlabel("GPU time per iteration (µs)")
-    ax.set_title("Per-operator GPU time, before and after")
+    ax.set_xlabel(f"{what} per iteration (µs)")
+    ax.set_title(f"Per-operator {what}, before and after")
     ax.legend(loc="lower right", fontsize=8)
     return _save(fig, path)
 
