@@ -95,7 +95,7 @@ class WorkloadRun:
         return self.out_dir / f"test_{self.spec.stem}_optimized.py"
 
     def setting(self, name: str) -> Any:
-        return self.spec.overrides.get(name, getattr(self.options, name))
+        return self.spec.overrides.get(name, getattr(self.options, name, None))
 
     # ----------------------------------------------------------------------- artifacts
 
@@ -266,7 +266,8 @@ def validate_file(run: WorkloadRun, generated: Path) -> ValidationReport:
             steps.setdefault(name, StepResult(status="skipped", detail=f"blocked by {failed}"))
 
     try:
-        py_compile.compile(str(generated), doraise=True, cfile=os.devnull)
+        with tempfile.TemporaryDirectory() as tmp:
+            py_compile.compile(str(generated), doraise=True, cfile=str(Path(tmp) / "x.pyc"))
         steps["syntax"] = StepResult(status="pass", detail="py_compile accepted the file")
     except py_compile.PyCompileError as exc:
         steps["syntax"] = StepResult(status="fail", detail=str(exc.msg).strip())
@@ -308,7 +309,7 @@ def validate_file(run: WorkloadRun, generated: Path) -> ValidationReport:
 
 
 def _run_generated_tests(run: WorkloadRun, generated: Path) -> StepResult:
-    test_file = generated.with_name(f"test_{generated.name}")
+    test_file = generated.resolve().with_name(f"test_{generated.name}")
     if not test_file.exists():
         return StepResult(status="fail", detail=f"{test_file.name} is missing; re-run backend")
     log = run.profiler_output / "generated_tests.log"
@@ -396,8 +397,9 @@ def run_stage(run: WorkloadRun, stage: str) -> StageOutcome:
     except OpprofError as exc:
         outcome = StageOutcome(stage, "failed", str(exc))
     except OSError as exc:
-        outcome = StageOutcome(stage, "error", f"{exc.filename or ''}: {exc.strerror}; check "
-                               "that --opprof-out is writable")
+        where = f"{exc.filename}: " if exc.filename else ""
+        outcome = StageOutcome(stage, "error", f"{where}{exc.strerror or exc}; check that "
+                               f"--opprof-out ({run.options.out}) is writable")
     outcome.seconds = time.perf_counter() - start
     run.outcomes[stage] = outcome
     return outcome

@@ -175,7 +175,7 @@ class StageItem(pytest.Item):
         return super().repr_failure(excinfo)
 
     def reportinfo(self) -> tuple[Path, int | None, str]:
-        return self.path, None, f"{self.path.name}::{self.name}"
+        return self.path, None, self.name
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

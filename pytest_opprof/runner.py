@@ -78,7 +78,7 @@ def _options(spec: dict[str, Any]) -> Any:
 
 
 def _setting(spec: dict[str, Any], name: str) -> Any:
-    return spec.get("overrides", {}).get(name, getattr(_options(spec), name))
+    return spec.get("overrides", {}).get(name, getattr(_options(spec), name, None))
 
 
 def _load_baseline(spec: dict[str, Any], device: str) -> Any:

@@ -6,7 +6,6 @@ the same code. Pure Python: torch is imported only by the child processes.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Iterable
@@ -15,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_opprof import STAGES
-from pytest_opprof.errors import ArtifactError, GateFailed
+from pytest_opprof.errors import ArtifactError
 from pytest_opprof.measure import gate_verdict
 from pytest_opprof.options import OpprofOptions
 from pytest_opprof.pipeline import StageOutcome, WorkloadRun, run_stage
@@ -162,6 +161,7 @@ class OpprofSession:
             min_speedup=float(wr.setting("min_speedup")),
             gate_baseline=summary.baseline or str(wr.setting("baseline")),
             strict_gate=self.options.strict_gate,
+            gate_on_cpu=self.options.gate_on_cpu,
         )
         out.mkdir(parents=True, exist_ok=True)
         write_text_atomic(out / "report.md", render_workload_report(artifacts))
@@ -234,10 +234,3 @@ def user_properties(summary: WorkloadSummary) -> list[tuple[str, object]]:
     props.append(("opprof_passes", ",".join(summary.passes)))
     return props
 
-
-def gate_error(summary: WorkloadSummary) -> GateFailed:
-    return GateFailed(summary.message)
-
-
-def dump_json(value: Any) -> str:
-    return json.dumps(value, indent=2, default=str)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pytest_opprof import __version__
-from pytest_opprof.schema import BackendSelection, Proposal
+from pytest_opprof.schema import BackendPlan, BackendSelection, Proposal
 from pytest_opprof.workload import GENERATED_MARKER
 
 
@@ -60,6 +60,18 @@ def render_optimized(
         "results=PASS_RESULTS)\n"
         if changes else ""
     )
+    if selection.chosen == "eager" and plan == BackendPlan():
+        registration = (
+            "# Measured selection found nothing faster than eager: the backend runs the captured\n"
+            "# graph as it is.\n"
+            "runtime.register_backend(BACKEND, passthrough=True, results=PASS_RESULTS)"
+        )
+    else:
+        registration = (
+            f"runtime.register_backend(\n    BACKEND,\n    functional={listing(plan.functional)},\n"
+            f"    aten={listing(plan.aten)},\n    config_patches={patches},\n"
+            "    results=PASS_RESULTS,\n)"
+        )
     return f'''{GENERATED_MARKER} {__version__}; `opprof validate` re-checks it after edits.
 """Optimized backend for ``{stem}``: compile with ``backend="{name}"``.
 
@@ -88,13 +100,7 @@ BACKEND = {name!r}
 RTOL, ATOL = {rtol!r}, {atol!r}
 PASS_RESULTS: list[PassResult] = []
 
-runtime.register_backend(
-    BACKEND,
-    functional={listing(plan.functional)},
-    aten={listing(plan.aten)},
-    config_patches={patches},
-    results=PASS_RESULTS,
-)
+{registration}
 
 
 def get_model_and_input() -> tuple[torch.nn.Module, torch.Tensor]:

@@ -69,8 +69,10 @@ def make_backend(
     aten: Sequence[str] = (),
     config_patches: Mapping[str, Any] | None = None,
     results: list[PassResult] | None = None,
+    passthrough: bool = False,
 ) -> Backend:
-    """A Dynamo backend: ``functional`` passes on the Dynamo graph, then ``compile_fx`` with
+    """A Dynamo backend (``passthrough``: run the captured graph eagerly — what a generated
+    backend does when measured selection found nothing faster than eager): ``functional`` passes on the Dynamo graph, then ``compile_fx`` with
     ``aten`` passes run in inner compile and ``config_patches`` applied. Each ``PassResult`` is
     appended to ``results`` (once per compiled graph). Unknown pass names raise ``KeyError``,
     non-graph or config passes named as graph passes raise ``ValueError``."""
@@ -82,6 +84,14 @@ def make_backend(
     if leftover:
         raise ValueError(f"unknown opprof config keys {leftover}; known: [{ALLOW_TF32!r}]")
     sink: list[PassResult] = results if results is not None else []
+    if passthrough:
+        if functional_specs or aten_specs or patches:
+            raise ValueError("a passthrough backend runs no passes and takes no config")
+
+        def eager_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+            return gm.forward
+
+        return eager_backend
 
     def opprof_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from torch._inductor import compile_fx as inductor

@@ -99,11 +99,9 @@ def run_graph_pass(
     On a match the graph is linted and recompiled once. On an exception the graph and the
     attributes the rewrite added are restored, so a failing pass leaves ``gm`` as it was.
     """
-    memo: dict[Any, Any] = {}
-    saved_graph = copy.deepcopy(gm.graph, memo)
-    for old, new in memo.items():  # attributes FX does not copy, e.g. Dynamo's _dynamo_source
-        if isinstance(old, torch.fx.Node) and isinstance(new, torch.fx.Node):
-            new.__dict__.update(old.__dict__)
+    saved_graph = copy.deepcopy(gm.graph)  # node for node, in order
+    for old, new in zip(gm.graph.nodes, saved_graph.nodes, strict=True):
+        new.__dict__.update(old.__dict__)  # what FX does not copy, e.g. Dynamo's _dynamo_source
     saved_attrs = set(gm.__dict__) | set(gm._parameters) | set(gm._buffers) | set(gm._modules)
     sources = getattr(gm, "_param_name_to_source", None)
     saved_sources = dict(sources) if isinstance(sources, dict) else None
@@ -353,6 +351,28 @@ def is_op(node: Any, *packets: Any) -> bool:
     target = node.target
     packet = getattr(target, "overloadpacket", None)
     return any(target is p or (packet is not None and packet is p) for p in packets)
+
+
+def is_erased(node: torch.fx.Node) -> bool:
+    return bool(getattr(node, "_erased", False))
+
+
+def erase_if_dead(graph: torch.fx.Graph, nodes: Sequence[Any]) -> int:
+    """Erase ``nodes`` that nothing reads any more, and then their inputs that became unread,
+    recursively (placeholders and impure nodes stay). Returns how many were erased."""
+    pending = [n for n in nodes if isinstance(n, torch.fx.Node)]
+    erased = 0
+    while pending:
+        node = pending.pop()
+        if is_erased(node) or node.users or node.op in ("placeholder", "output"):
+            continue
+        if node.op != "get_attr" and node.is_impure():
+            continue
+        inputs = node.all_input_nodes
+        graph.erase_node(node)
+        erased += 1
+        pending.extend(inputs)
+    return erased
 
 
 def single_user(node: torch.fx.Node) -> torch.fx.Node | None:

@@ -30,7 +30,9 @@ import torch.fx
 from pytest_opprof.passes.base import (
     GETITEM,
     ConstantEvaluator,
+    erase_if_dead,
     fake_value,
+    is_erased,
     is_op,
     meta_key,
     register_constant,
@@ -51,6 +53,7 @@ class _Site:
     weight: torch.Tensor  # [C_out, ...] as the layer stores it
     bias: torch.Tensor | None
     steps: list[torch.fx.Node] = field(default_factory=list)
+    operands: list[Any] = field(default_factory=list)  # the constant side of each step
     scale: torch.Tensor | None = None  # per output channel, float64
     shift: torch.Tensor | None = None
 
@@ -65,7 +68,7 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[i
     folded: list[str] = []
     gone: set[torch.fx.Node] = set()
     for node in list(gm.graph.nodes):
-        if node in gone:
+        if node in gone or is_erased(node):
             continue
         site = _producer(node, constants)
         if site is None or not _walk_chain(site, constants):
@@ -120,6 +123,7 @@ def _walk_chain(site: _Site, constants: ConstantEvaluator) -> bool:
         if step is None:
             break
         mul, add, nxt = step
+        site.operands.extend(a for a in user.all_input_nodes if a is not node)
         scale, shift = scale * mul, shift * mul + add
         scaled = scaled or not torch.equal(mul, torch.ones_like(mul))
         site.steps.extend([user] if nxt is user else [user, nxt])
@@ -248,4 +252,7 @@ def _fold(gm: torch.fx.GraphModule, site: _Site) -> set[torch.fx.Node]:
     if isinstance(old_weight, torch.fx.Node) and not old_weight.users:
         graph.erase_node(old_weight)
         erased.add(old_weight)
+    # the weight-only arithmetic that fed the chain (running-stat rsqrt, unsqueezes) is dead now
+    dead_inputs = [n for n in site.operands if n not in erased]
+    erase_if_dead(graph, dead_inputs)
     return erased

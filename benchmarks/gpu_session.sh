@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# One call on a lent GPU machine (see the device tool): run `pytest --opprof` on the given
+# examples and pack every artifact into $OUT, so traces and reports come back in one file.
+#   bash benchmarks/gpu_session.sh conv_block mlp_activations [-- extra pytest args]
+# Needs the pure-Python wheels in .whl/ (../shared/gpu/wheels.sh .whl) where the machine has no
+# package index.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-$PWD/gpu-out}
+mkdir -p "$OUT"
+names=(); extra=()
+while [ $# -gt 0 ]; do
+  if [ "$1" = "--" ]; then shift; extra=("$@"); break; fi
+  names+=("$1"); shift
+done
+paths=(); for n in "${names[@]}"; do paths+=("examples/$n"); done
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+  command -v ncu && ncu --version | tail -1
+} > "$OUT/env.txt" 2>&1
+work=/tmp/opprof-results
+rm -rf "$work"
+start=$(date +%s)
+python3 -m pytest -p pytest_opprof.plugin --opprof "${paths[@]}" --opprof-out="$work" \
+  -p no:cacheprovider -v -rA --opprof-junit="$work/opprof-junit.xml" \
+  --junitxml="$work/junit.xml" "${extra[@]}" 2>&1 | tee "$OUT/pytest.log"
+status=${PIPESTATUS[0]}
+echo "pytest exit $status after $(( $(date +%s) - start )) s" | tee -a "$OUT/pytest.log"
+tar -C /tmp -cJf "$OUT/results.tar.xz" opprof-results
+ls -la "$OUT"
+exit 0

@@ -1,0 +1,314 @@
+"""The rules over the FX graph: from pattern matches (``patterns.py``) to draft proposals.
+
+BN folding, QKV fusion, SDPA formation, activation substitution, freezing, padding to tensor-core
+tiles and the stubs for what no pass can rewrite. Each rule reads the profile only to weigh a
+match (the operators' share of time) and to estimate its impact.
+"""
+
+from __future__ import annotations
+
+from pytest_opprof import knowledge
+from pytest_opprof.propose import graph, patterns
+from pytest_opprof.propose.context import (
+    MAX_EVIDENCE_PER_KIND,
+    SCORE_HIGH,
+    SCORE_LOW,
+    SCORE_MEDIUM,
+    Context,
+    Draft,
+    pct,
+    share_evidence,
+    top,
+)
+from pytest_opprof.propose.impact import bytes_at_bandwidth_us
+
+
+def bn_fold(ctx: Context) -> list[Draft]:
+    matches = [m for v in ctx.views for m in patterns.find_conv_bn(v)]
+    if not matches:
+        return []
+    bns = top([f for f in ctx.facts.values() if f.kind == "batch_norm" and f.aggregate.share > 0])
+    evidence = [e for m in matches for e in m.evidence]
+    evidence.extend(share_evidence(ctx, f) for f in bns)
+    if bns:
+        device = sum(ctx.op_time_us(f) for f in bns)
+        how = f"time budget: the batch-norm kernels ({device:.1f} µs per iteration) disappear"
+    else:
+        data = sum(2 * m.info["numel"] * graph.itemsize(m.info["dtype"]) for m in matches)
+        device = bytes_at_bandwidth_us(data, ctx.spec)
+        how = f"roofline: {data / 1e6:.1f} MB of batch-norm reads and writes at HBM bandwidth"
+    impact = ctx.budget.impact(
+        ctx.budget.wall_saving(device, launches=len(matches)),
+        f"{how}, × busy share, plus {len(matches)} launch(es)",
+    )
+    from_contract = any(m.info["eval_from_contract"] for m in matches)
+    score = SCORE_HIGH if not from_contract else 0.8
+    rationale = (
+        f"{len(matches)} convolution/linear → eval BatchNorm pair(s): in inference BN is an "
+        "affine map per channel that folds into the producer's weight and bias"
+        + (
+            f"; BN kernels take {pct(sum(f.aggregate.share for f in bns))} of kernel time"
+            if bns
+            else ""
+        )
+        + "."
+    )
+    steps = [
+        "aten level: match convolution/addmm → _native_batch_norm_legit_no_training "
+        "(eval BN) whose input has no other user",
+        "fold with the real weights: s = γ / √(σ² + ε); W' = W · s (per output channel); "
+        "b' = (b − μ) · s + β",
+        "replace the BN output's uses with the producer's output (getitem 0), erase BN",
+        "graph.lint(); recompile",
+    ]
+    targets = [n for m in matches for n in m.nodes] + [f.name for f in bns]
+    return [
+        Draft(
+            "bn_fold",
+            "aten",
+            targets,
+            evidence,
+            steps,
+            impact,
+            score,
+            rationale,
+            {"pairs": [list(m.nodes) for m in matches]},
+        )
+    ]
+
+
+def qkv_fusion(ctx: Context) -> list[Draft]:
+    matches = [m for v in ctx.views for m in patterns.find_shared_input_linears(v)]
+    if not matches:
+        return []
+    launches = sum(len(m.nodes) - 1 for m in matches)
+    reread = sum((len(m.nodes) - 1) * m.info["input_bytes"] for m in matches)
+    device = bytes_at_bandwidth_us(reread, ctx.spec)
+    impact = ctx.budget.impact(
+        ctx.budget.wall_saving(device, launches=launches),
+        f"roofline: the shared input is read once instead of {len(matches[0].nodes)} times "
+        f"({reread / 1e6:.1f} MB less at HBM bandwidth) × busy share, plus {launches} launch(es)"
+        f" × launch overhead × idle share",
+    )
+    rationale = (
+        "; ".join(
+            f"{len(m.nodes)} linears read {m.info['shared_input']} "
+            f"(in_features {m.info['in_features']}, out_features {m.info['out_features']})"
+            for m in matches
+        )
+        + ": one GEMM with the concatenated weights replaces them (wider N, one launch)."
+    )
+    steps = [
+        "functional level (Dynamo graph, before AOT): group linear calls with the same input "
+        "node and in_features",
+        "concatenate their weights (dim 0) and biases into one constant; emit one linear",
+        "replace each original output with a slice (narrow/split) of the fused output",
+        "erase the original linears; graph.lint(); recompile",
+    ]
+    return [
+        Draft(
+            "qkv_fusion",
+            "functional",
+            [n for m in matches for n in m.nodes],
+            [e for m in matches for e in m.evidence],
+            steps,
+            impact,
+            0.85,
+            rationale,
+            {"groups": [list(m.nodes) for m in matches]},
+        )
+    ]
+
+
+def sdpa_replacement(ctx: Context) -> list[Draft]:
+    matches = [m for v in ctx.views for m in patterns.find_manual_attention(v)]
+    if not matches:
+        return []
+    data = sum(
+        (2 * m.info["elementwise_ops"] + 2) * m.info["score_numel"] * m.info["itemsize"]
+        for m in matches
+    )
+    launches = sum(m.info["elementwise_ops"] + 1 for m in matches)
+    device = bytes_at_bandwidth_us(data, ctx.spec)
+    impact = ctx.budget.impact(
+        ctx.budget.wall_saving(device, launches=launches),
+        f"roofline: the score matrix is no longer written and re-read ({data / 1e6:.1f} MB at "
+        f"HBM bandwidth) × busy share, plus {launches} launch(es) × launch overhead × idle share",
+    )
+    masked = sum(1 for m in matches if m.info["masked"])
+    rationale = (
+        f"{len(matches)} hand-written attention(s) (matmul → scale → "
+        f"{'mask → ' if masked else ''}softmax → matmul) materialise the score matrix; "
+        "scaled_dot_product_attention runs them as one fused (flash / memory-efficient) kernel."
+    )
+    steps = [
+        "functional level: match matmul(q, kᵀ) → div/mul by a constant → where/masked_fill "
+        "(optional) → softmax(dim=-1) → matmul(·, v)",
+        "replace with F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1/√d): "
+        "is_causal=True when the mask is a lower-triangular buffer slice",
+        "erase the chain; graph.lint(); recompile",
+    ]
+    return [
+        Draft(
+            "sdpa_replacement",
+            "functional",
+            [n for m in matches for n in m.nodes],
+            [e for m in matches[:MAX_EVIDENCE_PER_KIND] for e in m.evidence],
+            steps,
+            impact,
+            SCORE_MEDIUM,
+            rationale,
+        )
+    ]
+
+
+def activation_substitution(ctx: Context) -> list[Draft]:
+    matches = [m for v in ctx.views for m in patterns.find_tanh_gelu(v)]
+    if not matches:
+        return []
+    data = sum((m.info["ops"] - 1) * 2 * m.info["numel"] * m.info["itemsize"] for m in matches)
+    launches = sum(m.info["ops"] - 1 for m in matches)
+    impact = ctx.budget.impact(
+        ctx.budget.wall_saving(bytes_at_bandwidth_us(data, ctx.spec), launches=launches),
+        f"roofline: {launches} elementwise passes fewer ({data / 1e6:.1f} MB at HBM bandwidth) "
+        "× busy share, plus their launches × launch overhead × idle share",
+    )
+    rationale = (
+        f"{len(matches)} tanh-form GELU(s) spelled out in {matches[0].info['ops']} elementwise "
+        "ops each; one gelu(approximate='tanh') computes the same function in one kernel."
+    )
+    steps = [
+        "aten level: match mul(x, 0.5) · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))",
+        "replace with aten.gelu(x, approximate='tanh'); erase the matched nodes",
+        "graph.lint(); recompile",
+    ]
+    return [
+        Draft(
+            "activation_substitution",
+            "aten",
+            [n for m in matches for n in m.nodes],
+            [e for m in matches[:MAX_EVIDENCE_PER_KIND] for e in m.evidence],
+            steps,
+            impact,
+            0.7,
+            rationale,
+            {"replacement": "gelu_tanh"},
+        )
+    ]
+
+
+def pretranspose_weights(ctx: Context) -> list[Draft]:
+    """Freezing, for every linear/convolution that reads parameters. Without a graph summary
+    the profile's GEMM and convolution operators stand in; with a summary that holds no graph
+    (Dynamo traced nothing) Inductor never sees the weights, so nothing is proposed."""
+    if ctx.graph is not None and not ctx.graph.graphs:
+        return []
+    weight_ops = [m for v in ctx.views for m in patterns.find_weight_ops(v)]
+    gemms = top(
+        [f for f in ctx.facts.values() if f.kind in ("gemm", "conv") and f.aggregate.share > 0]
+    )
+    if not weight_ops and (ctx.graph is not None or not gemms):
+        return []
+    evidence = [e for m in weight_ops[:MAX_EVIDENCE_PER_KIND] for e in m.evidence]
+    evidence.extend(share_evidence(ctx, f) for f in gemms[:3])
+    impact = ctx.budget.impact(
+        0.0,
+        "not modelled: freezing folds weight transposes and layouts into constants at "
+        "compile time, which no eager operator shows; measured by the backend stage",
+    )
+    count = len(weight_ops) or len(gemms)
+    what = "linear/convolution call(s)" if weight_ops else "GEMM/convolution operator(s)"
+    rationale = (
+        f"{count} {what} read parameters that never change in inference; with freezing "
+        "Inductor treats them as constants (pre-transposed, pre-packed, BN folded)."
+    )
+    steps = [
+        "inductor config freezing=True for the compiled forward (inference under no_grad)",
+        "Inductor constant-folds weight permutes/transposes and conv-BN, and lays weights out "
+        "for the chosen kernels",
+    ]
+    targets = [m.nodes[0] for m in weight_ops] or [f.name for f in gemms]
+    return [
+        Draft(
+            "pretranspose_weights",
+            "inductor_config",
+            targets,
+            evidence,
+            steps,
+            impact,
+            0.8,
+            rationale,
+            {"freezing": True},
+        )
+    ]
+
+
+def batch_padding(ctx: Context) -> list[Draft]:
+    if not ctx.gpu or ctx.spec is None or not ctx.views:
+        return []
+    half = "dtype_promotion" in ctx.drafted or ctx.model_dtype in ("bfloat16", "float16")
+    dtype = "bf16" if half else "tf32"
+    multiple = knowledge.tile_multiple(ctx.spec, dtype)
+    if not multiple:
+        return []
+    found = [m for v in ctx.views for m in patterns.find_off_tile(v, multiple)]
+    total = sum(g.flops for v in ctx.views for _, g in graph.gemm_nodes(v))
+    gemm_share = sum(f.aggregate.share for f in ctx.facts.values() if f.gemm_like)
+    padded = [m for m in found if m.info["waste_pct"] <= ctx.th.padding_max_waste_pct]
+    share = gemm_share * sum(m.info["flops"] for m in padded) / total if total else 0.0
+    if not padded or share < ctx.th.min_op_time_share:
+        return []
+    impact = ctx.budget.impact(
+        0.0,
+        "not modelled: the gain depends on the kernel cuBLAS/cuDNN picks for the padded "
+        "shape; measured by the backend stage",
+    )
+    rationale = (
+        f"{len(padded)} GEMM-like node(s) have N or K off the {dtype.upper()} tensor-core multiple "
+        f"of {multiple} ({pct(share)} of kernel time by FLOPs); padding adds at most "
+        f"{max(m.info['waste_pct'] for m in padded):.1f}% work."
+    )
+    steps = [
+        f"pad the off-tile dimension to a multiple of {multiple} with zeros (weights and "
+        "inputs), slice the result back to the original size",
+    ]
+    return [
+        Draft(
+            "batch_padding",
+            "non_graph",
+            [m.nodes[0] for m in padded],
+            [e for m in padded[:MAX_EVIDENCE_PER_KIND] for e in m.evidence],
+            steps,
+            impact,
+            0.4,
+            rationale,
+            {"multiple": multiple},
+        )
+    ]
+
+
+def stub_detection(ctx: Context) -> list[Draft]:
+    modules = patterns.find_rnn_modules(ctx.graph)
+    rnns = top([f for f in ctx.facts.values() if f.kind == "rnn" and f.aggregate.share > 0])
+    if not modules and not rnns:
+        return []
+    evidence = [e for m in modules for e in m.evidence]
+    evidence.extend(share_evidence(ctx, f) for f in rnns)
+    cells = sorted({m.info["cell"] for m in modules}) or ["RNN"]
+    return [
+        Draft(
+            "stub_detection",
+            "functional",
+            [m.nodes[0] for m in modules] + [f.name for f in rnns],
+            evidence,
+            [
+                f"recognise {', '.join(cells)} (module types / aten RNN operators) and log "
+                "WARNING [pass_stub_detection] with the reason; no graph change"
+            ],
+            ctx.budget.impact(0.0, "informational: no transformation"),
+            SCORE_LOW,
+            f"{', '.join(cells)} recognised: recurrent layers run as one opaque cuDNN call that "
+            "no FX pass can rewrite (a custom persistent kernel would be needed).",
+            {"patterns": cells},
+        )
+    ]
