@@ -91,6 +91,7 @@ def _finalise(drafts: Sequence[Draft], ctx: Context) -> list[Proposal]:
     for draft in drafts:
         counters[draft.type] = counters.get(draft.type, 0) + 1
         score, applied = knowledge.apply_edge_case_penalties(draft.score, ctx.flags, draft.type)
+        score = round(score, 6)  # 0.6 − 0.15 is 0.4499…, which must stay "medium" (≥ 0.45)
         evidence = list(draft.evidence)
         rationale = draft.rationale
         if applied:

@@ -71,6 +71,11 @@ class Context:
         return self.device_type == "cuda"
 
     @property
+    def time_word(self) -> str:
+        """What a share is a share of: GPU kernel time, or CPU operator time on the fallback."""
+        return "kernel time" if self.gpu else "operator time"
+
+    @property
     def model_dtype(self) -> str:
         return self.profile.capture_metadata.dtype.removeprefix("torch.")
 
@@ -210,7 +215,7 @@ def agg_source(index: int, op: str, path: str) -> str:
 
 def share_evidence(ctx: Context, facts: OpFacts, index: int = 0) -> Evidence:
     return ev(
-        f"{facts.name} share of kernel time",
+        f"{facts.name} share of {ctx.time_word}",
         facts.aggregate.share,
         agg_source(index, facts.name, "share"),
         "fraction",

@@ -47,7 +47,7 @@ def bn_fold(ctx: Context) -> list[Draft]:
         f"{len(matches)} convolution/linear → eval BatchNorm pair(s): in inference BN is an "
         "affine map per channel that folds into the producer's weight and bias"
         + (
-            f"; BN kernels take {pct(sum(f.aggregate.share for f in bns))} of kernel time"
+            f"; batch norm takes {pct(sum(f.aggregate.share for f in bns))} of {ctx.time_word}"
             if bns
             else ""
         )
@@ -265,7 +265,7 @@ def batch_padding(ctx: Context) -> list[Draft]:
     )
     rationale = (
         f"{len(padded)} GEMM-like node(s) have N or K off the {dtype.upper()} tensor-core multiple "
-        f"of {multiple} ({pct(share)} of kernel time by FLOPs); padding adds at most "
+        f"of {multiple} ({pct(share)} of {ctx.time_word} by FLOPs); padding adds at most "
         f"{max(m.info['waste_pct'] for m in padded):.1f}% work."
     )
     steps = [

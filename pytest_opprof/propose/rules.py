@@ -153,7 +153,7 @@ def dtype_promotion(ctx: Context) -> list[Draft]:
     listed = ", ".join(f"{f.name} {pct(f.aggregate.share)}" for f in affected[:4])
     rationale = (
         f"{len(affected)} GEMM-like operator(s) run in FP32/TF32 and take {pct(share)} of the "
-        f"eager kernel time ({listed}{', …' if len(affected) > 4 else ''}). "
+        f"eager {ctx.time_word} ({listed}{', …' if len(affected) > 4 else ''}). "
     )
     if ctx.gpu and ctx.spec is not None:
         ops = [part for f in affected for part in _op_parts(ctx, f)]
@@ -236,7 +236,7 @@ def _compiled_fp32(ctx: Context, evidence: list[Evidence]) -> str:
     return (
         " The torch.compile baseline keeps the precision: "
         + " and ".join(parts)
-        + " of its kernel time."
+        + f" of its {ctx.time_word}."
     )
 
 
@@ -290,7 +290,7 @@ def memory_layout(ctx: Context) -> list[Draft]:
             if converting
             else ""
         )
-        + ". channels_last lets cuDNN and Inductor run NHWC kernels without conversions."
+        + ". channels_last lets cuDNN / oneDNN and Inductor run NHWC kernels without conversions."
     )
     steps = [
         "get_model_and_input: model = model.to(memory_format=torch.channels_last)",
