@@ -125,8 +125,10 @@ class _Iteration:
     mark: _Event
     calls: dict[int, _Call] = field(default_factory=dict)  # id(event) → call
     unattributed: list[_Kernel] = field(default_factory=list)
-    regions: Counter[str] = field(default_factory=Counter)
-    region_names: list[str] = field(default_factory=list)
+    regions: list[str] = field(default_factory=list)  # compiled regions entered, by name
+
+    def count(self, kind: str) -> int:
+        return sum(1 for name in self.regions if name.startswith(kind))
 
 
 def load_trace(path: Path) -> dict[str, Any]:
@@ -284,10 +286,8 @@ def _collect_call(
     if op.mark is None or op.mark is op:
         return
     iteration = iterations[window.index[id(op.mark)]]
-    region = next((kind for kind in _REGIONS if op.name.startswith(kind)), None)
-    if region is not None:
-        iteration.regions[region] += 1
-        iteration.region_names.append(op.name)
+    if op.name.startswith(_REGIONS):
+        iteration.regions.append(op.name)
     if op.top_aten is op:
         iteration.calls[id(op)] = _aten_call(op)
     elif device_type == "cpu" and op.top_aten is None and _is_cpu_kernel(op, provenance):
@@ -524,36 +524,22 @@ def _summarise(
     window: _Window,
     device_type: str,
 ) -> tuple[TimelineSummary, list[EdgeCaseFlag]]:
+    """GPU mode sums kernel time; CPU mode sums the time of the operators themselves."""
     n = len(iterations)
-    wall = sum(it.mark.dur for it in iterations) / n
-    flags: list[EdgeCaseFlag] = []
     if device_type == "cpu":
-        calls = [c for it in iterations for c in it.calls.values()]
-        total = sum(c.cpu_time for c in calls)
-        high = sum(c.cpu_time for c in calls if c.attribution == "high")
-        attributed = high + sum(c.cpu_time for c in calls if c.attribution == "medium")
+        items = [
+            (c.cpu_time, c.attribution, c.name) for it in iterations for c in it.calls.values()
+        ]
         idle = sum(_cpu_idle(it) for it in iterations) / n
-        summary = TimelineSummary(
-            iterations=n,
-            device_time_per_iter_us=_round(total / n),
-            wall_time_per_iter_us=_round(wall),
-            idle_time_per_iter_us=_round(idle),
-            kernels_per_iter=0.0,
-            launch_overhead_per_call_us=None,
-            attributed_share=_share(attributed, total),
-            high_share=_share(high, total),
-        )
-        if total and (total - attributed) / total > UNATTRIBUTED_LIMIT:
-            times: dict[str, float] = defaultdict(float)
-            for call in calls:
-                if call.attribution == "none":
-                    times[call.name] += call.cpu_time
-            flags.append(_unattributed_flag("operator time", times, total - attributed, total, n))
-        return summary, flags
-
-    total = sum(k.event.dur for k in kernels)
-    high = sum(k.event.dur for k in kernels if k.attribution == "high")
-    medium = sum(k.event.dur for k in kernels if k.attribution == "medium")
+    else:
+        items = [(k.event.dur, k.attribution, k.event.name) for k in kernels]
+        idle = sum(_gpu_idle(kernels, i) for i in range(n)) / n
+    total = sum(time for time, _, _ in items)
+    high = sum(time for time, attribution, _ in items if attribution == "high")
+    lost: dict[str, float] = defaultdict(float)
+    for time, attribution, name in items:
+        if attribution == "none":
+            lost[name] += time
     launches = [
         e.dur
         for e in runtime
@@ -564,14 +550,17 @@ def _summarise(
     summary = TimelineSummary(
         iterations=n,
         device_time_per_iter_us=_round(total / n),
-        wall_time_per_iter_us=_round(wall),
-        idle_time_per_iter_us=_round(sum(_gpu_idle(kernels, i) for i in range(n)) / n),
+        wall_time_per_iter_us=_round(sum(it.mark.dur for it in iterations) / n),
+        idle_time_per_iter_us=_round(idle),
         kernels_per_iter=round(len(kernels) / n, 3),
         launch_overhead_per_call_us=_round(sum(launches) / len(launches)) if launches else None,
-        attributed_share=_share(high + medium, total),
+        attributed_share=_share(total - sum(lost.values()), total),
         high_share=_share(high, total),
     )
-    flags += _gpu_flags(kernels, runtime, window, n, total - high - medium, total)
+    flags = _gpu_flags(kernels, runtime, window, n, total) if device_type == "cuda" else []
+    if total and sum(lost.values()) / total > UNATTRIBUTED_LIMIT:
+        what = "kernel time" if device_type == "cuda" else "operator time"
+        flags.append(_unattributed_flag(what, lost, total, n))
     return summary, flags
 
 
@@ -580,7 +569,6 @@ def _gpu_flags(
     runtime: list[_Event],
     window: _Window,
     n: int,
-    unattributed: float,
     total: float,
 ) -> list[EdgeCaseFlag]:
     flags = []
@@ -615,18 +603,11 @@ def _gpu_flags(
             f"{(len(replayed) - placed) / n:g} unattributed"
         )
         flags.append(EdgeCaseFlag(name="cuda_graph_replay", detail=detail))
-    if total and unattributed / total > UNATTRIBUTED_LIMIT:
-        times: dict[str, float] = defaultdict(float)
-        for k in kernels:
-            if k.attribution == "none":
-                times[k.event.name] += k.event.dur
-        flags.append(_unattributed_flag("kernel time", times, unattributed, total, n))
     return flags
 
 
-def _unattributed_flag(
-    what: str, times: dict[str, float], unattributed: float, total: float, n: int
-) -> EdgeCaseFlag:
+def _unattributed_flag(what: str, times: dict[str, float], total: float, n: int) -> EdgeCaseFlag:
+    unattributed = sum(times.values())
     largest = sorted(times.items(), key=lambda item: (-item[1], item[0]))[:3]
     top = ", ".join(f"{name} ({t / n:.1f} µs)" for name, t in largest)
     detail = (
@@ -644,20 +625,20 @@ def _unattributed_flag(
 def _structure_flags(iterations: list[_Iteration]) -> list[EdgeCaseFlag]:
     """Graph breaks (several compiled regions per iteration) and iterations that differ."""
     flags = []
+    # A graph break nests the resumed frame's region in the first one: count them all.
     counts = [
-        max(it.regions[COMPILED_REGION], it.regions[COMPILED_GRAPH])
-        or it.regions[COMPILED_FUNCTION]
+        max(it.count(COMPILED_REGION), it.count(COMPILED_GRAPH)) or it.count(COMPILED_FUNCTION)
         for it in iterations
     ]
     if max(counts) > 1:
-        held = iterations[counts.index(max(counts))].region_names
+        held = iterations[counts.index(max(counts))].regions
         names = ", ".join(n for n in held if not n.startswith(COMPILED_GRAPH)) or ", ".join(held)
         detail = f"{max(counts)} compiled regions per iteration, eager code between them: {names}"
         flags.append(EdgeCaseFlag(name="graph_breaks", detail=detail))
     first = [(c.name, c.shapes) for _, c in _ordered(iterations[0])]
     for number, iteration in enumerate(iterations[1:], start=2):
         other = [(c.name, c.shapes) for _, c in _ordered(iteration)]
-        regions, first_regions = iteration.region_names, iterations[0].region_names
+        regions, first_regions = iteration.regions, iterations[0].regions
         if other == first and regions == first_regions:
             continue
         if regions != first_regions:
@@ -668,7 +649,10 @@ def _structure_flags(iterations: list[_Iteration]) -> list[EdgeCaseFlag]:
             what = f"operator {at}: {_describe(first, at)} then {_describe(other, at)}"
         name = "graph_breaks" if counts[number - 1] != counts[0] else "dynamic_shapes"
         detail = f"iterations 1 and {number} differ at {what}; the timeline keeps iteration 1's"
-        flags.append(EdgeCaseFlag(name=name, detail=detail))
+        if flags and flags[0].name == name:  # one flag of each name
+            flags[0].detail += f"; {detail}"
+        else:
+            flags.append(EdgeCaseFlag(name=name, detail=detail))
         break
     return flags
 

@@ -161,7 +161,9 @@ def collect_inductor_provenance() -> dict[str, list[str]]:
     """Provenance of every kernel in the wrapper modules Inductor has loaded in this process.
 
     Call it in the process that compiled the model, after the compiled calls ran; the runner
-    passes the result to ``attribution.build_timeline``.
+    passes the result to ``attribution.build_timeline``. Kernel numbering restarts in each graph,
+    so two graphs can each hold a ``triton_poi_fused_add_0``; the descriptive name already fixes
+    the set of ops, and the lists of such kernels are merged.
     """
     try:
         from torch._inductor.codecache import PyCodeCache
