@@ -49,6 +49,7 @@ from pytest_opprof.passes.base import (
     OPPROF_PREFIX,
     PassResult,
     PassSpec,
+    compiling_for,
     fake_value,
     is_constant_tensor,
     is_fake,
@@ -71,11 +72,13 @@ def make_backend(
     results: list[PassResult] | None = None,
     passthrough: bool = False,
 ) -> Backend:
-    """A Dynamo backend (``passthrough``: run the captured graph eagerly — what a generated
-    backend does when measured selection found nothing faster than eager): ``functional`` passes on the Dynamo graph, then ``compile_fx`` with
+    """A Dynamo backend: ``functional`` passes on the Dynamo graph, then ``compile_fx`` with
     ``aten`` passes run in inner compile and ``config_patches`` applied. Each ``PassResult`` is
     appended to ``results`` (once per compiled graph). Unknown pass names raise ``KeyError``,
-    non-graph or config passes named as graph passes raise ``ValueError``."""
+    non-graph or config passes named as graph passes raise ``ValueError``.
+
+    ``passthrough``: run the captured graph eagerly — what a generated backend does when
+    measured selection found nothing faster than eager."""
     functional_specs = _graph_specs(functional)
     aten_specs = _graph_specs(aten)
     patches = supported_config(config_patches or {})
@@ -107,14 +110,15 @@ def make_backend(
         ) -> Any:
             if aten_specs and not kw.get("is_backward", False):
                 pass_inputs = _aten_pass_inputs(aten_gm, aten_inputs, kw, inputs)
-                for spec in aten_specs:
-                    sink.append(spec.apply(aten_gm, pass_inputs))
+                with compiling_for("inductor"):
+                    for spec in aten_specs:
+                        sink.append(spec.apply(aten_gm, pass_inputs))
             # looked up at call time, so a patched compile_fx_inner is honoured
             with _real_constants_allowed(aten_inputs):
                 return inductor.compile_fx_inner(aten_gm, aten_inputs, *a, **kw)
 
         with _no_autograd_cache(), _tf32(allow_tf32):
-            compiled = inductor.compile_fx(
+            compiled: Any = inductor.compile_fx(
                 gm, inputs, inner_compile=inner_compile, config_patches=dict(patches)
             )
         return _with_tf32(compiled) if allow_tf32 else compiled
@@ -144,7 +148,7 @@ def register_backend(name: str, **kwargs: Any) -> str:
 
 def apply_non_graph(
     model: torch.nn.Module,
-    inputs: tuple[torch.Tensor, ...],
+    inputs: tuple[torch.Tensor, ...] | torch.Tensor,
     *,
     dtype: str | None = None,
     channels_last: bool = False,
@@ -356,8 +360,9 @@ def aten_custom_pass(names: Sequence[str], results: list[PassResult] | None = No
             gm = graph.owning_module
             assert isinstance(gm, torch.fx.GraphModule)
             fakes = [fake_value(n) for n in graph.nodes if n.op == "placeholder"]
-            for spec in specs:
-                sink.append(spec.apply(gm, fakes))
+            with compiling_for("inductor"):
+                for spec in specs:
+                    sink.append(spec.apply(gm, fakes))
 
         def uuid(self) -> str:
             return uuid

@@ -8,10 +8,14 @@ shapes (``x**3`` / ``x*x*x`` / ``pow``, either operand order, constants rounded 
 and a traced search pattern matches only one literal arrangement with exact constants. Products
 are matched as multisets of factors, sums with either operand order, constants within 1e-4.
 
-Note for Inductor: ``aten.gelu`` is in Inductor's decomposition table, and inner compile sees the
-graph after decomposition, so Inductor lowers the new node through an implicit fallback to the
-ATen kernel rather than fusing it with its neighbours. Whether that is faster than Inductor's
-own fused pointwise kernel is for measured selection to decide (DESIGN §2.3).
+Inside Inductor (``make_backend``'s inner compile, or as an Inductor custom pass) the pass finds
+the pattern but leaves it: ``aten.gelu`` is in Inductor's decomposition table and has no
+lowering, so a post-decomposition ``aten.gelu`` makes Inductor fail ("both a fallback and a
+decomp for same op", torch 2.13 ``lowering.make_fallback``) — and Inductor's decomposition of
+``aten.gelu(approximate="tanh")`` is this very formula, which it already lowers as one fused
+pointwise kernel. The result is then ``NOT_APPLIED`` with the count found and that reason. Where
+a later torch adds a lowering for ``aten.gelu``, the rewrite applies there too. Elsewhere
+(aot_eager, export, eager-mode graphs) the rewrite applies.
 """
 
 from __future__ import annotations
@@ -24,9 +28,12 @@ import torch
 import torch.fx
 
 from pytest_opprof.passes.base import (
+    PassResult,
+    compile_target,
     fake_value,
     is_op,
     meta_key,
+    not_applied,
     run_graph_pass,
     scalar,
     set_fake_value,
@@ -41,9 +48,24 @@ _CUBIC = 0.044715
 _TOL = 1e-4
 
 
-def apply(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> Any:
+def apply(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> PassResult:
     """Replace each tanh-form GELU with ``aten.gelu(approximate='tanh')``."""
+    if compile_target() == "inductor" and not _inductor_lowers_gelu():
+        found = sum(1 for n in gm.graph.nodes if is_op(n, aten.tanh) and _match(n) is not None)
+        if not found:
+            return not_applied(NAME, "no tanh-form GELU")
+        reason = (
+            "Inductor decomposes aten.gelu into this same formula and has no lowering for it "
+            f"(torch {torch.__version__}); its fused pointwise kernel already is the substitution"
+        )
+        return not_applied(NAME, f"found {found} tanh-form GELU(s), left as is: {reason}", found)
     return run_graph_pass(NAME, gm, example_inputs, _rewrite)
+
+
+def _inductor_lowers_gelu() -> bool:
+    from torch._inductor.lowering import lowerings
+
+    return aten.gelu.default in lowerings or aten.gelu in lowerings
 
 
 def _rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[int, str]:

@@ -12,6 +12,8 @@ decline to transform (``NOT_APPLIED``) where they do not.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import copy
 import logging
 import operator
@@ -133,6 +135,26 @@ def _restore(gm: torch.fx.GraphModule, graph: torch.fx.Graph, attrs: set[str]) -
     for key in [k for k in gm.__dict__ if k not in attrs]:
         del gm.__dict__[key]
     gm.graph = graph  # the setter re-owns the graph and recompiles
+
+
+# ------------------------------------------------------------------- compilation target
+
+_TARGET: contextvars.ContextVar[str | None] = contextvars.ContextVar("opprof_target", default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(target: str) -> Iterator[None]:
+    """Tell the passes run inside this block who lowers their output (``"inductor"`` from
+    ``make_backend``), so a pass can decline a rewrite that compiler cannot lower."""
+    token = _TARGET.set(target)
+    try:
+        yield
+    finally:
+        _TARGET.reset(token)
+
+
+def compile_target() -> str | None:
+    return _TARGET.get()
 
 
 # ----------------------------------------------------------------------------- FX helpers

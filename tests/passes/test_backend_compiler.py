@@ -1,0 +1,217 @@
+"""make_backend end to end through Dynamo and Inductor's CPU backend, on tiny models; the
+registration and non-graph glue around it."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch._inductor.compile_fx
+import torch.fx
+
+from pytest_opprof.backend import compiler
+from pytest_opprof.passes import bn_fold
+from pytest_opprof.passes.base import ALLOW_TF32, PassResult
+
+BF16: dict[str, Any] = {"rtol": 1.6e-2, "atol": 2e-2}
+
+
+class ConvBnRelu(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = torch.nn.Conv2d(3, 8, 3, padding=1)
+        self.bn = torch.nn.BatchNorm2d(8)
+        mean, var = self.bn.running_mean, self.bn.running_var
+        assert mean is not None and var is not None
+        with torch.no_grad():  # statistics far from the identity, so a bad fold shows
+            mean.normal_()
+            var.uniform_(0.5, 2.0)
+            self.bn.weight.normal_()
+            self.bn.bias.normal_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.bn(self.conv(x)))
+
+
+class AttentionBlock(torch.nn.Module):
+    def __init__(self, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.q = torch.nn.Linear(dim, dim)
+        self.k = torch.nn.Linear(dim, dim)
+        self.v = torch.nn.Linear(dim, dim)
+        self.out = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = (
+            p(x).view(b, t, self.heads, c // self.heads).transpose(1, 2)
+            for p in (self.q, self.k, self.v)
+        )
+        att = torch.softmax(q @ k.transpose(-2, -1) / math.sqrt(c // self.heads), dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(b, t, c)
+        gelu = 0.5 * y * (1 + torch.tanh(math.sqrt(2 / math.pi) * (y + 0.044715 * y**3)))
+        return self.out(gelu)
+
+
+def _statuses(results: list[PassResult]) -> list[tuple[str, str]]:
+    return [(r.name, r.status) for r in results]
+
+
+def test_conv_bn_relu(monkeypatch: pytest.MonkeyPatch) -> None:
+    model, x = ConvBnRelu().eval(), torch.randn(2, 3, 8, 8)
+    seen: list[torch.fx.GraphModule] = []
+    real_inner = torch._inductor.compile_fx.compile_fx_inner
+
+    def spy(gm: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        seen.append(gm)
+        return real_inner(gm, *args, **kwargs)
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx_inner", spy)
+    results: list[PassResult] = []
+    backend = compiler.make_backend(aten=["bn_fold", "dtype_promotion"], results=results)
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(x)
+        expected = model(x)
+
+    assert _statuses(results) == [("bn_fold", "APPLIED"), ("dtype_promotion", "APPLIED")]
+    assert results[0].matches == 1  # folded with the real weights, not the fake inputs
+    (aten_gm,) = seen
+    convs = [n for n in aten_gm.graph.nodes if n.target is torch.ops.aten.convolution.default]
+    assert len(convs) == 1 and convs[0].meta["val"].dtype == torch.bfloat16
+    assert not any(n.target is torch.ops.aten.sub.Tensor for n in aten_gm.graph.nodes)
+    torch.testing.assert_close(out, expected, **BF16)
+
+
+def test_attention_block() -> None:
+    model, x = AttentionBlock().eval(), torch.randn(2, 5, 16)
+    results: list[PassResult] = []
+    backend = compiler.make_backend(
+        functional=["qkv_fusion", "sdpa_replacement"],
+        aten=["dtype_promotion", "activation_substitution"],
+        results=results,
+    )
+    with torch.no_grad():
+        out = torch.compile(model, backend=backend)(x)
+        expected = model(x)
+    assert _statuses(results) == [
+        ("qkv_fusion", "APPLIED"),
+        ("sdpa_replacement", "APPLIED"),
+        ("dtype_promotion", "APPLIED"),
+        ("activation_substitution", "NOT_APPLIED"),
+    ]
+    # found, but Inductor cannot lower a post-decomposition aten.gelu (and needs not to)
+    assert results[-1].matches == 1
+    assert "has no lowering" in results[-1].detail
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, **BF16)
+
+
+def test_freezing_makes_parameters_constants(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With ``freezing`` as a patch the parameters reach inner compile as constants, although
+    Dynamo (torch >= 2.5) traced them as graph inputs."""
+    model, x = ConvBnRelu().eval(), torch.randn(2, 3, 8, 8)
+    seen: list[torch.fx.GraphModule] = []
+    real_inner = torch._inductor.compile_fx.compile_fx_inner
+
+    def spy(gm: torch.fx.GraphModule, *args: Any, **kwargs: Any) -> Any:
+        seen.append(gm)
+        return real_inner(gm, *args, **kwargs)
+
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx_inner", spy)
+    results: list[PassResult] = []
+    backend = compiler.make_backend(
+        aten=["bn_fold"], config_patches={"freezing": True}, results=results
+    )
+    with torch.no_grad():
+        compiled = torch.compile(model, backend=backend)
+        torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    (aten_gm,) = seen
+    used = [n.name for n in aten_gm.graph.nodes if n.op == "placeholder" and n.users]
+    assert len(used) == 1  # only x: the parameters were frozen into constants
+    assert any(n.op == "get_attr" for n in aten_gm.graph.nodes)
+    # Inductor's freezing folded the batch norm before inner compile: nothing left for ours
+    assert _statuses(results) == [("bn_fold", "NOT_APPLIED")]
+
+
+def test_a_failing_pass_does_not_break_the_compile(monkeypatch: pytest.MonkeyPatch) -> None:
+    def boom(*args: Any) -> Any:
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(bn_fold, "_walk_chain", boom)
+    model, x = ConvBnRelu().eval(), torch.randn(1, 3, 4, 4)
+    results: list[PassResult] = []
+    with torch.no_grad():
+        out = torch.compile(
+            model, backend=compiler.make_backend(aten=["bn_fold"], results=results)
+        )(x)
+        torch.testing.assert_close(out, model(x), rtol=1e-5, atol=1e-5)
+    assert results == [PassResult("bn_fold", "FAILED", "RuntimeError: injected")]
+
+
+def test_make_backend_rejects_what_it_cannot_route() -> None:
+    with pytest.raises(KeyError, match="unknown pass 'bnfold'"):
+        compiler.make_backend(aten=["bnfold"])
+    with pytest.raises(ValueError, match="'cuda_graphs' is a inductor_config pass"):
+        compiler.make_backend(aten=["cuda_graphs"])
+    with pytest.raises(ValueError, match="apply it with apply_non_graph"):
+        compiler.make_backend(functional=["batch_padding"])
+    with pytest.raises(ValueError, match="unknown opprof config keys"):
+        compiler.make_backend(config_patches={"opprof.turbo": True})
+
+
+def test_tf32_is_scoped_to_the_compiled_call() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    inside = compiler._with_tf32(lambda: torch.backends.cuda.matmul.allow_tf32)
+    assert inside() is True
+    assert torch.backends.cuda.matmul.allow_tf32 is False
+    compiler.make_backend(config_patches={ALLOW_TF32: True})  # accepted, not Inductor config
+
+
+def test_register_backend_is_idempotent() -> None:
+    name = compiler.register_backend("opprof_test_block", aten=["bn_fold"])
+    assert name in torch._dynamo.list_backends()
+    assert compiler.register_backend("opprof_test_block", aten=["dtype_promotion"]) == name
+    with pytest.raises(ValueError, match="taken by another backend"):
+        compiler.register_backend("inductor")
+
+
+def test_apply_non_graph() -> None:
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.Flatten(), torch.nn.LazyLinear(2)
+    )
+    x = torch.randn(3, 3, 6, 6)
+    with torch.no_grad():
+        expected = model(x)
+        new_model, inputs, results = compiler.apply_non_graph(
+            model, (x,), dtype="bfloat16", channels_last=True, pad_batch_to=4
+        )
+        out = new_model(x)  # the original input
+    assert [r.name for r in results] == ["memory_layout", "dtype_promotion", "batch_padding"]
+    assert all(r.status == "APPLIED" for r in results)
+    assert inputs[0].is_contiguous(memory_format=torch.channels_last)
+    assert out.dtype == torch.float32 and out.shape == expected.shape
+    torch.testing.assert_close(out, expected, **BF16)
+    _, _, none = compiler.apply_non_graph(torch.nn.Linear(2, 2), torch.randn(1, 2), dtype="float32")
+    assert none == []
+
+
+def test_aten_custom_pass_uuid_follows_the_passes() -> None:
+    a = compiler.aten_custom_pass(["dtype_promotion"])
+    b = compiler.aten_custom_pass(["dtype_promotion"])
+    c = compiler.aten_custom_pass(["dtype_promotion", "bn_fold"])
+    assert a.uuid() == b.uuid() != c.uuid()
+
+    results: list[PassResult] = []
+    hook = compiler.aten_custom_pass(["dtype_promotion"], results)
+
+    def mm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.relu(a @ b)
+
+    a_in, b_in = torch.randn(8, 16), torch.randn(16, 4) / 4
+    with torch._inductor.config.patch(post_grad_custom_post_pass=hook):
+        out = torch.compile(mm)(a_in, b_in)
+    assert _statuses(results) == [("dtype_promotion", "APPLIED")]
+    torch.testing.assert_close(out, mm(a_in, b_in), **BF16)

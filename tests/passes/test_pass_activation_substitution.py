@@ -1,0 +1,81 @@
+"""activation_substitution on aten graphs of the tanh GELU as people write it."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pass_helpers import AtenTrace, count
+
+from pytest_opprof.passes import activation_substitution
+
+aten = torch.ops.aten
+C = math.sqrt(2.0 / math.pi)
+
+
+def gelu_pow(x: torch.Tensor) -> torch.Tensor:  # GPT-2's NewGELU
+    return 0.5 * x * (1.0 + torch.tanh(C * (x + 0.044715 * torch.pow(x, 3.0))))
+
+
+def gelu_cubed_by_hand(x: torch.Tensor) -> torch.Tensor:
+    return x * 0.5 * (torch.tanh((x + x * x * x * 0.044715) * 0.7978845608) + 1)
+
+
+def gelu_outer_half_last(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (x * (1 + torch.tanh(0.79788456 * (0.044715 * x**3 + x))))
+
+
+FORMS = [gelu_pow, gelu_cubed_by_hand, gelu_outer_half_last]
+
+
+@pytest.mark.parametrize("form", FORMS, ids=lambda f: f.__name__)
+def test_replaces_tanh_gelu(aten_graph: AtenTrace, form: Callable[..., torch.Tensor]) -> None:
+    x = torch.randn(4, 16) * 3
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return form(x * 2.0) - 1.0  # something before and after, left as it was
+
+    gm = aten_graph(block, x)
+    result = activation_substitution.apply(gm, [x])
+
+    assert (result.status, result.matches) == ("APPLIED", 1)
+    assert count(gm, aten.gelu) == 1 and count(gm, aten.tanh, aten.pow) == 0
+    (gelu,) = [n for n in gm.graph.nodes if n.target is aten.gelu.default]
+    assert gelu.kwargs == {"approximate": "tanh"}
+    torch.testing.assert_close(gm(x), block(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gm(x), F.gelu(x * 2.0, approximate="tanh") - 1.0)
+
+
+def test_two_activations(aten_graph: AtenTrace) -> None:
+    x = torch.randn(8)
+    gm = aten_graph(lambda x: gelu_pow(x) + gelu_cubed_by_hand(x + 1), x)
+    assert activation_substitution.apply(gm, [x]).matches == 2
+    torch.testing.assert_close(gm(x), gelu_pow(x) + gelu_cubed_by_hand(x + 1))
+
+
+def _erf_gelu(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x)
+
+
+def _wrong_constant(x: torch.Tensor) -> torch.Tensor:
+    return 0.5 * x * (1.0 + torch.tanh(C * (x + 0.05 * torch.pow(x, 3.0))))
+
+
+def _tanh_read_twice(x: torch.Tensor) -> torch.Tensor:
+    t = torch.tanh(C * (x + 0.044715 * torch.pow(x, 3.0)))
+    return 0.5 * x * (1.0 + t) + t
+
+
+@pytest.mark.parametrize("fn", [_erf_gelu, _wrong_constant, _tanh_read_twice])
+def test_leaves_graph_alone_without_the_pattern(
+    aten_graph: AtenTrace, fn: Callable[..., torch.Tensor]
+) -> None:
+    x = torch.randn(8)
+    gm = aten_graph(fn, x)
+    code = gm.code
+    result = activation_substitution.apply(gm, [x])
+    assert (result.status, result.matches) == ("NOT_APPLIED", 0)
+    assert gm.code == code

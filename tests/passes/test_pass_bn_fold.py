@@ -1,0 +1,90 @@
+"""bn_fold on aten graphs: Inductor-decomposed batch norm (what inner compile receives) and the
+undecomposed op, after a convolution and after a linear."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pass_helpers import AtenTrace, const, count
+
+from pytest_opprof.passes import bn_fold
+
+aten = torch.ops.aten
+RTOL, ATOL = 1e-5, 1e-5
+
+
+def _bn_params(c: int) -> list[torch.Tensor]:
+    """gamma, beta, running mean, running var: far from the identity so a wrong fold shows."""
+    return [torch.randn(c), torch.randn(c), torch.randn(c), torch.rand(c) + 0.5]
+
+
+def conv_bn_relu(x, w, b, gamma, beta, mean, var):  # type: ignore[no-untyped-def]
+    return torch.relu(F.batch_norm(F.conv2d(x, w, b, padding=1), mean, var, gamma, beta, eps=1e-3))
+
+
+def linear_bn(x, w, b, gamma, beta, mean, var):  # type: ignore[no-untyped-def]
+    return F.batch_norm(F.linear(x, w, b), mean, var, gamma, beta)
+
+
+CASES: dict[str, tuple[Callable[..., torch.Tensor], list[Any]]] = {
+    "conv": (conv_bn_relu, [torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3), torch.randn(4)]),
+    "conv without bias": (conv_bn_relu, [torch.randn(2, 3, 6, 6), torch.randn(4, 3, 3, 3), None]),
+    "linear": (linear_bn, [torch.randn(5, 8), torch.randn(6, 8), torch.randn(6)]),
+}
+
+
+@pytest.mark.parametrize("decompose", [True, False], ids=["decomposed", "native_batch_norm"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_folds_batch_norm(aten_graph: AtenTrace, case: str, decompose: bool) -> None:
+    fn, (x, w, b) = CASES[case]
+    params = [w, b, *_bn_params(w.shape[0])]
+    gm = aten_graph(fn, x, *params, decompose=decompose)
+    expected = fn(x, *params)
+    inputs = [x, *(const(p) if p is not None else None for p in params)]
+
+    result = bn_fold.apply(gm, inputs)
+
+    assert (result.status, result.matches) == ("APPLIED", 1)
+    assert count(gm, aten.mul, aten.sub, aten.rsqrt, aten.native_batch_norm) == 0
+    assert count(gm, aten._native_batch_norm_legit_no_training) == 0
+    assert count(gm, aten.convolution, aten.addmm) == 1
+    torch.testing.assert_close(gm(x, *params), expected, rtol=RTOL, atol=ATOL)
+
+
+def test_two_convs(aten_graph: AtenTrace) -> None:
+    def block(x, w1, w2, *bn):  # type: ignore[no-untyped-def]
+        g1, b1, m1, v1, g2, b2, m2, v2 = bn
+        y = torch.relu(F.batch_norm(F.conv2d(x, w1), m1, v1, g1, b1))
+        return F.batch_norm(F.conv2d(y, w2), m2, v2, g2, b2)
+
+    x, w1, w2 = torch.randn(1, 2, 8, 8), torch.randn(3, 2, 3, 3), torch.randn(4, 3, 3, 3)
+    params = [w1, w2, *_bn_params(3), *_bn_params(4)]
+    gm = aten_graph(block, x, *params)
+    result = bn_fold.apply(gm, [x, *map(const, params)])
+    assert result.matches == 2
+    torch.testing.assert_close(gm(x, *params), block(x, *params), rtol=RTOL, atol=ATOL)
+
+
+def test_runtime_statistics_are_not_folded(aten_graph: AtenTrace) -> None:
+    """Running stats given as plain tensors are runtime inputs: folding them would bake in
+    values the next call may not have."""
+    fn, (x, w, b) = CASES["conv"]
+    params = [w, b, *_bn_params(4)]
+    gm = aten_graph(fn, x, *params)
+    code = gm.code
+    result = bn_fold.apply(gm, [x, const(w), const(b), *params[2:]])
+    assert (result.status, result.matches) == ("NOT_APPLIED", 0)
+    assert gm.code == code
+
+
+def test_conv_without_batch_norm(aten_graph: AtenTrace) -> None:
+    x, w = torch.randn(1, 2, 5, 5), torch.randn(3, 2, 3, 3)
+    gm = aten_graph(lambda x, w: torch.relu(F.conv2d(x, w)) + 1.0, x, w)
+    code = gm.code
+    result = bn_fold.apply(gm, [x, const(w)])
+    assert (result.status, result.matches) == ("NOT_APPLIED", 0)
+    assert gm.code == code
