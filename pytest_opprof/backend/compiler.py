@@ -21,6 +21,11 @@ Interactions that shaped this module, checked on torch 2.13 and written for 2.11
   ``freeze`` constant-folds them; the compiled function drops those arguments at call time.
   Freezing runs *before* inner compile (``fw_compiler_freezing``), so the aten passes see the
   frozen graph, whose weights are ``get_attr`` constants with real values.
+* Freezing, and the folds of ``bn_fold`` / ``qkv_fusion``, bake the current weight values into
+  the compiled code: later in-place updates of the model's parameters are not seen. That is the
+  contract of inference (``eval()``, no autograd); under autograd the backend keeps weights as
+  inputs (``qkv_fusion`` concatenates them in the graph, ``bn_fold`` finds its chain read by
+  the backward and declines).
 * AOTAutograd's cache (``torch._functorch.config.enable_autograd_cache``) keys on the Dynamo
   graph and Inductor config; a hit skips inner compile, and with it the aten passes and their
   ``PassResult``s. The backend turns it off while it compiles. Inductor's FX graph cache stays
@@ -240,6 +245,8 @@ def _aten_pass_inputs(
     Dynamo's inputs (``aot_module_simplified``, torch 2.11 / 2.13); a mismatch in count, shape
     or dtype (duplicate-input dedup, tensor subclasses, a frozen graph) keeps them fake.
     """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
     out = list(fake_inputs)
     context = torch._guards.TracingContext.try_get()
     params = list(getattr(context, "params_flat", None) or []) if context is not None else []
@@ -255,7 +262,10 @@ def _aten_pass_inputs(
         if tuple(r.shape) == tuple(f.shape) and r.dtype == f.dtype and r.device == f.device:
             # plain buffers (our own constants, or a torch that does not mark buffers static)
             # are wrapped as aliasing Parameters: the passes' sign of a compile-time constant
-            out[index] = r if is_constant_tensor(r) else torch.nn.Parameter(r, requires_grad=False)
+            if not is_constant_tensor(r):
+                with unset_fake_temporarily():
+                    r = torch.nn.Parameter(r, requires_grad=False)
+            out[index] = r
     return out
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch._inductor.config
 import torch.fx
 import torch.nn.functional as F
 from pass_helpers import DynamoCapture, count
@@ -103,3 +104,17 @@ def test_leaves_graph_alone_without_the_pattern(dynamo_graph: DynamoCapture, cas
         result = qkv_fusion.apply(gm, inputs)
     assert (result.status, result.matches) == ("NOT_APPLIED", 0)
     assert gm.code == code
+
+
+def test_get_attr_weights_when_freezing_while_tracing(dynamo_graph: DynamoCapture) -> None:
+    """With Inductor freezing on while Dynamo traces, weights are ``get_attr`` nodes."""
+    model, x = QKV().eval(), torch.randn(2, 5, 16)
+    with torch.no_grad(), torch._inductor.config.patch(freezing=True):
+        gm, inputs = dynamo_graph(model, x)
+        assert any(n.op == "get_attr" for n in gm.graph.nodes)
+        result = qkv_fusion.apply(gm, inputs)
+        out = gm(*inputs)[0]
+    assert result.matches == 1
+    stale = [n for n in gm.graph.nodes if n.op == "get_attr" and not n.users]
+    assert stale == []  # the per-projection weights are no longer read
+    torch.testing.assert_close(out, model(x), rtol=RTOL, atol=ATOL)
