@@ -167,6 +167,7 @@ def apply_non_graph(
     """
     args = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     results: list[PassResult] = []
+    was_training = model.training
     if channels_last:
         model, args, result = non_graph_apply("memory_layout")(model, args)
         results.append(result)
@@ -176,6 +177,8 @@ def apply_non_graph(
     if pad_batch_to is not None:
         model, args, result = non_graph_apply("batch_padding")(model, args, tile=pad_batch_to)
         results.append(result)
+    # Wrappers are new modules (training by default); keep the baseline's mode.
+    model.train(was_training)
     return model, args, results
 
 
