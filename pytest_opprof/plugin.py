@@ -5,6 +5,7 @@ module imports no torch."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -50,6 +51,14 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.getoption("opprof"):
         return
     options = _options(config)  # raises pytest.UsageError naming the accepted values
+    workerinput = getattr(config, "workerinput", None)
+    if workerinput is not None and options.device != "cpu":
+        from pytest_opprof.gpus import visible_gpus, worker_gpu
+
+        gpus = visible_gpus()
+        if gpus:
+            os.environ["CUDA_VISIBLE_DEVICES"] = worker_gpu(
+                workerinput["workerid"], int(workerinput["workercount"]), gpus)
     if importlib.util.find_spec("torch") is None:
         raise pytest.UsageError(
             "--opprof needs PyTorch, which is not installed here: `pip install torch` (a CUDA "
@@ -59,6 +68,23 @@ def pytest_configure(config: pytest.Config) -> None:
 
     config.stash[SESSION_KEY] = OpprofSession(options=options)
     config.stash[RESULTS_KEY] = []
+
+
+@pytest.hookimpl(tryfirst=True, optionalhook=True)
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
+    """``-n auto`` with ``--opprof``: one worker per visible GPU."""
+    if not config.getoption("opprof"):
+        return None
+    from pytest_opprof.gpus import visible_gpus
+
+    return max(len(visible_gpus()), 1)
+
+
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """Under xdist, a workload's items stay on one worker (their stages share state)."""
+    if config.getoption("opprof") and getattr(config.option, "dist", "no") in ("load", "no") \
+            and getattr(config.option, "numprocesses", None):
+        config.option.dist = "loadfile"
 
 
 def pytest_report_header(config: pytest.Config) -> list[str] | None:

@@ -32,14 +32,24 @@ def time_interleaved(
     calls_per_round: int,
     rounds: int,
     seed: int = 1000,
+    warmup_seconds: float = 0.5,
 ) -> dict[str, list[float]]:
-    """Per-call milliseconds of each callable, one sample per round."""
+    """Per-call milliseconds of each callable, one sample per round.
+
+    Warmup runs at least ``warmup`` calls of each and at least ``warmup_seconds`` in all: an
+    idle GPU starts at a low clock (an H200 read 345 MHz idle) and the first rounds of a short
+    workload otherwise measure the clock ramp, not the code.
+    """
     with torch.no_grad():
         warm = fresh_inputs(template, seed)
-        for fn in calls.values():
-            for _ in range(warmup):
-                fn(*warm)
-        synchronize(device)
+        deadline = time.perf_counter() + warmup_seconds
+        first = True
+        while first or time.perf_counter() < deadline:
+            for fn in calls.values():
+                for _ in range(warmup):
+                    fn(*warm)
+            synchronize(device)
+            first = False
         samples: dict[str, list[float]] = {name: [] for name in calls}
         for r in range(rounds):
             inputs = fresh_inputs(template, seed + 1 + r)

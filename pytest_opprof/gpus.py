@@ -1,0 +1,44 @@
+"""One GPU per pytest-xdist worker, chosen before CUDA starts (no torch import here).
+
+The parent process never initialises CUDA (stages run in child processes), so setting
+``CUDA_VISIBLE_DEVICES`` in a worker's ``pytest_configure`` is early enough for every child it
+starts. An outer restriction is honoured: worker ``gwK`` gets the K-th of the GPUs already
+visible.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+
+def visible_gpus(environ: dict[str, str] | None = None) -> list[str]:
+    """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` entries."""
+    env = os.environ if environ is None else environ
+    outer = env.get("CUDA_VISIBLE_DEVICES")
+    if outer is not None:
+        return [d.strip() for d in outer.split(",") if d.strip() and d.strip() != "-1"]
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return []
+    try:
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=20,
+                             check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    return [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")]
+
+
+def worker_gpu(worker_id: str, worker_count: int, gpus: list[str]) -> str:
+    """The GPU of xdist worker ``worker_id`` (``gw0``, ``gw1``, …); never two workers on one."""
+    if worker_count > len(gpus):
+        raise pytest.UsageError(
+            f"-n {worker_count} starts more workers than the {len(gpus)} visible GPU(s) "
+            f"({','.join(gpus) or 'none'}); timing must never share a GPU: use -n "
+            f"{max(len(gpus), 1)} or -n auto"
+        )
+    index = int(worker_id.removeprefix("gw"))
+    return gpus[index]
