@@ -349,15 +349,21 @@ class ConstantEvaluator:
             return self._MISSING
 
 
+def _in_place_name(name: str) -> bool:
+    """``add_`` / ``masked_fill_``, but not dunders such as ``__eq__`` (torch 2.11's Dynamo
+    records ``t == 0`` on a buffer as ``call_method __eq__``)."""
+    return name.endswith("_") and not name.endswith("__")
+
+
 def _pure(node: torch.fx.Node) -> bool:
     target = node.target
     if node.op == "call_method":
-        return isinstance(target, str) and not target.endswith("_")
+        return isinstance(target, str) and not _in_place_name(target)
     if isinstance(target, torch._ops.OpOverload):
         seeded = torch.Tag.nondeterministic_seeded in target.tags
         return not (target._schema.is_mutable or seeded)
     name = getattr(target, "__name__", "")
-    if name.endswith("_") and not name.startswith("_"):
+    if _in_place_name(name):
         return False
     return not (name.startswith("rand") or name in {"dropout", "bernoulli", "normal"})
 

@@ -142,3 +142,16 @@ def test_run_graph_pass_recompiles_only_on_a_match(monkeypatch: pytest.MonkeyPat
     assert (result.status, result.detail, calls) == ("NOT_APPLIED", "nothing here", [])
     result = run_graph_pass("demo", gm, [], lambda g, _: (3, "did three"))
     assert (result.status, result.matches, calls) == ("APPLIED", 3, ["recompile"])
+
+
+def test_constant_evaluator_reads_through_dunder_methods() -> None:
+    """torch 2.11's Dynamo writes ``buf == 0`` as ``call_method __eq__``: still pure."""
+    graph = torch.fx.Graph()
+    buf = graph.placeholder("buf")
+    eq = graph.call_method("__eq__", (buf, 0))
+    add_ = graph.call_method("add_", (buf, 1))
+    graph.output((eq, add_))
+    gm = torch.fx.GraphModule(torch.nn.Module(), graph)
+    ev = ConstantEvaluator(gm, [const(torch.tensor([0.0, 1.0]))])
+    torch.testing.assert_close(ev.value(eq), torch.tensor([True, False]))
+    assert ev.value(add_) is None  # in place: never evaluated at compile time
