@@ -257,7 +257,7 @@ def _context_notes(ctx: Context) -> list[str]:
                 "counters were not collected: classification from kernel names, kernel "
                 "durations and grids, and the roofline of the operators' input shapes only"
             )
-        ranked = sorted(ctx.eager.aggregated, key=lambda a: (-a.share, a.name))[:5]
+        ranked = sorted(ctx.eager.timeline.aggregated, key=lambda a: (-a.share, a.name))[:5]
         if ranked:
             notes.append(
                 "largest eager operators: "

@@ -99,8 +99,13 @@ _REDUCED = (
     ("fp16", re.compile(r"fp16|f16f16|__half|\bhalf\b|h884|h1688|h16816|hgemm", re.IGNORECASE)),
     ("fp8", re.compile(r"e4m3|e5m2|fp8", re.IGNORECASE)),
     ("tf32", re.compile(r"tf32", re.IGNORECASE)),
+    # CUTLASS names float GEMMs on tensor cores by element and MMA shape: tensorop_s1688gemm
+    # (float in and out, m16n8k8) is TF32 — seen on the H200 for 1x1 convolutions and cuDNN RNNs.
+    ("tf32", re.compile(r"tensorop_s1688", re.IGNORECASE)),
 )
-_FP32 = re.compile(r"fp32|f32f32|(?<![a-z0-9])f32(?![a-z0-9])|sgemm|<float", re.IGNORECASE)
+_FP32 = re.compile(
+    r"fp32|f32f32|(?<![a-z0-9])f32(?![a-z0-9])|sgemm|(?:^|[<_ ,])float(?:[_,>]|$)", re.IGNORECASE
+)
 
 
 def bare(name: str) -> str:
@@ -275,6 +280,11 @@ def operator_work(name: str, input_shapes: Sequence[object], size: int) -> tuple
             batch = math.prod(a[:-2]) if len(a) > 2 else 1
             m, k, n = a[-2], a[-1], b[-1]
             return 2.0 * batch * m * n * k, float(batch * (m * k + k * n + m * n) * size)
+    if kind == "attention" and len(tensors) >= 3 and len(tensors[0]) >= 2:
+        q, k, v = tensors[0], tensors[1], tensors[2]
+        heads = math.prod(q[:-2]) if len(q) > 2 else 1
+        flops = 4.0 * heads * q[-2] * k[-2] * q[-1]
+        return flops, float((math.prod(q) * 2 + math.prod(k) + math.prod(v)) * size)
     if kind == "conv" and len(tensors) >= 2 and len(tensors[0]) >= 3:
         x, w = tensors[0], tensors[1]
         out = [x[0], w[0], *x[2:]]

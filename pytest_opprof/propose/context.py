@@ -15,16 +15,19 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pytest_opprof import knowledge
-from pytest_opprof.propose.classify import (
-    OpFacts,
-    classify,
-    gpu_match,
-    operator_work,
-    timeline_facts,
-)
+from pytest_opprof.propose.classify import OpFacts, classify, gpu_match, timeline_facts
 from pytest_opprof.propose.graph import GraphView, views
 from pytest_opprof.propose.impact import Budget, budget
-from pytest_opprof.schema import Evidence, FxGraphSummary, Impact, IrLevel, Profile, Timeline
+from pytest_opprof.schema import (
+    Evidence,
+    FxGraphSummary,
+    Impact,
+    IrLevel,
+    OperatorRecord,
+    Profile,
+    Timeline,
+    TimelineSummary,
+)
 
 SCORE_HIGH = 0.9
 SCORE_MEDIUM = 0.6
@@ -46,6 +49,63 @@ class Flag:
     evidence: Evidence
 
 
+@dataclass(frozen=True)
+class TimelineRef:
+    """One profiled timeline, its index in ``profile.json`` and its operators' facts, with the
+    timing pass's figures for the same variant (no profiler attached)."""
+
+    timeline: Timeline
+    index: int
+    facts: dict[str, OpFacts]
+    device_us: float
+    device_from: str
+    wall_us: float | None
+    wall_from: str | None
+
+    @property
+    def summary(self) -> TimelineSummary:
+        return self.timeline.summary
+
+    def op_time_us(self, facts: OpFacts) -> float:
+        return facts.aggregate.share * self.device_us
+
+    def op_kernels_per_iter(self, facts: OpFacts) -> float:
+        t = self.timeline
+        total = sum(a.kernel_count for a in t.aggregated) + len(t.unattributed_kernels)
+        if total <= 0:
+            return 0.0
+        return t.summary.kernels_per_iter * facts.aggregate.kernel_count / total
+
+    def records(self, facts: OpFacts) -> list[OperatorRecord]:
+        return [o for o in self.timeline.operators if o.name == facts.name]
+
+
+_TIMING_VARIANT = {"eager": "eager", "compiled": "compile"}
+
+
+def timeline_ref(profile: Profile, index: int, spec: knowledge.GpuSpec | None) -> TimelineRef:
+    timeline = profile.timelines[index]
+    label = timeline.label
+    kernel_ms = profile.timing.gpu_kernel_ms.get(label)
+    if kernel_ms is not None and kernel_ms > 0:
+        device, device_from = kernel_ms * 1000.0, f"timing.gpu_kernel_ms.{label}"
+    else:
+        device = timeline.summary.device_time_per_iter_us
+        device_from = f"timelines[{index}].summary.device_time_per_iter_us"
+    variant = _TIMING_VARIANT.get(label, label)
+    stats = profile.timing.variants.get(variant)
+    wall = stats.median_ms * 1000.0 if stats is not None and stats.median_ms > 0 else None
+    return TimelineRef(
+        timeline=timeline,
+        index=index,
+        facts=timeline_facts(timeline, spec=spec, dtype=profile.capture_metadata.dtype),
+        device_us=device,
+        device_from=device_from,
+        wall_us=wall,
+        wall_from=f"timing.variants.{variant}.median_ms" if wall is not None else None,
+    )
+
+
 @dataclass
 class Context:
     """Everything the rules read, computed once."""
@@ -55,16 +115,13 @@ class Context:
     views: list[GraphView]
     device_type: str
     spec: knowledge.GpuSpec | None
-    eager: Timeline
-    compiled: Timeline | None
-    compiled_index: int | None
-    facts: dict[str, OpFacts]
-    compiled_facts: dict[str, OpFacts]
+    eager: TimelineRef
+    compiled: TimelineRef | None
     budget: Budget
     flags: dict[str, Flag]
     notes: list[str]
     th: knowledge.BottleneckThresholds = knowledge.THRESHOLDS
-    drafted: set[str] = field(default_factory=set)
+    drafted: dict[str, Draft] = field(default_factory=dict)
 
     @property
     def gpu(self) -> bool:
@@ -79,28 +136,13 @@ class Context:
     def model_dtype(self) -> str:
         return self.profile.capture_metadata.dtype.removeprefix("torch.")
 
+    @property
+    def facts(self) -> dict[str, OpFacts]:
+        """The eager timeline's operators."""
+        return self.eager.facts
+
     def op_time_us(self, facts: OpFacts) -> float:
-        return facts.aggregate.share * self.budget.device_us
-
-    def op_kernels_per_iter(self, facts: OpFacts) -> float:
-        total = sum(a.kernel_count for a in self.eager.aggregated) + len(
-            self.eager.unattributed_kernels
-        )
-        if total <= 0:
-            return 0.0
-        return self.eager.summary.kernels_per_iter * facts.aggregate.kernel_count / total
-
-    def op_bytes_fp32(self, facts: OpFacts) -> float | None:
-        """DRAM bytes per iteration of an operator: counters, else its input shapes."""
-        read, write = facts.metric("dram_bytes_read"), facts.metric("dram_bytes_write")
-        if read is not None and write is not None:
-            return read + write  # ncu replays one iteration
-        ops = [o for o in self.eager.operators if o.name == facts.name]
-        measured = sum(o.gpu_time_us for o in ops)
-        data = sum(operator_work(o.name, o.input_shapes, 4)[1] for o in ops)
-        if measured <= 0 or data <= 0:
-            return None
-        return data / measured * self.op_time_us(facts)
+        return self.eager.op_time_us(facts)
 
 
 def build_context(profile: Profile, graph: FxGraphSummary | None) -> Context | None:
@@ -110,31 +152,26 @@ def build_context(profile: Profile, graph: FxGraphSummary | None) -> Context | N
     classified = classify(profile)
     match = gpu_match(classified)
     spec = match.spec if match else None
-    eager = classified.timelines[0]
     compiled_index = next(
         (i for i, t in enumerate(classified.timelines) if t.label == "compiled"), None
     )
-    compiled = classified.timelines[compiled_index] if compiled_index is not None else None
-    dtype = classified.capture_metadata.dtype
     notes: list[str] = []
     if match is not None and not match.exact:
         notes.append(f"hardware table: {match.note}")
-    ctx = Context(
+    return Context(
         profile=classified,
         graph=graph,
         views=views(graph),
         device_type=classified.capture_metadata.device_type,
         spec=spec,
-        eager=eager,
-        compiled=compiled,
-        compiled_index=compiled_index,
-        facts=timeline_facts(eager, spec=spec, dtype=dtype),
-        compiled_facts=timeline_facts(compiled, spec=spec, dtype=dtype) if compiled else {},
-        budget=budget(classified, eager),
+        eager=timeline_ref(classified, 0, spec),
+        compiled=timeline_ref(classified, compiled_index, spec)
+        if compiled_index is not None
+        else None,
+        budget=budget(classified, classified.timelines[0]),
         flags=edge_flags(classified, graph),
         notes=notes,
     )
-    return ctx
 
 
 def edge_flags(profile: Profile, graph: FxGraphSummary | None) -> dict[str, Flag]:
@@ -237,27 +274,38 @@ def kernel_evidence(facts: OpFacts, names: Sequence[str], index: int = 0) -> lis
     return []
 
 
-def summary_ev(
-    metric: str, timeline: Timeline, index: int, field_name: str, unit: str = ""
-) -> Evidence | None:
-    value = getattr(timeline.summary, field_name)
+def summary_ev(metric: str, ref: TimelineRef, field_name: str, unit: str = "") -> Evidence | None:
+    value = getattr(ref.summary, field_name)
     if value is None:
         return None
-    return ev(metric, value, f"profile.json:timelines[{index}].summary.{field_name}", unit)
+    return ev(metric, value, f"profile.json:timelines[{ref.index}].summary.{field_name}", unit)
 
 
-def timing_ev(ctx: Context) -> list[Evidence]:
-    eager = ctx.profile.timing.variants.get("eager")
-    if eager is None:
-        return []
-    return [
-        ev(
-            "eager latency (median)",
-            eager.median_ms,
-            "profile.json:timing.variants.eager.median_ms",
-            "ms",
+def timing_ev(ctx: Context, ref: TimelineRef | None = None) -> list[Evidence]:
+    """The timing pass's latency and kernel time of a variant (eager unless ``ref`` says)."""
+    ref = ref or ctx.eager
+    label = ref.timeline.label
+    rows = []
+    if ref.wall_from is not None:
+        variant = ref.wall_from.split(".")[2]
+        rows.append(
+            ev(
+                f"{variant} latency (median, no profiler)",
+                ctx.profile.timing.variants[variant].median_ms,
+                f"profile.json:{ref.wall_from}",
+                "ms",
+            )
         )
-    ]
+    if ref.device_from.startswith("timing."):
+        rows.append(
+            ev(
+                f"{label} kernel time per call",
+                ctx.profile.timing.gpu_kernel_ms[label],
+                f"profile.json:{ref.device_from}",
+                "ms",
+            )
+        )
+    return rows
 
 
 def pct(value: float) -> str:

@@ -17,11 +17,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from pytest_opprof import knowledge
-from pytest_opprof.schema import Impact, Profile, Timeline
+from pytest_opprof.schema import Impact, Profile, Timeline, TimelineSummary
 
 KERNEL_FLOOR_US = 2.0
 """Least time one kernel takes back to back on current GPUs (launch latency and tail): no
 estimate may promise an operator faster than its kernel count times this."""
+
+
+PROFILER_HOST_SLOWDOWN = 3.0
+"""Most the timeline pass's profiler (CPU + CUDA activities, record_shapes) slowed the host's
+iteration on the seven examples on an H200 (torch 2.11): 1.5-3.1x against the latency with no
+profiler. A profiled host time divided by it is a lower bound of the real one."""
+
+
+def host_floor_us(summary: TimelineSummary, wall_us: float | None, device_us: float) -> float:
+    """A lower bound of the host's time per iteration: what the GPU waited (timing pass), the
+    kernels' launch calls, or the profiled host time less the profiler's largest slowdown."""
+    launches = summary.kernels_per_iter * (summary.launch_overhead_per_call_us or 0.0)
+    profiled = summary.wall_time_per_iter_us / PROFILER_HOST_SLOWDOWN
+    waited = max(0.0, wall_us - device_us) if wall_us is not None else 0.0
+    floor = max(launches, profiled, waited)
+    return min(floor, wall_us) if wall_us is not None else floor
 
 
 @dataclass(frozen=True)
@@ -33,16 +49,23 @@ class Budget:
     device_us: float
     device_from: str
     idle_share: float
+    idle_from: str
+    host_floor_us: float
     kernels_per_iter: float
     launch_us: float | None
     workload: str
 
     def wall_saving(self, device_us: float = 0.0, launches: float = 0.0) -> float:
-        """Wall-clock µs saved by ``device_us`` less kernel time and ``launches`` fewer launches."""
+        """Wall-clock µs saved by ``device_us`` less kernel time and ``launches`` fewer launches.
+
+        Kernel time saved counts in the busy share of the iteration, launches removed in the
+        idle share; the iteration never gets shorter than the host needs to issue its kernels.
+        """
         busy = 1.0 - self.idle_share
         host = launches * (self.launch_us or 0.0) * self.idle_share
         saving = max(0.0, device_us) * busy + host
-        return min(saving, max(0.0, self.wall_us - KERNEL_FLOOR_US))
+        floor = max(KERNEL_FLOOR_US, self.host_floor_us - launches * (self.launch_us or 0.0))
+        return min(saving, max(0.0, self.wall_us - floor))
 
     def impact(self, saving_us: float, basis: str) -> Impact:
         """The saving as an ``Impact`` against the eager iteration, with its basis."""
@@ -52,7 +75,8 @@ class Budget:
         text = (
             f"{basis}; {self.workload}: eager iteration {self.wall_us:.1f} µs "
             f"({self.wall_from}), kernel time {self.device_us:.1f} µs ({self.device_from}), "
-            f"GPU idle {self.idle_share:.0%}"
+            f"GPU idle {self.idle_share:.0%} ({self.idle_from}), host ≥ "
+            f"{self.host_floor_us:.1f} µs"
         )
         return Impact(
             estimated_saving_us=round(saving, 1),
@@ -62,10 +86,13 @@ class Budget:
 
 
 def budget(profile: Profile, timeline: Timeline) -> Budget:
-    """The eager iteration's budget: timing pass first, the profiled timeline otherwise."""
+    """The eager iteration's budget: timing pass first (no profiler attached), the profiled
+    timeline otherwise. The profiler slows the host, so the timeline's own idle time overstates
+    how long the GPU waits; latency − kernel time from the timing pass does not."""
     summary = timeline.summary
     eager = profile.timing.variants.get("eager")
-    if eager is not None and eager.median_ms > 0:
+    timed = eager is not None and eager.median_ms > 0
+    if eager is not None and timed:
         wall, wall_from = eager.median_ms * 1000.0, "timing.variants.eager.median_ms"
     else:
         wall = summary.wall_time_per_iter_us
@@ -76,16 +103,21 @@ def budget(profile: Profile, timeline: Timeline) -> Budget:
     else:
         device = summary.device_time_per_iter_us
         device_from = "timelines[0].summary.device_time_per_iter_us"
-    if summary.wall_time_per_iter_us > 0:
+    if timed and wall > 0:
+        idle, idle_from = max(0.0, wall - device) / wall, "latency − kernel time"
+    elif summary.wall_time_per_iter_us > 0:
         idle = summary.idle_time_per_iter_us / summary.wall_time_per_iter_us
+        idle_from = "profiled timeline"
     else:
-        idle = max(0.0, 1.0 - device / wall) if wall > 0 else 0.0
+        idle, idle_from = 0.0, "unknown"
     return Budget(
         wall_us=wall,
         wall_from=wall_from,
         device_us=min(device, wall) if wall > 0 else device,
         device_from=device_from,
         idle_share=min(1.0, max(0.0, idle)),
+        idle_from=idle_from,
+        host_floor_us=host_floor_us(summary, wall if timed else None, device),
         kernels_per_iter=summary.kernels_per_iter,
         launch_us=summary.launch_overhead_per_call_us,
         workload=profile.capture_metadata.workload,
@@ -97,67 +129,75 @@ def budget(profile: Profile, timeline: Timeline) -> Budget:
 
 @dataclass(frozen=True)
 class OpTime:
-    """One operator's share of the iteration and what its kernels and shapes say."""
+    """Part of an operator's time per iteration and the factor a precision change scales it by."""
 
     name: str
     time_us: float
-    precision: str
-    """fp32 (CUDA cores), tf32 (tensor cores), memory (bandwidth-bound kernels: layout
-    conversions, elementwise) or none (already 16-bit)."""
+    scale: float
     kernels: float
-    bytes_fp32: float | None
+    basis: str
+    """how ``scale`` was found: "roofline" (the call's FLOPs and bytes) or "kernel names"."""
+
+
+def roofline_scale(
+    spec: knowledge.GpuSpec,
+    precision: str,
+    flops: float,
+    nbytes: float,
+    target: str = "bf16",
+) -> float:
+    """How much faster a call gets at ``target``, if it keeps its fraction of the roofline.
+
+    The roofline moves from the current one (FP32 on the CUDA cores, or TF32 on tensor cores;
+    ``bytes``) to the target's (dense tensor-core peak, half the bytes): the ratio of the two
+    roofline times. A compute-bound FP32 GEMM gets the peak ratio (66.9 → 989.4 TFLOP/s on an
+    H200), a memory-bound kernel ½, and a GEMM that turns memory-bound at BF16 something between.
+    """
+    if flops <= 0 and nbytes <= 0:
+        return 1.0
+    now = knowledge.roofline(
+        spec, precision, flops, nbytes, 1.0, tensor_cores=precision != "fp32"
+    ).roofline_seconds
+    after = knowledge.roofline(spec, target, flops, nbytes / 2.0, 1.0).roofline_seconds
+    return after / now if now > 0 else 1.0
+
+
+def kernel_scale(spec: knowledge.GpuSpec, kind: str, target: str = "bf16") -> float:
+    """The factor for a kernel known only by name: fp32 (CUDA cores) or tf32 by the peak ratio,
+    ``memory`` (bandwidth-bound: layout conversions, elementwise) by ½, anything else by 1."""
+    to_peak = knowledge.peak_flops(spec, target)
+    if kind == "fp32":
+        return knowledge.peak_flops(spec, "fp32", tensor_cores=False) / to_peak
+    if kind == "tf32":
+        return knowledge.peak_flops(spec, "tf32") / to_peak
+    return 0.5 if kind == "memory" else 1.0
 
 
 @dataclass(frozen=True)
 class DtypeEstimate:
     device_saving_us: float
-    compute_us: float
-    memory_floor_us: float | None
-    launch_floor_us: float
+    before_us: float
+    after_us: float
     detail: str
 
 
-def dtype_promotion_saving(
-    ops: list[OpTime], spec: knowledge.GpuSpec, target: str = "bf16"
-) -> DtypeEstimate:
-    """Device time saved by running ``ops`` in ``target`` on tensor cores.
-
-    Each GEMM-like part's time scales by its current peak over the target's dense peak (FP32 on
-    the CUDA cores, or TF32); bandwidth-bound parts by ½ (half the bytes). The result is bounded
-    below by the memory floor (all bytes, halved, at HBM bandwidth) and by the kernel count
-    times ``KERNEL_FLOOR_US``.
-    """
-    to_peak = knowledge.peak_flops(spec, target)
-    scale = {
-        "fp32": knowledge.peak_flops(spec, "fp32", tensor_cores=False) / to_peak,
-        "tf32": knowledge.peak_flops(spec, "tf32") / to_peak,
-        "memory": 0.5,
-        "none": 1.0,
-    }
-    before = compute = floor_mem = floor_launch = 0.0
-    known_bytes = True
-    for op in ops:
-        before += op.time_us
-        compute += op.time_us * scale[op.precision]
-        floor_launch += op.kernels * KERNEL_FLOOR_US
-        if op.bytes_fp32 is None:
-            known_bytes = False
-        else:
-            floor_mem += op.bytes_fp32 / 2.0 / spec.memory_bandwidth_bytes_per_s * 1e6
-    memory = floor_mem if known_bytes else None
-    after = max(compute, memory or 0.0, floor_launch)
+def dtype_promotion_saving(ops: list[OpTime], spec: knowledge.GpuSpec) -> DtypeEstimate:
+    """Kernel time saved by running ``ops`` in BF16: each part scaled by its factor, but never
+    below its kernel count times ``KERNEL_FLOOR_US``."""
+    before = sum(op.time_us for op in ops)
+    after = sum(max(op.time_us * op.scale, op.kernels * KERNEL_FLOOR_US) for op in ops)
+    by_roofline = sum(op.time_us for op in ops if op.basis == "roofline")
     fp32 = knowledge.peak_flops(spec, "fp32", tensor_cores=False) / 1e12
     tf32 = knowledge.peak_flops(spec, "tf32") / 1e12
+    bf16 = knowledge.peak_flops(spec, "bf16") / 1e12
     detail = (
-        f"roofline on {spec.name}: {before:.1f} µs of FP32/TF32 GEMM-like operators, their "
-        f"kernels scaled by peak ratio (FP32 {fp32:.1f} / TF32 {tf32:.1f} → {target.upper()} "
-        f"{to_peak / 1e12:.1f} TFLOP/s) ½ where bandwidth-bound, "
-        f"unchanged where latency-bound = {compute:.1f} µs, "
-        "memory floor "
-        + (f"{memory:.1f} µs" if memory is not None else "unknown (no shapes or DRAM counters)")
-        + f", launch floor {floor_launch:.1f} µs → {after:.1f} µs"
+        f"roofline on {spec.name} (FP32 {fp32:.1f} / TF32 {tf32:.1f} → BF16 {bf16:.1f} "
+        f"TFLOP/s, {spec.memory_bandwidth_bytes_per_s / 1e12:.1f} TB/s, bytes halved): "
+        f"{before:.1f} µs of FP32/TF32 GEMM-like operators keep their fraction of the roofline "
+        f"({by_roofline:.1f} µs placed by their calls' shapes, the rest by kernel names), "
+        f"floored at {KERNEL_FLOOR_US:g} µs per kernel → {after:.1f} µs"
     )
-    return DtypeEstimate(max(0.0, before - after), compute, memory, floor_launch, detail)
+    return DtypeEstimate(max(0.0, before - after), before, after, detail)
 
 
 def bytes_at_bandwidth_us(nbytes: float, spec: knowledge.GpuSpec | None) -> float:

@@ -11,11 +11,16 @@ FX graph are in ``graph_rules.py``; ``RULES`` lists both in the order they run. 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from pytest_opprof import knowledge
 from pytest_opprof.propose import graph_rules, patterns
-from pytest_opprof.propose.classify import OpFacts, is_matmul_kernel, kernel_precision
+from pytest_opprof.propose.classify import (
+    OpFacts,
+    is_matmul_kernel,
+    kernel_precision,
+    operator_work,
+)
 from pytest_opprof.propose.context import (
     MAX_EVIDENCE_PER_KIND,
     SCORE_HIGH,
@@ -23,6 +28,7 @@ from pytest_opprof.propose.context import (
     SCORE_MEDIUM,
     Context,
     Draft,
+    TimelineRef,
     agg_source,
     ev,
     kernel_evidence,
@@ -32,8 +38,15 @@ from pytest_opprof.propose.context import (
     timing_ev,
     top,
 )
-from pytest_opprof.propose.impact import OpTime, dtype_promotion_saving
-from pytest_opprof.schema import Evidence
+from pytest_opprof.propose.impact import (
+    DtypeEstimate,
+    OpTime,
+    dtype_promotion_saving,
+    host_floor_us,
+    kernel_scale,
+    roofline_scale,
+)
+from pytest_opprof.schema import Evidence, KernelRecord
 
 DTYPE_HIGH_SHARE = 0.25
 """FP32 GEMM-like work at or above this share of kernel time, with kernel-name or counter
@@ -64,33 +77,74 @@ def _fp32_gemm_work(ctx: Context, facts: OpFacts) -> bool:
     return not reduced and ctx.model_dtype == "float32"
 
 
-def _op_precision(facts: OpFacts) -> str:
-    if facts.fp32_kernels:
-        return "fp32"
-    if "tf32" in facts.precisions:
-        return "tf32"
-    return _default_precision(facts)
-
-
 def _default_precision(facts: OpFacts) -> str:
     # No telling kernel name: cuBLAS matmuls default to FP32 (allow_tf32 is off), cuDNN
     # convolutions to TF32 (cudnn.allow_tf32 is on) — the smaller gain is assumed for them.
     return "tf32" if facts.kind == "conv" else "fp32"
 
 
-def _op_parts(ctx: Context, facts: OpFacts) -> list[OpTime]:
+def _call_precision(facts: OpFacts, kernels: Sequence[KernelRecord]) -> str | None:
+    """FP32 or TF32 as a call's GEMM-like kernels run; None when they are 16-bit already."""
+    found = {kernel_precision(k.name) for k in kernels if is_matmul_kernel(k.name)}
+    if "fp32" in found:
+        return "fp32"
+    if "tf32" in found:
+        return "tf32"
+    if found & {"bf16", "fp16", "fp8"}:
+        return None
+    return _default_precision(facts)
+
+
+def fp32_gemm_operators(ctx: Context, ref: TimelineRef) -> list[OpFacts]:
+    """A timeline's GEMM-like operators that run at FP32 or TF32, largest first."""
+    return top([f for f in ref.facts.values() if _fp32_gemm_work(ctx, f)])
+
+
+def op_parts(ctx: Context, ref: TimelineRef, facts: OpFacts) -> list[OpTime]:
+    """An operator's time per iteration with the factor BF16 scales each part by.
+
+    Per call from the call's shapes where they give its FLOPs and bytes (the call keeps its
+    fraction of the roofline, ``impact.roofline_scale``); otherwise per kernel from its name.
+    """
+    assert ctx.spec is not None
+    time, kernels = ref.op_time_us(facts), ref.op_kernels_per_iter(facts)
+    records = [r for r in ref.records(facts) if r.gpu_time_us > 0]
+    measured = sum(r.gpu_time_us for r in records)
+    count = sum(len(r.kernels) for r in records) or 1
+    if facts.kind in ("gemm", "conv", "attention") and measured > 0:
+        parts = []
+        for r in records:
+            flops, data = operator_work(r.name, r.input_shapes, 4)
+            if flops <= 0:
+                break
+            precision = _call_precision(facts, r.kernels)
+            scale = 1.0 if precision is None else roofline_scale(ctx.spec, precision, flops, data)
+            parts.append(
+                OpTime(
+                    f"{facts.name}#{r.call_index}",
+                    time * r.gpu_time_us / measured,
+                    scale,
+                    kernels * len(r.kernels) / count,
+                    "roofline",
+                )
+            )
+        else:
+            return parts
+    return _kernel_parts(ctx, ref, facts)
+
+
+def _kernel_parts(ctx: Context, ref: TimelineRef, facts: OpFacts) -> list[OpTime]:
     """The operator's time split by what its kernels run: FP32 / TF32 GEMM-like kernels; other
     kernels (layout conversions, elementwise), which BF16 speeds up only by halving bytes; and
     kernels it cannot speed up: already 16-bit, or latency-bound — shorter than
     ``launch_bound_kernel_us``, or the serial cell kernels of a recurrent layer."""
-    time, kernels, data = (
-        ctx.op_time_us(facts),
-        ctx.op_kernels_per_iter(facts),
-        ctx.op_bytes_fp32(facts),
-    )
+    assert ctx.spec is not None
+    time, kernels = ref.op_time_us(facts), ref.op_kernels_per_iter(facts)
     total = sum(k.duration_us for k in facts.kernels)
     if total <= 0:
-        return [OpTime(facts.name, time, _op_precision(facts), kernels, data)]
+        precision = _call_precision(facts, []) if not facts.fp32_kernels else "fp32"
+        scale = kernel_scale(ctx.spec, precision or "none")
+        return [OpTime(facts.name, time, scale, kernels, "kernel names")]
     parts: dict[str, tuple[float, int]] = {}
     for k in facts.kernels:
         precision = kernel_precision(k.name)
@@ -103,22 +157,30 @@ def _op_parts(ctx: Context, facts: OpFacts) -> list[OpTime]:
             kind = _default_precision(facts)
         else:
             kind = "none"  # already 16-bit or narrower
-        spent, count = parts.get(kind, (0.0, 0))
-        parts[kind] = (spent + k.duration_us, count + 1)
+        spent, n = parts.get(kind, (0.0, 0))
+        parts[kind] = (spent + k.duration_us, n + 1)
     return [
         OpTime(
             f"{facts.name} ({kind})",
             time * spent / total,
-            kind,
-            kernels * count / len(facts.kernels),
-            None if data is None else data * spent / total,
+            kernel_scale(ctx.spec, kind),
+            kernels * n / len(facts.kernels),
+            "kernel names",
         )
-        for kind, (spent, count) in sorted(parts.items())
+        for kind, (spent, n) in sorted(parts.items())
     ]
 
 
+def dtype_estimate(ctx: Context, ref: TimelineRef) -> DtypeEstimate | None:
+    """What BF16 saves of ``ref``'s kernel time (None without a hardware-table entry)."""
+    if ctx.spec is None:
+        return None
+    ops = [part for f in fp32_gemm_operators(ctx, ref) for part in op_parts(ctx, ref, f)]
+    return dtype_promotion_saving(ops, ctx.spec)
+
+
 def dtype_promotion(ctx: Context) -> list[Draft]:
-    affected = top([f for f in ctx.facts.values() if _fp32_gemm_work(ctx, f)])
+    affected = fp32_gemm_operators(ctx, ctx.eager)
     share = sum(f.aggregate.share for f in affected)
     if not affected or share < ctx.th.min_op_time_share:
         return []
@@ -155,9 +217,8 @@ def dtype_promotion(ctx: Context) -> list[Draft]:
         f"{len(affected)} GEMM-like operator(s) run in FP32/TF32 and take {pct(share)} of the "
         f"eager {ctx.time_word} ({listed}{', …' if len(affected) > 4 else ''}). "
     )
-    if ctx.gpu and ctx.spec is not None:
-        ops = [part for f in affected for part in _op_parts(ctx, f)]
-        estimate = dtype_promotion_saving(ops, ctx.spec)
+    estimate = dtype_estimate(ctx, ctx.eager) if ctx.gpu else None
+    if ctx.spec is not None and estimate is not None:
         wall = ctx.budget.wall_saving(estimate.device_saving_us)
         impact = ctx.budget.impact(
             wall, f"{estimate.detail}; device saving × busy share {1 - ctx.budget.idle_share:.0%}"
@@ -210,14 +271,14 @@ def dtype_promotion(ctx: Context) -> list[Draft]:
 
 def _compiled_fp32(ctx: Context, evidence: list[Evidence]) -> str:
     """Evidence and a sentence when the compiled baseline runs FP32 work too."""
-    if ctx.compiled is None or ctx.compiled_index is None:
+    if ctx.compiled is None:
         return ""
-    idx = ctx.compiled_index
-    gemms = top([f for f in ctx.compiled_facts.values() if _fp32_gemm_work(ctx, f)])
+    idx = ctx.compiled.index
+    gemms = fp32_gemm_operators(ctx, ctx.compiled)
     triton = top(
         [
             f
-            for f in ctx.compiled_facts.values()
+            for f in ctx.compiled.facts.values()
             if any(k.startswith("triton_") for k in f.aggregate.kernel_names)
             and f not in gemms
             and f.aggregate.share > 0
@@ -392,72 +453,80 @@ def algorithm_selection(ctx: Context) -> list[Draft]:
 
 
 def cuda_graphs(ctx: Context) -> list[Draft]:
+    """CUDA graphs where the graph Inductor would record is launch-bound, now or once the
+    drafted precision change has shrunk its kernels.
+
+    Judged on the compiled baseline (what ``triton.cudagraphs`` replays) from the timing pass —
+    latency against kernel time, no profiler overhead — with the host's time per iteration
+    bounded below by max(latency − kernel time, kernels × launch overhead).
+    """
     if not ctx.gpu or "cuda_graph_replay" in ctx.flags:
         return []  # knowledge/edge-cases.md: graphs already replayed — a rule, not a penalty
-    s = ctx.eager.summary
-    if s.wall_time_per_iter_us <= 0 or s.kernels_per_iter <= 0:
+    if ctx.graph is not None and not ctx.graph.graphs:
+        ctx.notes.append(
+            "cuda_graphs: Dynamo captured no graph, so Inductor has nothing to record and replay"
+        )
         return []
-    idle = s.idle_time_per_iter_us / s.wall_time_per_iter_us
-    durations = sorted(k.duration_us for o in ctx.eager.operators for k in o.kernels)
-    durations += sorted(k.duration_us for k in ctx.eager.unattributed_kernels)
+    ref = ctx.compiled if ctx.compiled is not None else ctx.eager
+    s = ref.summary
+    wall = ref.wall_us or s.wall_time_per_iter_us
+    if wall <= 0 or s.kernels_per_iter <= 0:
+        return []
+    device = ref.device_us
+    host = host_floor_us(s, ref.wall_us, device)
+    idle_now = max(0.0, wall - device) / wall
+    after = device
+    estimate = dtype_estimate(ctx, ref) if "dtype_promotion" in ctx.drafted else None
+    if estimate is not None:
+        after = max(0.0, device - estimate.device_saving_us)
+    idle_after = max(0.0, host - after) / max(host, after) if max(host, after) > 0 else 0.0
+    durations = [k.duration_us for o in ref.timeline.operators for k in o.kernels]
+    durations += [k.duration_us for k in ref.timeline.unattributed_kernels]
     if durations:
         short = sum(d < ctx.th.launch_bound_kernel_us for d in durations) / len(durations)
         median = sorted(durations)[len(durations) // 2]
     else:
-        median = s.device_time_per_iter_us / s.kernels_per_iter
+        median = device / s.kernels_per_iter
         short = 1.0 if median < ctx.th.launch_bound_kernel_us else 0.0
-    if idle < ctx.th.idle_gap_share or short < ctx.th.launch_bound_short_kernel_share:
+    launch_bound = max(idle_now, idle_after) >= ctx.th.idle_gap_share
+    if not launch_bound or short < ctx.th.launch_bound_short_kernel_share:
         return []
-    evidence = [
-        e
-        for e in (
-            summary_ev("kernels per iteration", ctx.eager, 0, "kernels_per_iter"),
-            summary_ev("GPU idle per iteration", ctx.eager, 0, "idle_time_per_iter_us", "µs"),
-            summary_ev("wall time per iteration", ctx.eager, 0, "wall_time_per_iter_us", "µs"),
-            summary_ev("kernel time per iteration", ctx.eager, 0, "device_time_per_iter_us", "µs"),
-            summary_ev(
-                "launch overhead per call", ctx.eager, 0, "launch_overhead_per_call_us", "µs"
-            ),
-        )
-        if e is not None
-    ]
-    evidence.extend(timing_ev(ctx))
-    compiled = ""
-    if ctx.compiled is not None and ctx.compiled_index is not None:
-        cs = ctx.compiled.summary
-        for row in (
-            summary_ev(
-                "compiled kernels per iteration",
-                ctx.compiled,
-                ctx.compiled_index,
-                "kernels_per_iter",
-            ),
-            summary_ev(
-                "compiled GPU idle per iteration",
-                ctx.compiled,
-                ctx.compiled_index,
-                "idle_time_per_iter_us",
-                "µs",
-            ),
-        ):
-            if row is not None:
-                evidence.append(row)
-        if cs.wall_time_per_iter_us > 0:
-            still = cs.idle_time_per_iter_us / cs.wall_time_per_iter_us
-            compiled = (
-                f" The torch.compile baseline is still {pct(still)} idle with "
-                f"{cs.kernels_per_iter:g} kernels per iteration."
-            )
-    recovered = max(0.0, ctx.budget.wall_us - ctx.budget.device_us)
-    impact = ctx.budget.impact(
-        recovered,
-        "time budget: replaying one graph recovers the time the GPU waits for the "
-        "host (eager iteration − kernel time), an upper bound",
+    name = "torch.compile baseline" if ref is ctx.compiled else "eager iteration"
+    evidence = timing_ev(ctx, ref)
+    for row in (
+        summary_ev(f"{ref.timeline.label} kernels per iteration", ref, "kernels_per_iter"),
+        summary_ev(
+            f"{ref.timeline.label} launch overhead per call",
+            ref,
+            "launch_overhead_per_call_us",
+            "µs",
+        ),
+        summary_ev("eager kernels per iteration", ctx.eager, "kernels_per_iter"),
+        summary_ev(
+            "eager GPU idle per iteration (profiled)", ctx.eager, "idle_time_per_iter_us", "µs"
+        ),
+    ):
+        if row is not None and row.source not in {e.source for e in evidence}:
+            evidence.append(row)
+    recovered_now = max(0.0, wall - device)
+    recovered_after = max(0.0, host - after)
+    saving = max(recovered_now, recovered_after)
+    basis = (
+        f"time budget of the {name}: latency {wall:.1f} µs, kernel time {device:.1f} µs, host "
+        f"≥ {host:.1f} µs per iteration (latency − kernel time, {s.kernels_per_iter:g} kernels "
+        "× launch overhead, or the profiled host time / the profiler's slowdown); replaying "
+        f"one graph recovers the GPU's idle time now ({recovered_now:.1f} µs)"
     )
+    if estimate is not None:
+        basis += (
+            f" or, after dtype_promotion shrinks the kernels to ~{after:.1f} µs, the host "
+            f"time they no longer hide ({recovered_after:.1f} µs)"
+        )
     rationale = (
-        f"launch-bound: the GPU is idle {pct(idle)} of the profiled iteration, "
-        f"{pct(short)} of the {len(durations) or int(s.kernels_per_iter)} kernels run under "
-        f"{ctx.th.launch_bound_kernel_us:g} µs (median {median:.1f} µs)." + compiled
+        f"launch-bound: the {name} keeps the GPU idle {pct(idle_now)} of its latency"
+        + (f", {pct(idle_after)} once the kernels run in BF16" if estimate is not None else "")
+        + f"; {pct(short)} of its {len(durations) or int(s.kernels_per_iter)} kernels run "
+        f"under {ctx.th.launch_bound_kernel_us:g} µs (median {median:.1f} µs)."
     )
     steps = [
         "inductor config triton.cudagraphs=True (mode='reduce-overhead'): the compiled graph "
@@ -465,6 +534,7 @@ def cuda_graphs(ctx: Context) -> list[Draft]:
         "inputs are copied into static buffers; outputs are cloned before the next replay",
         "requires static shapes and no host synchronisation inside the graph",
     ]
+    measured_now = idle_now >= ctx.th.idle_gap_share
     return [
         Draft(
             "cuda_graphs",
@@ -472,8 +542,8 @@ def cuda_graphs(ctx: Context) -> list[Draft]:
             ["<whole graph>"],
             evidence,
             steps,
-            impact,
-            SCORE_HIGH,
+            ctx.budget.impact(saving, basis),
+            SCORE_HIGH if measured_now else SCORE_MEDIUM,
             rationale,
             {"config_patches": {"triton.cudagraphs": True}},
         )
@@ -503,6 +573,6 @@ def run_rules(ctx: Context) -> list[Draft]:
     for name, rule in RULES:
         made = rule(ctx)
         if made:
-            ctx.drafted.add(name)
+            ctx.drafted[name] = made[0]
         drafts.extend(made)
     return drafts

@@ -15,7 +15,14 @@ import pytest
 
 from pytest_opprof.propose import DEPENDS_ON, classify, evidence_matches, order, propose
 from pytest_opprof.propose.context import resolve_source
-from pytest_opprof.propose.impact import OpTime, dtype_promotion_saving
+from pytest_opprof.propose.impact import (
+    KERNEL_FLOOR_US,
+    OpTime,
+    budget,
+    dtype_promotion_saving,
+    kernel_scale,
+    roofline_scale,
+)
 from pytest_opprof.schema import (
     CaptureMetadata,
     EdgeCaseFlag,
@@ -171,7 +178,8 @@ def make_profile(
     timelines = [eager]
     if compiled is not None:
         timelines.append(timeline("compiled", compiled, wall_us=compiled_wall_us or wall_us))
-    gpu_ms = {"eager": eager.summary.device_time_per_iter_us / 1000.0}
+    compile_ms = (compiled_wall_us or wall_us * 0.95) / 1000.0
+    gpu_ms = {t.label: t.summary.device_time_per_iter_us / 1000.0 for t in timelines}
     return Profile(
         capture_metadata=CaptureMetadata(
             workload=workload,
@@ -198,7 +206,7 @@ def make_profile(
             clock="cuda_event" if device == "cuda" else "perf_counter",
             variants={
                 "eager": latency(wall_us / 1000.0),
-                "compile": latency(wall_us / 1000.0 * 0.95),
+                "compile": latency(compile_ms),
             },
             gpu_kernel_ms=gpu_ms,
         ),
@@ -435,22 +443,48 @@ def test_dtype_promotion_mentions_fp32_triton_work_of_the_compiled_baseline() ->
     )
 
 
-def test_dtype_saving_is_bounded_by_the_memory_floor() -> None:
+def test_roofline_scale_keeps_each_call_at_its_fraction_of_the_roofline() -> None:
     from pytest_opprof import knowledge
 
     spec = knowledge.lookup_gpu("NVIDIA H200").spec  # type: ignore[union-attr]
-    compute_only = dtype_promotion_saving([OpTime("a", 100.0, "fp32", 1, 0.0)], spec)
-    heavy = dtype_promotion_saving([OpTime("a", 100.0, "fp32", 1, 400e6)], spec)
-    ratio = knowledge.peak_flops(spec, "fp32", tensor_cores=False) / knowledge.peak_flops(
-        spec, "bf16"
-    )
-    assert compute_only.device_saving_us == pytest.approx(100.0 * (1 - ratio))
-    # 200 MB in bf16 at 4.8 TB/s is ~41.7 µs: the floor, above the compute estimate
-    assert heavy.memory_floor_us == pytest.approx(200e6 / 4.8e12 * 1e6)
-    assert heavy.device_saving_us == pytest.approx(100.0 - 200e6 / 4.8e12 * 1e6)
-    tf32 = dtype_promotion_saving([OpTime("a", 100.0, "tf32", 1, None)], spec)
-    assert tf32.device_saving_us == pytest.approx(50.0, rel=0.01)
-    assert tf32.memory_floor_us is None
+    fp32 = knowledge.peak_flops(spec, "fp32", tensor_cores=False)
+    tf32, bf16 = knowledge.peak_flops(spec, "tf32"), knowledge.peak_flops(spec, "bf16")
+    bw = spec.memory_bandwidth_bytes_per_s
+    # the 32000-wide logits GEMM: compute-bound at every precision -> the peak ratio
+    m, k, n = 8192, 512, 32000
+    flops, data = 2.0 * m * n * k, 4.0 * (m * k + k * n + m * n)
+    assert roofline_scale(spec, "fp32", flops, data) == pytest.approx(fp32 / bf16)
+    assert roofline_scale(spec, "tf32", flops, data) == pytest.approx(tf32 / bf16)
+    # a depthwise 3x3 conv: memory-bound -> half the bytes, half the time
+    depthwise = (2.0 * 16 * 128 * 56 * 56 * 9, 4.0 * (2 * 16 * 128 * 56 * 56 + 128 * 9))
+    assert roofline_scale(spec, "fp32", *depthwise) == pytest.approx(0.5)
+    # compute-bound at FP32, memory-bound at BF16: between the two
+    mid = (2.0 * 256 * 2048 * 2048, 4.0 * (256 * 2048 * 2 + 2048 * 2048))
+    expected = (mid[1] / 2 / bw) / (mid[0] / fp32)
+    assert roofline_scale(spec, "fp32", *mid) == pytest.approx(expected)
+    assert fp32 / bf16 < expected < 0.5
+    assert kernel_scale(spec, "memory") == 0.5 and kernel_scale(spec, "none") == 1.0
+
+
+def test_dtype_saving_is_floored_by_the_kernel_count() -> None:
+    from pytest_opprof import knowledge
+
+    spec = knowledge.lookup_gpu("NVIDIA H200").spec  # type: ignore[union-attr]
+    free = dtype_promotion_saving([OpTime("a", 100.0, 0.1, 1, "roofline")], spec)
+    assert free.device_saving_us == pytest.approx(90.0) and free.after_us == pytest.approx(10.0)
+    floored = dtype_promotion_saving([OpTime("a", 100.0, 0.1, 20, "roofline")], spec)
+    assert floored.after_us == pytest.approx(20 * KERNEL_FLOOR_US)
+    assert "roofline" in floored.detail and spec.name in floored.detail
+
+
+def test_the_eager_budget_comes_from_the_timing_pass() -> None:
+    prof = mlp_profile()
+    b = budget(prof, prof.timelines[0])
+    assert b.wall_us == pytest.approx(270.0) and b.wall_from == "timing.variants.eager.median_ms"
+    assert b.idle_share == pytest.approx((270.0 - b.device_us) / 270.0)
+    # the iteration cannot get shorter than the host needs: kernels x launch overhead here
+    assert b.host_floor_us == pytest.approx(max(8 * 4.0, 270.0 - b.device_us, 270.0 / 3))
+    assert b.wall_saving(10_000.0) == pytest.approx(270.0 - b.host_floor_us)
 
 
 # -------------------------------------------------------------------------- graph rules
@@ -545,17 +579,59 @@ def test_pretranspose_weights_does_not_fire_without_gemms() -> None:
 
 
 def test_cuda_graphs_fires_when_launch_bound() -> None:
-    prof = launch_bound_profile()
+    prof = launch_bound_profile()  # no compiled timeline: judged on the eager iteration
     p = one(propose(prof, graph("gpt2")), "cuda_graphs")
     assert p.params == {"config_patches": {"triton.cudagraphs": True}}
+    assert p.confidence == "high"
     metrics = {e.metric: e.value for e in p.evidence}
-    assert metrics["kernels per iteration"] == prof.timelines[0].summary.kernels_per_iter
-    assert metrics["GPU idle per iteration"] == prof.timelines[0].summary.idle_time_per_iter_us
-    assert metrics["launch overhead per call"] == 4.0
     s = prof.timelines[0].summary
+    assert metrics["eager kernels per iteration"] == s.kernels_per_iter
+    assert metrics["eager launch overhead per call"] == 4.0
+    assert metrics["eager latency (median, no profiler)"] == 4.885
     assert p.impact.estimated_saving_us == pytest.approx(
         4885.0 - s.device_time_per_iter_us, abs=0.1
     )
+    assert "eager iteration" in p.rationale
+
+
+def test_cuda_graphs_is_judged_on_the_compiled_baseline() -> None:
+    prof = conv_block_profile()
+    p = one(propose(prof, graph("conv_block")), "cuda_graphs")
+    compiled = prof.timelines[1].summary
+    assert any(e.source == "profile.json:timing.variants.compile.median_ms" for e in p.evidence)
+    assert any(e.source == "profile.json:timing.gpu_kernel_ms.compiled" for e in p.evidence)
+    assert p.impact.estimated_saving_us == pytest.approx(
+        254.0 - compiled.device_time_per_iter_us, abs=0.1
+    )
+    assert "torch.compile baseline" in p.rationale
+
+
+def test_cuda_graphs_after_the_precision_change_is_medium() -> None:
+    """GPU-bound at FP32 (sdpa_attention, gpt2 on the H200), launch-bound once BF16 shrinks
+    the kernels: proposed, after dtype_promotion, at medium confidence."""
+    short = [Op("triton_poi_fused_0", [("triton_poi_fused_0", 4.0)] * 8)]
+    gemm = Op("aten::mm", [(SGEMM, 80.0)] * 4, shapes=[[4096, 512], [512, 512]])
+    prof = make_profile(
+        [gemm, *short], wall_us=400.0, compiled=[gemm, *short], compiled_wall_us=372.0
+    )
+    opt = propose(prof, None)
+    p = one(opt, "cuda_graphs")
+    assert p.confidence == "medium" and "dtype_promotion-1" in p.depends_on
+    assert "once the kernels run in BF16" in p.rationale
+    assert "after dtype_promotion" in p.impact.basis
+    # without the precision change the compiled graph stays GPU-bound: no CUDA graphs
+    bf16 = [Op("aten::mm", [(BF16_GEMM, 80.0)] * 4), *short]
+    gpu_bound = make_profile(
+        bf16, wall_us=400.0, compiled=bf16, compiled_wall_us=372.0, dtype="bfloat16"
+    )
+    assert "dtype_promotion" not in types(propose(gpu_bound, None))
+    assert "cuda_graphs" not in types(propose(gpu_bound, None))
+
+
+def test_cuda_graphs_not_where_dynamo_captured_no_graph() -> None:
+    opt = propose(launch_bound_profile(), graph("lstm_sequence_encoder"))
+    assert "cuda_graphs" not in types(opt)
+    assert any("nothing to record and replay" in n for n in opt.global_notes)
 
 
 def test_cuda_graphs_does_not_fire_when_gpu_bound() -> None:
