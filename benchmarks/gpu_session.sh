@@ -28,7 +28,9 @@ paths=(); for n in "${names[@]}"; do paths+=("examples/$n"); done
 work=/tmp/opprof-results
 rm -rf "$work"
 start=$(date +%s)
-python3 -m pytest -p pytest_opprof.plugin --opprof "${paths[@]}" --opprof-out="$work" \
+# A call on a lent machine has a hard limit: stop pytest (SIGINT: it still writes the summary)
+# before it, so the artifacts packed below come back.
+timeout --signal=INT "${OPPROF_CALL_BUDGET:-540}" python3 -m pytest -p pytest_opprof.plugin --opprof "${paths[@]}" --opprof-out="$work" \
   -p no:cacheprovider -v -rA --opprof-junit="$work/opprof-junit.xml" \
   --junitxml="$work/junit.xml" "${extra[@]}" 2>&1 | tee "$OUT/pytest.log"
 status=${PIPESTATUS[0]}

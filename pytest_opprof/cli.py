@@ -39,8 +39,9 @@ def _parser() -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("workloads", nargs="+", type=Path)
         if name == "capture":
-            p.add_argument("--profile-name", default="", help="'optimized' writes "
-                           "profile_optimized.json")
+            p.add_argument(
+                "--profile-name", default="", help="'optimized' writes profile_optimized.json"
+            )
         add_cli_arguments(p)
     p = sub.add_parser("propose", help="stage 1 from a profile.json")
     p.add_argument("profile", type=Path)
@@ -145,13 +146,13 @@ def cmd_propose(ns: argparse.Namespace, options: OpprofOptions) -> int:
     profile = read_artifact(ns.profile, Profile)
     graph_path = ns.profile.with_name("graph.json")
     graph = read_artifact(graph_path, FxGraphSummary) if graph_path.exists() else None
-    result = propose(profile, graph, min_confidence=options.min_confidence,
-                     max_opts=options.max_opts)
+    result = propose(
+        profile, graph, min_confidence=options.min_confidence, max_opts=options.max_opts
+    )
     out = ns.profile.with_name("optimizations.json")
     write_artifact(out, result)
     for p in result.proposals:
-        print(f"{p.id:<28} {p.type:<24} {p.confidence:<6} "
-              f"~{p.impact.estimated_saving_us:.1f} µs")
+        print(f"{p.id:<28} {p.type:<24} {p.confidence:<6} ~{p.impact.estimated_saving_us:.1f} µs")
     print(f"wrote {out}")
     return 0
 
@@ -178,8 +179,9 @@ def cmd_validate(ns: argparse.Namespace, options: OpprofOptions) -> int:
     if not file.exists():
         raise OpprofError(f"{ns.file}: no such file")
     stem = file.name.removesuffix("_optimized.py")
-    run = WorkloadRun(spec=WorkloadSpec(path=file), name=stem,
-                      options=replace(options, out=file.parent.parent))
+    run = WorkloadRun(
+        spec=WorkloadSpec(path=file), name=stem, options=replace(options, out=file.parent.parent)
+    )
     run.spec = WorkloadSpec(path=_baseline_of(file) or file)
     report = validate_file(run, file)
     write_artifact(run.profiler_output / "validation_report.json", report)
@@ -200,8 +202,12 @@ def _baseline_of(generated: Path) -> Path | None:
     except (OSError, SyntaxError):
         return None
     for node in ast.walk(tree):
-        if (isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "import_baseline"
-                and len(node.args) >= 2 and isinstance(node.args[1], ast.Constant)):
+        if (
+            isinstance(node, ast.Call)
+            and getattr(node.func, "attr", "") == "import_baseline"
+            and len(node.args) >= 2
+            and isinstance(node.args[1], ast.Constant)
+        ):
             return (generated.parent / str(node.args[1].value)).resolve()
     return None
 
@@ -223,17 +229,22 @@ def preflight() -> int:
 
         line(True, f"torch {torch.__version__} (CUDA {torch.version.cuda})")
         cuda = torch.cuda.is_available()
-        print(f"[{'ok' if cuda else 'note'}] CUDA device: "
-              + (torch.cuda.get_device_name(0) if cuda else "none — the CPU fallback is used"))
+        print(
+            f"[{'ok' if cuda else 'note'}] CUDA device: "
+            + (torch.cuda.get_device_name(0) if cuda else "none — the CPU fallback is used")
+        )
     ncu = shutil.which("ncu")
     print(f"[{'ok' if ncu else 'note'}] ncu: {ncu or 'not found; no hardware counters'}")
     params = Path("/proc/driver/nvidia/params")
     if params.exists():
         restricted = "RmProfilingAdminOnly: 1" in params.read_text(errors="replace")
         root = os.geteuid() == 0
-        line(not restricted or root, "GPU counters readable by this user",
-             "run with --opprof-ncu-sudo=true, or set the driver option "
-             "NVreg_RestrictProfilingToAdminUsers=0")
+        line(
+            not restricted or root,
+            "GPU counters readable by this user",
+            "run with --opprof-ncu-sudo=true, or set the driver option "
+            "NVreg_RestrictProfilingToAdminUsers=0",
+        )
     return 1 if problems else 0
 
 

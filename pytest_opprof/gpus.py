@@ -25,8 +25,7 @@ def visible_gpus(environ: dict[str, str] | None = None) -> list[str]:
     if not exe:
         return []
     try:
-        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=20,
-                             check=False)
+        out = subprocess.run([exe, "-L"], capture_output=True, text=True, timeout=20, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return []
     return [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")]

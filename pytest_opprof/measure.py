@@ -78,7 +78,10 @@ def speedup(
     n = len(baseline)
     if n < 2:
         return Speedup(
-            baseline=baseline_name, candidate=candidate_name, ratio=ratio, ci_low=ratio,
+            baseline=baseline_name,
+            candidate=candidate_name,
+            ratio=ratio,
+            ci_low=ratio,
             ci_high=ratio,
         )
     rng = random.Random(seed)

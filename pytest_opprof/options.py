@@ -37,9 +37,7 @@ def _choice(name: str, accepted: tuple[str, ...]) -> Callable[[str], str]:
     def parse(value: str) -> str:
         text = str(value).strip().lower()
         if text not in accepted:
-            raise pytest.UsageError(
-                f"{name}: {value!r} is not one of {', '.join(accepted)}"
-            )
+            raise pytest.UsageError(f"{name}: {value!r} is not one of {', '.join(accepted)}")
         return text
 
     parse.__name__ = f"parse_{name.strip('-').replace('-', '_')}"
@@ -143,44 +141,132 @@ def _opt(noun: str, parse: Callable[[Any], Any], default: Any, help: str, **kw: 
 
 OPTIONS: tuple[OptionSpec, ...] = (
     _opt("out", parse_path, "opprof-results", "folder for artifacts and reports", metavar="DIR"),
-    _opt("from", parse_stage("--opprof-from"), None,
-         "reuse artifacts on disk up to this stage and recompute from it", metavar="STAGE"),
-    _opt("stage", parse_stage("--opprof-stage"), None,
-         "run only this stage (earlier ones must be on disk)", metavar="STAGE"),
-    _opt("min-speedup", parse_positive_float("--opprof-min-speedup"), 1.0,
-         "speedup the gate demands (default 1.0)", metavar="X"),
-    _opt("baseline", _choice("--opprof-baseline", ("eager", "compile", "best")), "best",
-         "baseline the gate compares against: eager, compile or best (the faster)",
-         metavar="NAME"),
-    _opt("compile-backend", _choice("--opprof-compile-backend", ("inductor",)), "inductor",
-         "torch.compile backend of the compiled baseline", metavar="NAME"),
-    _opt("device", _choice("--opprof-device", ("auto", "cuda", "cpu")), "auto",
-         "auto (CUDA when present, else the CPU fallback), cuda or cpu", metavar="DEV"),
-    _opt("ncu", _choice("--opprof-ncu", ("auto", "on", "off")), "auto",
-         "Nsight Compute counters: auto (when ncu is found), on (required), off",
-         metavar="MODE"),
-    _opt("ncu-sudo", _choice("--opprof-ncu-sudo", ("auto", "true", "false")), "auto",
-         "run ncu through sudo: auto reads /proc/driver/nvidia/params", metavar="MODE"),
-    _opt("ncu-clock-control", _choice("--opprof-ncu-clock-control", ("none", "base")), "none",
-         "ncu --clock-control (none leaves the clocks alone)", metavar="MODE"),
-    _opt("min-confidence", _choice("--opprof-min-confidence", ("low", "medium", "high")), "low",
-         "drop proposals below this confidence", metavar="LEVEL"),
-    _opt("max-opts", parse_count("--opprof-max-opts", allow_none=True), None,
-         "keep at most N proposals (by estimated impact)", metavar="N"),
-    _opt("warmup-iters", parse_count("--opprof-warmup-iters"), 10,
-         "warmup calls before timing", metavar="N"),
-    _opt("measure-iters", parse_count("--opprof-measure-iters"), 30,
-         "calls per timed round", metavar="N"),
-    _opt("rounds", parse_count("--opprof-rounds", minimum=3), 15,
-         "timed rounds (each gives one sample)", metavar="N"),
-    _opt("timeout", parse_positive_float("--opprof-timeout"), 900.0,
-         "seconds a stage's child process may run before it is killed", metavar="S"),
-    _opt("strict-gate", lambda v: parse_bool(v, "--opprof-strict-gate"), False,
-         "demand the speedup's CI wholly above the minimum", flag=True),
-    _opt("gate-on-cpu", lambda v: parse_bool(v, "--opprof-gate-on-cpu"), False,
-         "enforce the speedup gate on the CPU fallback too", flag=True),
-    _opt("llm", lambda v: parse_bool(v, "--opprof-llm"), False,
-         "ask the Anthropic API to review and extend the proposals", flag=True),
+    _opt(
+        "from",
+        parse_stage("--opprof-from"),
+        None,
+        "reuse artifacts on disk up to this stage and recompute from it",
+        metavar="STAGE",
+    ),
+    _opt(
+        "stage",
+        parse_stage("--opprof-stage"),
+        None,
+        "run only this stage (earlier ones must be on disk)",
+        metavar="STAGE",
+    ),
+    _opt(
+        "min-speedup",
+        parse_positive_float("--opprof-min-speedup"),
+        1.0,
+        "speedup the gate demands (default 1.0)",
+        metavar="X",
+    ),
+    _opt(
+        "baseline",
+        _choice("--opprof-baseline", ("eager", "compile", "best")),
+        "best",
+        "baseline the gate compares against: eager, compile or best (the faster)",
+        metavar="NAME",
+    ),
+    _opt(
+        "compile-backend",
+        _choice("--opprof-compile-backend", ("inductor",)),
+        "inductor",
+        "torch.compile backend of the compiled baseline",
+        metavar="NAME",
+    ),
+    _opt(
+        "device",
+        _choice("--opprof-device", ("auto", "cuda", "cpu")),
+        "auto",
+        "auto (CUDA when present, else the CPU fallback), cuda or cpu",
+        metavar="DEV",
+    ),
+    _opt(
+        "ncu",
+        _choice("--opprof-ncu", ("auto", "on", "off")),
+        "auto",
+        "Nsight Compute counters: auto (when ncu is found), on (required), off",
+        metavar="MODE",
+    ),
+    _opt(
+        "ncu-sudo",
+        _choice("--opprof-ncu-sudo", ("auto", "true", "false")),
+        "auto",
+        "run ncu through sudo: auto reads /proc/driver/nvidia/params",
+        metavar="MODE",
+    ),
+    _opt(
+        "ncu-clock-control",
+        _choice("--opprof-ncu-clock-control", ("none", "base")),
+        "none",
+        "ncu --clock-control (none leaves the clocks alone)",
+        metavar="MODE",
+    ),
+    _opt(
+        "min-confidence",
+        _choice("--opprof-min-confidence", ("low", "medium", "high")),
+        "low",
+        "drop proposals below this confidence",
+        metavar="LEVEL",
+    ),
+    _opt(
+        "max-opts",
+        parse_count("--opprof-max-opts", allow_none=True),
+        None,
+        "keep at most N proposals (by estimated impact)",
+        metavar="N",
+    ),
+    _opt(
+        "warmup-iters",
+        parse_count("--opprof-warmup-iters"),
+        10,
+        "warmup calls before timing",
+        metavar="N",
+    ),
+    _opt(
+        "measure-iters",
+        parse_count("--opprof-measure-iters"),
+        30,
+        "calls per timed round",
+        metavar="N",
+    ),
+    _opt(
+        "rounds",
+        parse_count("--opprof-rounds", minimum=3),
+        15,
+        "timed rounds (each gives one sample)",
+        metavar="N",
+    ),
+    _opt(
+        "timeout",
+        parse_positive_float("--opprof-timeout"),
+        900.0,
+        "seconds a stage's child process may run before it is killed",
+        metavar="S",
+    ),
+    _opt(
+        "strict-gate",
+        lambda v: parse_bool(v, "--opprof-strict-gate"),
+        False,
+        "demand the speedup's CI wholly above the minimum",
+        flag=True,
+    ),
+    _opt(
+        "gate-on-cpu",
+        lambda v: parse_bool(v, "--opprof-gate-on-cpu"),
+        False,
+        "enforce the speedup gate on the CPU fallback too",
+        flag=True,
+    ),
+    _opt(
+        "llm",
+        lambda v: parse_bool(v, "--opprof-llm"),
+        False,
+        "ask the Anthropic API to review and extend the proposals",
+        flag=True,
+    ),
     _opt("junit", parse_junit, "", "write a stage-level JUnit XML file here", metavar="PATH"),
     _opt("shard", parse_shard, "", "run shard K of N of the workloads", metavar="K/N"),
 )
@@ -297,8 +383,18 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
     """The same options for the ``opprof`` command, without the ``opprof-`` prefix."""
     for spec in OPTIONS:
         if spec.flag:
-            parser.add_argument(f"--{spec.noun}", dest=spec.field, action="store_true",
-                                default=spec.default, help=spec.help)
+            parser.add_argument(
+                f"--{spec.noun}",
+                dest=spec.field,
+                action="store_true",
+                default=spec.default,
+                help=spec.help,
+            )
         else:
-            parser.add_argument(f"--{spec.noun}", dest=spec.field, default=spec.default,
-                                metavar=spec.metavar, help=spec.help)
+            parser.add_argument(
+                f"--{spec.noun}",
+                dest=spec.field,
+                default=spec.default,
+                metavar=spec.metavar,
+                help=spec.help,
+            )

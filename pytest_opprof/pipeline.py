@@ -107,17 +107,30 @@ class WorkloadRun:
         software, and the keys of the stages before it."""
         opts = self.options
         relevant = {
-            "capture": (opts.device, opts.compile_backend, self.setting("warmup_iters"),
-                        self.setting("measure_iters"), self.setting("rounds")),
-            "propose": (opts.min_confidence, opts.max_opts, self.setting("skip") or [],
-                        opts.llm),
+            "capture": (
+                opts.device,
+                opts.compile_backend,
+                self.setting("warmup_iters"),
+                self.setting("measure_iters"),
+                self.setting("rounds"),
+            ),
+            "propose": (opts.min_confidence, opts.max_opts, self.setting("skip") or [], opts.llm),
             "backend": (self.setting("rtol") if "rtol" in self.spec.overrides else None,),
         }.get(stage, ())
         index = STAGES.index(stage)
         previous = self.key(STAGES[index - 1]) if index else ""
-        blob = json.dumps([stage, previous, self.spec.sha256(), __version__, _torch_version(),
-                           os.environ.get("CUDA_VISIBLE_DEVICES"), list(relevant)],
-                          default=str)
+        blob = json.dumps(
+            [
+                stage,
+                previous,
+                self.spec.sha256(),
+                __version__,
+                _torch_version(),
+                os.environ.get("CUDA_VISIBLE_DEVICES"),
+                list(relevant),
+            ],
+            default=str,
+        )
         return hashlib.sha256(blob.encode()).hexdigest()[:20]
 
     def _key_file(self, stage: str) -> Path:
@@ -136,7 +149,7 @@ class WorkloadRun:
         write_text_atomic(self._key_file(stage), self.key(stage) + "\n")
 
     def invalidate_from(self, stage: str) -> None:
-        for later in STAGES[STAGES.index(stage):]:
+        for later in STAGES[STAGES.index(stage) :]:
             self._key_file(later).unlink(missing_ok=True)
 
     # ---------------------------------------------------------------------- child runs
@@ -160,7 +173,9 @@ class WorkloadRun:
             with log.open("w", encoding="utf-8") as fh:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "pytest_opprof.runner", str(spec_path)],
-                    stdout=fh, stderr=subprocess.STDOUT, start_new_session=True,
+                    stdout=fh,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
                 )
                 try:
@@ -178,15 +193,17 @@ class WorkloadRun:
                 cls = WorkloadError if found.kind == "WorkloadError" else StageError
                 raise cls(found.message)
         if code < 0:
-            name = signal.Signals(-code).name if -code in signal.Signals._value2member_map_ \
+            name = (
+                signal.Signals(-code).name
+                if -code in signal.Signals._value2member_map_
                 else str(-code)
+            )
             raise StageError(
                 f"{self.spec.path.name}: the {stage} process was killed by {name}; the "
                 f"workload (or a library it calls) crashed — see {_rel(log)}"
             )
         if code != 0:
-            tail = "\n".join(log.read_text(encoding="utf-8", errors="replace")
-                             .splitlines()[-25:])
+            tail = "\n".join(log.read_text(encoding="utf-8", errors="replace").splitlines()[-25:])
             raise StageError(
                 f"{self.spec.path.name}: the {stage} process failed (exit {code}); this is "
                 f"likely a bug in pytest-opprof or torch. Last lines of {_rel(log)}:\n{tail}"
@@ -216,8 +233,10 @@ def stage_capture(run: WorkloadRun) -> str:
     profile = read_artifact(run.out_dir / "profile.json", Profile)
     t = profile.timing
     eager, comp = t.variants["eager"], t.variants["compile"]
-    return (f"eager {eager.median_ms:.4f} ms, torch.compile {comp.median_ms:.4f} ms on "
-            f"{profile.capture_metadata.device_name}")
+    return (
+        f"eager {eager.median_ms:.4f} ms, torch.compile {comp.median_ms:.4f} ms on "
+        f"{profile.capture_metadata.device_name}"
+    )
 
 
 def stage_propose(run: WorkloadRun) -> str:
@@ -226,11 +245,15 @@ def stage_propose(run: WorkloadRun) -> str:
     profile = read_artifact(run.out_dir / "profile.json", Profile)
     graph_path = run.out_dir / "graph.json"
     graph = read_artifact(graph_path, FxGraphSummary) if graph_path.exists() else None
-    result = propose(profile, graph, min_confidence=run.options.min_confidence,
-                     max_opts=run.options.max_opts, skip=run.setting("skip") or ())
+    result = propose(
+        profile,
+        graph,
+        min_confidence=run.options.min_confidence,
+        max_opts=run.options.max_opts,
+        skip=run.setting("skip") or (),
+    )
     write_artifact(run.out_dir / "optimizations.json", result)
-    return f"{len(result.proposals)} proposals: " + ", ".join(
-        p.type for p in result.proposals)
+    return f"{len(result.proposals)} proposals: " + ", ".join(p.type for p in result.proposals)
 
 
 def stage_backend(run: WorkloadRun) -> str:
@@ -242,12 +265,23 @@ def stage_backend(run: WorkloadRun) -> str:
     sel_path = run.profiler_output / "backend_selection.json"
     selection = read_artifact(sel_path, BackendSelection)
     rtol, atol = tolerance_for(selection.plan.dtype, run.spec.overrides)
-    write_text_atomic(run.generated, render_optimized(
-        stem=run.spec.stem, workload=run.spec.path, out_file=run.generated,
-        selection=selection, proposals=optimizations.proposals, rtol=rtol, atol=atol))
+    write_text_atomic(
+        run.generated,
+        render_optimized(
+            stem=run.spec.stem,
+            workload=run.spec.path,
+            out_file=run.generated,
+            selection=selection,
+            proposals=optimizations.proposals,
+            rtol=rtol,
+            atol=atol,
+        ),
+    )
     write_text_atomic(run.generated_test, render_test(stem=run.spec.stem))
-    write_text_atomic(run.profiler_output / "implementation_notes.md",
-                      render_notes(selection, optimizations.proposals))
+    write_text_atomic(
+        run.profiler_output / "implementation_notes.md",
+        render_notes(selection, optimizations.proposals),
+    )
     kept = ", ".join(selection.plan.proposals) or "none (the baseline is kept)"
     return f"kept {kept}; dropped {len(selection.dropped)}"
 
@@ -272,8 +306,9 @@ def validate_file(run: WorkloadRun, generated: Path) -> ValidationReport:
     except py_compile.PyCompileError as exc:
         steps["syntax"] = StepResult(status="fail", detail=str(exc.msg).strip())
     except FileNotFoundError:
-        steps["syntax"] = StepResult(status="fail", detail=f"{generated} does not exist; "
-                                     "re-run the backend stage")
+        steps["syntax"] = StepResult(
+            status="fail", detail=f"{generated} does not exist; re-run the backend stage"
+        )
     if steps["syntax"].status == "pass":
         for task in ("validate_import", "tests", "validate_run"):
             if task == "tests":
@@ -281,15 +316,19 @@ def validate_file(run: WorkloadRun, generated: Path) -> ValidationReport:
             else:
                 with tempfile.TemporaryDirectory() as tmp:
                     result = Path(tmp) / "result.json"
-                    run.run_child(task, "validate", generated=str(generated.resolve()),
-                                  result=str(result), dtype=dtype)
+                    run.run_child(
+                        task,
+                        "validate",
+                        generated=str(generated.resolve()),
+                        result=str(result),
+                        dtype=dtype,
+                    )
                     data = json.loads(result.read_text())
                 steps.update({k: StepResult(**v) for k, v in data["steps"].items()})
                 extra.update({k: v for k, v in data.items() if k != "steps"})
             if any(s.status == "fail" for s in steps.values()):
                 break
-    failed = next((n for n in VALIDATION_STEPS if n in steps and steps[n].status == "fail"),
-                  None)
+    failed = next((n for n in VALIDATION_STEPS if n in steps and steps[n].status == "fail"), None)
     blocked_after(failed or "nothing")
     ordered = {n: steps[n] for n in VALIDATION_STEPS}
     message = ""
@@ -313,11 +352,30 @@ def _run_generated_tests(run: WorkloadRun, generated: Path) -> StepResult:
     if not test_file.exists():
         return StepResult(status="fail", detail=f"{test_file.name} is missing; re-run backend")
     log = run.profiler_output / "generated_tests.log"
-    cmd = [sys.executable, "-m", "pytest", str(test_file), "-q", "-p", "no:cacheprovider",
-           "-p", "no:opprof", "--rootdir", str(test_file.parent), "-c", os.devnull]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pytest",
+        str(test_file),
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "no:opprof",
+        "--rootdir",
+        str(test_file.parent),
+        "-c",
+        os.devnull,
+    ]
     try:
-        out = subprocess.run(cmd, capture_output=True, text=True, timeout=run.setting("timeout"),
-                             cwd=test_file.parent, check=False)
+        out = subprocess.run(
+            cmd,
+            capture_output=True,
+            text=True,
+            timeout=run.setting("timeout"),
+            cwd=test_file.parent,
+            check=False,
+        )
     except subprocess.TimeoutExpired:
         return StepResult(status="fail", detail="the generated tests timed out")
     write_text_atomic(log, out.stdout + out.stderr)
@@ -371,20 +429,21 @@ def run_stage(run: WorkloadRun, stage: str) -> StageOutcome:
     opts = run.options
     forced = opts.from_ is not None and index >= STAGES.index(opts.from_)
     reuse_only = (opts.from_ is not None and index < STAGES.index(opts.from_)) or (
-        opts.stage is not None and stage != opts.stage)
+        opts.stage is not None and stage != opts.stage
+    )
     try:
         if reuse_only:
             for path in run.artifact_paths(stage):
                 if not path.exists():
                     raise ArtifactError(
                         f"{path}: not found, but --opprof-from/--opprof-stage reuses it; run "
-                        f"the {stage} stage first (drop --opprof-from)")
+                        f"the {stage} stage first (drop --opprof-from)"
+                    )
             _check_artifacts(run, stage)
             outcome = StageOutcome(stage, "passed", "reused from disk", cached=True)
         elif not forced and run.cached(stage):
             _check_artifacts(run, stage)
-            outcome = StageOutcome(stage, "passed", "unchanged inputs: read from disk",
-                                   cached=True)
+            outcome = StageOutcome(stage, "passed", "unchanged inputs: read from disk", cached=True)
         else:
             run.invalidate_from(stage)
             message = STAGE_FUNCTIONS[stage](run)
@@ -398,28 +457,35 @@ def run_stage(run: WorkloadRun, stage: str) -> StageOutcome:
         outcome = StageOutcome(stage, "failed", str(exc))
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
-        outcome = StageOutcome(stage, "error", f"{where}{exc.strerror or exc}; check that "
-                               f"--opprof-out ({run.options.out}) is writable")
+        outcome = StageOutcome(
+            stage,
+            "error",
+            f"{where}{exc.strerror or exc}; check that "
+            f"--opprof-out ({run.options.out}) is writable",
+        )
     outcome.seconds = time.perf_counter() - start
     run.outcomes[stage] = outcome
     return outcome
 
 
 def _check_artifacts(run: WorkloadRun, stage: str) -> None:
-    models = {
-        "profile.json": Profile, "graph.json": FxGraphSummary,
-        "optimizations.json": Optimizations, "backend_selection.json": BackendSelection,
-        "validation_report.json": ValidationReport, "profile_optimized.json": Profile,
+    models: dict[str, Any] = {
+        "profile.json": Profile,
+        "graph.json": FxGraphSummary,
+        "optimizations.json": Optimizations,
+        "backend_selection.json": BackendSelection,
+        "validation_report.json": ValidationReport,
+        "profile_optimized.json": Profile,
     }
     for path in run.artifact_paths(stage):
         model = models.get(path.name)
         if model is not None:
             read_artifact(path, model)
     if stage == "backend" and not run.generated.exists():
-        raise ArtifactError(f"{run.generated}: the generated backend is missing; re-run with "
-                            "--opprof-from=backend")
+        raise ArtifactError(
+            f"{run.generated}: the generated backend is missing; re-run with --opprof-from=backend"
+        )
     if stage == "validate":
-        report = read_artifact(run.profiler_output / "validation_report.json",
-                               ValidationReport)
+        report = read_artifact(run.profiler_output / "validation_report.json", ValidationReport)
         if report.overall != "READY_FOR_PROFILING":
             raise StageError(f"{run.generated.name}: {report.message}")

@@ -9,13 +9,16 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 
-from pytest_opprof import STAGES, ITEM_NAMES
+from pytest_opprof import ITEM_NAMES, STAGES
 from pytest_opprof.options import OPTIONS, OpprofOptions
 from pytest_opprof.workload import WorkloadSpec, discover, is_generated
+
+if TYPE_CHECKING:
+    from pytest_opprof.session import OpprofSession  # noqa: F401 (used in a string below)
 
 SESSION_KEY = pytest.StashKey["OpprofSession"]()
 RESULTS_KEY = pytest.StashKey[list[Any]]()
@@ -23,16 +26,21 @@ RESULTS_KEY = pytest.StashKey[list[Any]]()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("opprof", "GPU optimization gate (pytest-opprof)")
-    group.addoption("--opprof", action="store_true", dest="opprof", default=False,
-                    help="profile, optimize, validate and gate every workload found")
+    group.addoption(
+        "--opprof",
+        action="store_true",
+        dest="opprof",
+        default=False,
+        help="profile, optimize, validate and gate every workload found",
+    )
     for spec in OPTIONS:
         flag = f"--opprof-{spec.noun}"
         if spec.flag:
-            group.addoption(flag, action="store_true", dest=spec.dest, default=None,
-                            help=spec.help)
+            group.addoption(flag, action="store_true", dest=spec.dest, default=None, help=spec.help)
         else:
-            group.addoption(flag, dest=spec.dest, default=None, metavar=spec.metavar,
-                            help=spec.help)
+            group.addoption(
+                flag, dest=spec.dest, default=None, metavar=spec.metavar, help=spec.help
+            )
         parser.addini(spec.dest, help=spec.help, default=None)
 
 
@@ -58,7 +66,8 @@ def pytest_configure(config: pytest.Config) -> None:
         gpus = visible_gpus()
         if gpus:
             os.environ["CUDA_VISIBLE_DEVICES"] = worker_gpu(
-                workerinput["workerid"], int(workerinput["workercount"]), gpus)
+                workerinput["workerid"], int(workerinput["workercount"]), gpus
+            )
     if importlib.util.find_spec("torch") is None:
         raise pytest.UsageError(
             "--opprof needs PyTorch, which is not installed here: `pip install torch` (a CUDA "
@@ -82,8 +91,11 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int | None:
 
 def pytest_cmdline_main(config: pytest.Config) -> None:
     """Under xdist, a workload's items stay on one worker (their stages share state)."""
-    if config.getoption("opprof") and getattr(config.option, "dist", "no") in ("load", "no") \
-            and getattr(config.option, "numprocesses", None):
+    if (
+        config.getoption("opprof")
+        and getattr(config.option, "dist", "no") in ("load", "no")
+        and getattr(config.option, "numprocesses", None)
+    ):
         config.option.dist = "loadfile"
 
 
@@ -113,8 +125,13 @@ def _gpu_name() -> str:
     import subprocess
 
     try:
-        out = subprocess.run([exe, "--query-gpu=name", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=10, check=False)
+        out = subprocess.run(
+            [exe, "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=False,
+        )
     except (OSError, subprocess.TimeoutExpired):
         return "nvidia-smi did not answer"
     return out.stdout.strip().splitlines()[0] if out.stdout.strip() else "no GPU listed"
@@ -150,8 +167,11 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Fil
 def _in_shard(path: Path, config: pytest.Config, shard: tuple[int, int]) -> bool:
     import hashlib
 
-    rel = str(path.resolve().relative_to(config.rootpath.resolve())) \
-        if path.resolve().is_relative_to(config.rootpath.resolve()) else path.name
+    rel = (
+        str(path.resolve().relative_to(config.rootpath.resolve()))
+        if path.resolve().is_relative_to(config.rootpath.resolve())
+        else path.name
+    )
     k, n = shard
     return int(hashlib.sha256(rel.encode()).hexdigest(), 16) % n == k - 1
 
@@ -194,8 +214,9 @@ class StageItem(pytest.Item):
         if outcome.status in ("failed", "error"):
             raise StageFailure(outcome.message)
 
-    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None
-                     ) -> str | Any:
+    def repr_failure(
+        self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None
+    ) -> str | Any:
         if isinstance(excinfo.value, StageFailure):
             return str(excinfo.value)
         return super().repr_failure(excinfo)
@@ -223,13 +244,19 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
-    if SESSION_KEY not in config.stash or not config.stash[SESSION_KEY].options.junit:
+    junit = config.stash[SESSION_KEY].options.junit if SESSION_KEY in config.stash else None
+    if junit is None:
         return
     from pytest_opprof.report import StageResultRecord, write_stage_junit
 
     records = [
-        StageResultRecord(workload=name, stage=ITEM_NAMES[o.stage], outcome=o.status,
-                          seconds=o.seconds, message=o.message)
+        StageResultRecord(
+            workload=name,
+            stage=ITEM_NAMES[o.stage],
+            outcome=o.status,
+            seconds=o.seconds,
+            message=o.message,
+        )
         for name, o in config.stash[RESULTS_KEY]
     ]
-    write_stage_junit(config.stash[SESSION_KEY].options.junit, records)
+    write_stage_junit(junit, records)

@@ -33,16 +33,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         TASKS[spec["task"]](spec)
     except OpprofError as exc:
-        write_artifact(spec_path.with_name("failure.json"),
-                       ChildFailure(kind=type(exc).__name__, message=str(exc)))
+        write_artifact(
+            spec_path.with_name("failure.json"),
+            ChildFailure(kind=type(exc).__name__, message=str(exc)),
+        )
         return EXIT_USER_ERROR
     except BaseException as exc:
         if _is_oom(exc):
-            write_artifact(spec_path.with_name("failure.json"), ChildFailure(
-                kind="WorkloadError",
-                message=f"{Path(spec['workload']).name}: out of GPU memory during "
-                        f"{spec['task']} ({str(exc).splitlines()[0]}); use a smaller model or "
-                        "batch, or free the GPU"))
+            write_artifact(
+                spec_path.with_name("failure.json"),
+                ChildFailure(
+                    kind="WorkloadError",
+                    message=f"{Path(spec['workload']).name}: out of GPU memory during "
+                    f"{spec['task']} ({str(exc).splitlines()[0]}); use a smaller model or "
+                    "batch, or free the GPU",
+                ),
+            )
             return EXIT_USER_ERROR
         raise
     return 0
@@ -88,9 +94,9 @@ def _setting(spec: dict[str, Any], name: str) -> Any:
 
 
 def _load_baseline(spec: dict[str, Any], device: str) -> Any:
-    from pytest_opprof.workload import check_output, load
-
     import torch
+
+    from pytest_opprof.workload import check_output, load
 
     w = load(Path(spec["workload"]), device)
     with torch.no_grad():
@@ -112,8 +118,9 @@ def _import_generated(path: Path) -> Any:
     return module
 
 
-def _compile_timed(model: Any, backend: Any, inputs: tuple[Any, ...], device: str
-                   ) -> tuple[Any, float]:
+def _compile_timed(
+    model: Any, backend: Any, inputs: tuple[Any, ...], device: str
+) -> tuple[Any, float]:
     import torch
 
     from pytest_opprof.capture.timing import synchronize
@@ -158,8 +165,9 @@ def _metadata(spec: dict[str, Any], w: Any, device: str, info: dict[str, Any]) -
     )
 
 
-def _timelines(spec: dict[str, Any], calls: dict[str, tuple[Any, str]], inputs: Any,
-               device: str, out_dir: Path) -> tuple[list[Any], list[Any]]:
+def _timelines(
+    spec: dict[str, Any], calls: dict[str, tuple[Any, str]], inputs: Any, device: str, out_dir: Path
+) -> tuple[list[Any], list[Any]]:
     from pytest_opprof.capture.provenance import collect_inductor_provenance
     from pytest_opprof.capture.timeline import capture_timeline
     from pytest_opprof.schema import write_text_atomic
@@ -167,13 +175,21 @@ def _timelines(spec: dict[str, Any], calls: dict[str, tuple[Any, str]], inputs: 
     stem = Path(spec["workload"]).stem
     provenance = collect_inductor_provenance()
     labels = "-".join(label for label in calls if label != "eager") or "eager"
-    write_text_atomic(out_dir / "profiler_output" / f"{stem}.{labels}.provenance.json",
-                      json.dumps(provenance, indent=1, sort_keys=True))
-    timelines, flags = [], []
+    write_text_atomic(
+        out_dir / "profiler_output" / f"{stem}.{labels}.provenance.json",
+        json.dumps(provenance, indent=1, sort_keys=True),
+    )
+    timelines: list[Any] = []
+    flags: list[Any] = []
     for label, (fn, mode) in calls.items():
         suffix = "" if label == "eager" else f".{label}"
         timeline, found = capture_timeline(
-            fn, inputs, device=device, label=label, compile_mode=mode, warmup=3,
+            fn,
+            inputs,
+            device=device,
+            label=label,
+            compile_mode=mode,
+            warmup=3,
             iterations=spec.get("timeline_iters", 3),
             trace_path=out_dir / "profiler_output" / f"{stem}{suffix}.trace.json",
             provenance=provenance,
@@ -183,9 +199,14 @@ def _timelines(spec: dict[str, Any], calls: dict[str, tuple[Any, str]], inputs: 
     return timelines, flags
 
 
-def _timing(samples: dict[str, list[float]], device: str, calls_per_round: int,
-            pairs: list[tuple[str, str]], timelines: list[Any], compile_s: dict[str, float]
-            ) -> Any:
+def _timing(
+    samples: dict[str, list[float]],
+    device: str,
+    calls_per_round: int,
+    pairs: list[tuple[str, str]],
+    timelines: list[Any],
+    compile_s: dict[str, float],
+) -> Any:
     from pytest_opprof.measure import latency_stats, speedup
     from pytest_opprof.schema import Timing
 
@@ -194,8 +215,9 @@ def _timing(samples: dict[str, list[float]], device: str, calls_per_round: int,
         clock="cuda_event" if device == "cuda" else "perf_counter",
         variants={k: latency_stats(v, calls_per_round) for k, v in samples.items()},
         gpu_kernel_ms={t.label: t.summary.device_time_per_iter_us / 1000.0 for t in timelines},
-        speedups=[speedup(a, samples[a], b, samples[b]) for a, b in pairs
-                  if a in samples and b in samples],
+        speedups=[
+            speedup(a, samples[a], b, samples[b]) for a, b in pairs if a in samples and b in samples
+        ],
         compile_seconds=compile_s,
     )
 
@@ -222,23 +244,35 @@ def task_capture(spec: dict[str, Any]) -> None:
     compiled, compile_s = _compile_timed(w.model, opts.compile_backend, w.inputs, device)
     calls_per_round = _setting(spec, "measure_iters")
     samples = time_interleaved(
-        {"eager": w.model, "compile": compiled}, w.inputs, device=device,
-        warmup=_setting(spec, "warmup_iters"), calls_per_round=calls_per_round,
+        {"eager": w.model, "compile": compiled},
+        w.inputs,
+        device=device,
+        warmup=_setting(spec, "warmup_iters"),
+        calls_per_round=calls_per_round,
         rounds=_setting(spec, "rounds"),
     )
     mode = f"torch.compile(backend={opts.compile_backend!r})"
     timelines, flags = _timelines(
-        spec, {"eager": (w.model, "eager"), "compiled": (compiled, mode)}, w.inputs, device,
+        spec,
+        {"eager": (w.model, "eager"), "compiled": (compiled, mode)},
+        w.inputs,
+        device,
         out_dir,
     )
-    timing = _timing(samples, device, calls_per_round, [("eager", "compile")], timelines,
-                     {"compile": compile_s})
+    timing = _timing(
+        samples, device, calls_per_round, [("eager", "compile")], timelines, {"compile": compile_s}
+    )
     profile = Profile(
-        capture_metadata=_metadata(spec, w, device, info), timing=timing, timelines=timelines,
+        capture_metadata=_metadata(spec, w, device, info),
+        timing=timing,
+        timelines=timelines,
         edge_case_flags=flags,
-        warnings=[] if device == "cuda" else [
+        warnings=[]
+        if device == "cuda"
+        else [
             "CPU fallback: no CUDA device, so CPU operators were profiled and no hardware "
-            "counters were read"],
+            "counters were read"
+        ],
     )
     write_artifact(out_dir / spec.get("profile_name", "profile.json"), profile)
     del torch
@@ -258,11 +292,17 @@ def task_select(spec: dict[str, Any]) -> None:
     from pytest_opprof.capture.timing import synchronize, time_interleaved
     from pytest_opprof.measure import latency_stats, speedup
     from pytest_opprof.schema import (
-        BackendPlan, BackendSelection, DroppedProposal, Optimizations, VariantResult,
-        WaterfallStep, read_artifact, write_artifact,
+        BackendPlan,
+        BackendSelection,
+        DroppedProposal,
+        Optimizations,
+        VariantResult,
+        WaterfallStep,
+        read_artifact,
+        write_artifact,
     )
-    from pytest_opprof.validate import compare
     from pytest_opprof.tolerances import tolerance_for
+    from pytest_opprof.validate import compare
     from pytest_opprof.workload import fresh_inputs
 
     _setup_torch()
@@ -284,21 +324,34 @@ def task_select(spec: dict[str, Any]) -> None:
     stats = {k: latency_stats(v, calls) for k, v in base.items()}
     ref_name = min(stats, key=lambda k: stats[k].median_ms)
     ref_ms = stats[ref_name].median_ms
-    variants = [VariantResult(name=k, plan=BackendPlan(), latency=v,
-                              speedup=ref_ms / v.median_ms) for k, v in stats.items()]
-    state = {"plan": BackendPlan(), "fn": compiled if ref_name == "compile" else eager,
-             "name": ref_name, "ms": ref_ms}
-    waterfall = [WaterfallStep(step=ref_name, latency_ms=ref_ms, speedup_cumulative=1.0,
-                               speedup_added=1.0)]
+    variants = [
+        VariantResult(name=k, plan=BackendPlan(), latency=v, speedup=ref_ms / v.median_ms)
+        for k, v in stats.items()
+    ]
+    state = {
+        "plan": BackendPlan(),
+        "fn": compiled if ref_name == "compile" else eager,
+        "name": ref_name,
+        "ms": ref_ms,
+    }
+    waterfall = [
+        WaterfallStep(step=ref_name, latency_ms=ref_ms, speedup_cumulative=1.0, speedup_added=1.0)
+    ]
     skip = set(spec.get("overrides", {}).get("skip", []))
     dropped: dict[str, DroppedProposal] = {
-        p.id: DroppedProposal(id=p.id, type=p.type,
-                              reason="skipped by the workload's OPPROF['skip']")
-        for p in opt.proposals if p.type in skip}
+        p.id: DroppedProposal(
+            id=p.id, type=p.type, reason="skipped by the workload's OPPROF['skip']"
+        )
+        for p in opt.proposals
+        if p.type in skip
+    }
     proposals = [p for p in opt.proposals if p.type not in skip]
     rungs = ladder(proposals)
-    if device == "cuda" and not any(r.name == "cuda_graphs" for r in rungs) \
-            and "cuda_graphs" not in skip:
+    if (
+        device == "cuda"
+        and not any(r.name == "cuda_graphs" for r in rungs)
+        and "cuda_graphs" not in skip
+    ):
         rungs.append(Rung("cuda_graphs", (_auto_cuda_graphs(),)))
 
     def attempt(rung: Rung, second_chance: bool) -> bool:
@@ -317,52 +370,79 @@ def task_select(spec: dict[str, Any]) -> None:
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             variants.append(VariantResult(name=name, plan=plan, error=reason[:300]))
             for p in rung.proposals:
-                dropped[p.id] = DroppedProposal(id=p.id, type=p.type,
-                                                reason=f"failed to build: {reason[:200]}")
+                dropped[p.id] = DroppedProposal(
+                    id=p.id, type=p.type, reason=f"failed to build: {reason[:200]}"
+                )
             return False
         rtol, atol = tolerance_for(plan.dtype, spec.get("overrides"))
         numerics = compare(reference_out, got, dtype=plan.dtype, rtol=rtol, atol=atol)
         if not numerics.ok:
-            variants.append(VariantResult(name=name, plan=plan, numerics=numerics,
-                                          error="numerics out of tolerance"))
+            variants.append(
+                VariantResult(
+                    name=name, plan=plan, numerics=numerics, error="numerics out of tolerance"
+                )
+            )
             for p in rung.proposals:
-                dropped[p.id] = DroppedProposal(id=p.id, type=p.type, reason=(
-                    f"changed the output: relative error {numerics.rel_err:.2e} > {rtol:.1e}"))
+                dropped[p.id] = DroppedProposal(
+                    id=p.id,
+                    type=p.type,
+                    reason=(
+                        f"changed the output: relative error {numerics.rel_err:.2e} > {rtol:.1e}"
+                    ),
+                )
             return False
         s = time_interleaved({"current": state["fn"], "candidate": built.fn}, w.inputs, **brief)
         gain = speedup("current", s["current"], "candidate", s["candidate"])
         cand = latency_stats(s["candidate"], calls)
         new_ms = state["ms"] / gain.ratio
-        variants.append(VariantResult(name=name, plan=plan, latency=cand, numerics=numerics,
-                                      speedup=ref_ms / new_ms))
+        variants.append(
+            VariantResult(
+                name=name, plan=plan, latency=cand, numerics=numerics, speedup=ref_ms / new_ms
+            )
+        )
         ids = ", ".join(p.id for p in rung.proposals)
         if gain.ci_low > 1.0:  # confidently faster than the plan below it
             state.update(plan=plan, fn=built.fn, name=name, ms=new_ms)
             for p in rung.proposals:
                 dropped.pop(p.id, None)
-            waterfall.append(WaterfallStep(
-                step=f"+{rung.name} ({ids})" + (" [second pass]" if second_chance else ""),
-                latency_ms=new_ms, speedup_cumulative=ref_ms / new_ms,
-                speedup_added=gain.ratio))
+            waterfall.append(
+                WaterfallStep(
+                    step=f"+{rung.name} ({ids})" + (" [second pass]" if second_chance else ""),
+                    latency_ms=new_ms,
+                    speedup_cumulative=ref_ms / new_ms,
+                    speedup_added=gain.ratio,
+                )
+            )
             return True
         for p in rung.proposals:
-            dropped[p.id] = DroppedProposal(id=p.id, type=p.type, reason=(
-                f"made nothing faster: {gain.ratio:.3f}x (95% CI {gain.ci_low:.3f}–"
-                f"{gain.ci_high:.3f}) against the plan without it"
-                + (", also on the second pass" if second_chance else "")))
+            dropped[p.id] = DroppedProposal(
+                id=p.id,
+                type=p.type,
+                reason=(
+                    f"made nothing faster: {gain.ratio:.3f}x (95% CI {gain.ci_low:.3f}–"
+                    f"{gain.ci_high:.3f}) against the plan without it"
+                    + (", also on the second pass" if second_chance else "")
+                ),
+            )
         return False
 
     kept = [attempt(r, second_chance=False) for r in rungs]
     last_kept = max((i for i, k in enumerate(kept) if k), default=-1)
     # A rung dropped before the last kept one met a plan that has changed since: try it again.
     for i, rung in enumerate(rungs[:last_kept]):
-        if not kept[i] and all(dropped[p.id].reason.startswith("made nothing faster")
-                               for p in rung.proposals):
+        if not kept[i] and all(
+            dropped[p.id].reason.startswith("made nothing faster") for p in rung.proposals
+        ):
             attempt(rung, second_chance=True)
     selection = BackendSelection(
-        workload=Path(spec["workload"]).stem, reference=ref_name, reference_ms=ref_ms,
-        variants=variants, chosen=state["name"], plan=state["plan"],
-        dropped=list(dropped.values()), waterfall=waterfall,
+        workload=Path(spec["workload"]).stem,
+        reference=ref_name,
+        reference_ms=ref_ms,
+        variants=variants,
+        chosen=state["name"],
+        plan=state["plan"],
+        dropped=list(dropped.values()),
+        waterfall=waterfall,
     )
     write_artifact(out_dir / "profiler_output" / "backend_selection.json", selection)
 
@@ -374,13 +454,19 @@ def _auto_cuda_graphs() -> Any:
     from pytest_opprof.schema import Evidence, Impact, Proposal
 
     return Proposal(
-        id="cuda_graphs-selection", type="cuda_graphs", ir_level="inductor_config",
+        id="cuda_graphs-selection",
+        type="cuda_graphs",
+        ir_level="inductor_config",
         targets=["whole graph"],
         evidence=[Evidence(metric="tried_by", value="measured selection", source="backend")],
         fx_steps=["compile with Inductor's CUDA graph trees (triton.cudagraphs=True)"],
-        impact=Impact(estimated_saving_us=0.0, estimated_speedup=1.0,
-                      basis="not estimated: tried because selection measures it"),
-        confidence="low", rationale="tried by measured selection on every GPU workload",
+        impact=Impact(
+            estimated_saving_us=0.0,
+            estimated_speedup=1.0,
+            basis="not estimated: tried because selection measures it",
+        ),
+        confidence="low",
+        rationale="tried by measured selection on every GPU workload",
     )
 
 
@@ -412,8 +498,9 @@ def task_validate_import(spec: dict[str, Any]) -> None:
     ok = isinstance(name, str) and name in listed
     steps["registration"] = StepResult(
         status="pass" if ok else "fail",
-        detail=f"backend {name!r} is registered" if ok else
-        f"backend {name!r} is not in torch._dynamo.list_backends(); the file must call "
+        detail=f"backend {name!r} is registered"
+        if ok
+        else f"backend {name!r} is not in torch._dynamo.list_backends(); the file must call "
         "runtime.register_backend(BACKEND, ...) at import",
     )
     _write_steps(spec, steps)
@@ -436,7 +523,8 @@ def task_validate_run(spec: dict[str, Any]) -> None:
     from pytest_opprof.capture.system import resolve_device
     from pytest_opprof.capture.timing import synchronize
     from pytest_opprof.schema import PassStatus, StepResult
-    from pytest_opprof.validate import anti_cheat_checks, tolerance_for
+    from pytest_opprof.tolerances import tolerance_for
+    from pytest_opprof.validate import anti_cheat_checks
 
     _setup_torch()
     opts = _options(spec)
@@ -454,8 +542,10 @@ def task_validate_run(spec: dict[str, Any]) -> None:
             t0 = time.perf_counter()
             fn(*template)
             synchronize(device)
-        steps["smoke"] = StepResult(status="pass", detail=(
-            f"1 warmup + 1 measured call ran ({(time.perf_counter() - t0) * 1000:.3f} ms)"))
+        steps["smoke"] = StepResult(
+            status="pass",
+            detail=(f"1 warmup + 1 measured call ran ({(time.perf_counter() - t0) * 1000:.3f} ms)"),
+        )
     except BaseException as exc:
         steps["smoke"] = StepResult(status="fail", detail=f"{type(exc).__name__}: {exc}"[:500])
         steps["numerics"] = StepResult(status="skipped", detail="blocked by smoke")
@@ -465,20 +555,28 @@ def task_validate_run(spec: dict[str, Any]) -> None:
     rtol, atol = tolerance_for(dtype, spec.get("overrides"))
     if hasattr(module, "RTOL"):
         rtol, atol = float(module.RTOL), float(module.ATOL)
-    numerics, checks = anti_cheat_checks(base_model, fn, template, dtype=dtype, rtol=rtol,
-                                         atol=atol)
+    numerics, checks = anti_cheat_checks(
+        base_model, fn, template, dtype=dtype, rtol=rtol, atol=atol
+    )
     failed = [k for k, v in checks.items() if v.status == "fail"]
     steps["numerics"] = StepResult(
         status="fail" if failed else "pass",
-        detail="; ".join(f"{k}: {checks[k].detail}" for k in failed) if failed else
-        checks["equivalent"].detail,
+        detail="; ".join(f"{k}: {checks[k].detail}" for k in failed)
+        if failed
+        else checks["equivalent"].detail,
     )
     results = list(getattr(module, "PASS_RESULTS", []))
-    passes = [PassStatus(name=r.name, status=r.status, detail=r.detail, matches=r.matches)
-              for r in results]
-    _write_steps(spec, steps, numerics=numerics.model_dump(),
-                 checks={k: v.model_dump() for k, v in checks.items()},
-                 passes=[p.model_dump() for p in passes])
+    passes = [
+        PassStatus(name=r.name, status=r.status, detail=r.detail, matches=r.matches)
+        for r in results
+    ]
+    _write_steps(
+        spec,
+        steps,
+        numerics=numerics.model_dump(),
+        checks={k: v.model_dump() for k, v in checks.items()},
+        passes=[p.model_dump() for p in passes],
+    )
     del runtime
 
 
@@ -501,8 +599,7 @@ def task_recapture(spec: dict[str, Any]) -> None:
     module = _import_generated(Path(spec["generated"]))
     model, _ = module.get_model_and_input()
     compile_s: dict[str, float] = {}
-    compiled, compile_s["compile"] = _compile_timed(w.model, opts.compile_backend, w.inputs,
-                                                    device)
+    compiled, compile_s["compile"] = _compile_timed(w.model, opts.compile_backend, w.inputs, device)
     optimized, compile_s["optimized"] = _compile_timed(model, module.BACKEND, w.inputs, device)
     calls: dict[str, Any] = {"eager": w.model, "compile": compiled, "optimized": optimized}
     pairs = [("eager", "compile"), ("eager", "optimized"), ("compile", "optimized")]
@@ -517,19 +614,33 @@ def task_recapture(spec: dict[str, Any]) -> None:
                 same.fn(*w.inputs)
             compile_s["optimized_baseline_dtype"] = time.perf_counter() - t0
             calls["optimized_baseline_dtype"] = same.fn
-            pairs += [("eager", "optimized_baseline_dtype"),
-                      ("compile", "optimized_baseline_dtype")]
+            pairs += [
+                ("eager", "optimized_baseline_dtype"),
+                ("compile", "optimized_baseline_dtype"),
+            ]
     calls_per_round = _setting(spec, "measure_iters")
-    samples = time_interleaved(calls, w.inputs, device=device,
-                               warmup=_setting(spec, "warmup_iters"),
-                               calls_per_round=calls_per_round, rounds=_setting(spec, "rounds"))
+    samples = time_interleaved(
+        calls,
+        w.inputs,
+        device=device,
+        warmup=_setting(spec, "warmup_iters"),
+        calls_per_round=calls_per_round,
+        rounds=_setting(spec, "rounds"),
+    )
     timelines, flags = _timelines(
-        spec, {"optimized": (optimized, f"torch.compile(backend={module.BACKEND!r})")},
-        w.inputs, device, out_dir,
+        spec,
+        {"optimized": (optimized, f"torch.compile(backend={module.BACKEND!r})")},
+        w.inputs,
+        device,
+        out_dir,
     )
     timing = _timing(samples, device, calls_per_round, pairs, timelines, compile_s)
-    profile = Profile(capture_metadata=_metadata(spec, w, device, info), timing=timing,
-                      timelines=timelines, edge_case_flags=flags)
+    profile = Profile(
+        capture_metadata=_metadata(spec, w, device, info),
+        timing=timing,
+        timelines=timelines,
+        edge_case_flags=flags,
+    )
     write_artifact(out_dir / "profile_optimized.json", profile)
 
 

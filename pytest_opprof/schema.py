@@ -343,7 +343,14 @@ class PassStatus(Model):
     matches: int = 0
 
 
-VALIDATION_STEPS: tuple[str, ...] = ("syntax", "import", "registration", "tests", "smoke", "numerics")
+VALIDATION_STEPS: tuple[str, ...] = (
+    "syntax",
+    "import",
+    "registration",
+    "tests",
+    "smoke",
+    "numerics",
+)
 
 
 class ValidationReport(Artifact):

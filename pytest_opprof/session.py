@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pytest_opprof import STAGES
 from pytest_opprof.errors import ArtifactError
@@ -73,8 +73,10 @@ class OpprofSession:
             outcome = StageOutcome("report", "error", f"cannot write the report: {exc}")
             wr.outcomes["report"] = outcome
             return outcome
-        blocked = next((s for s in STAGES[:-1] if wr.outcomes.get(s) and
-                        wr.outcomes[s].status != "passed"), None)
+        blocked = next(
+            (s for s in STAGES[:-1] if wr.outcomes.get(s) and wr.outcomes[s].status != "passed"),
+            None,
+        )
         if blocked:
             outcome = StageOutcome("report", "skipped", f"blocked by {blocked}")
         elif summary.status == "failed":
@@ -94,20 +96,25 @@ class OpprofSession:
 
     def summarize(self, wr: WorkloadRun) -> WorkloadSummary:
         out = wr.out_dir
-        status, message, stage_reached = "passed", "", "capture"
+        status: Literal["passed", "failed", "error", "skipped"] = "passed"
+        message, stage_reached = "", "capture"
         for s in STAGES[:-1]:
             o = wr.outcomes.get(s)
             if o is None:
                 continue
             stage_reached = s
             if o.status != "passed":
-                status = "error" if o.status == "error" else (
-                    "skipped" if o.status == "skipped" else "failed")
+                status = o.status if o.status in ("error", "skipped") else "failed"  # type: ignore[assignment]
                 message = f"{s}: {o.message}"
                 break
-        summary = WorkloadSummary(name=wr.name, path=_display(wr.spec.path), status=status,
-                                  stage=stage_reached, message=message,
-                                  report=_display(out / "report.md"))
+        summary = WorkloadSummary(
+            name=wr.name,
+            path=_display(wr.spec.path),
+            status=status,
+            stage=stage_reached,
+            message=message,
+            report=_display(out / "report.md"),
+        )
         optimized = _maybe(out / "profile_optimized.json", Profile)
         selection = _maybe(wr.profiler_output / "backend_selection.json", BackendSelection)
         if selection is not None:
@@ -149,7 +156,9 @@ class OpprofSession:
         out = wr.out_dir
         notes = wr.profiler_output / "implementation_notes.md"
         artifacts = WorkloadArtifacts(
-            name=wr.name, path=_display(wr.spec.path), out_dir=out,
+            name=wr.name,
+            path=_display(wr.spec.path),
+            out_dir=out,
             profile=_maybe(out / "profile.json", Profile),
             optimizations=_maybe(out / "optimizations.json", Optimizations),
             selection=_maybe(wr.profiler_output / "backend_selection.json", BackendSelection),
@@ -190,8 +199,10 @@ class OpprofSession:
 
         out = self.options.out
         gate = all(s.status in ("passed", "skipped") for s in summaries)
-        write_artifact(out / "session.json",
-                       SessionSummary(device=device, workloads=summaries, gate_passed=gate))
+        write_artifact(
+            out / "session.json",
+            SessionSummary(device=device, workloads=summaries, gate_passed=gate),
+        )
         path = out / "report.md"
         write_text_atomic(path, render_session_report(summaries, device=device, out_dir=out))
         return path
@@ -206,8 +217,7 @@ def session_device(summaries: Iterable[WorkloadSummary], out: Path) -> str:
 
 
 def _find(speedups: list[Speedup], baseline: str, candidate: str) -> Speedup | None:
-    return next((s for s in speedups if s.baseline == baseline and s.candidate == candidate),
-                None)
+    return next((s for s in speedups if s.baseline == baseline and s.candidate == candidate), None)
 
 
 def _maybe(path: Path, model: Any) -> Any:
@@ -226,11 +236,19 @@ def _display(path: Path) -> str:
 
 def user_properties(summary: WorkloadSummary) -> list[tuple[str, object]]:
     props: list[tuple[str, object]] = []
-    for key in ("speedup", "ci_low", "ci_high", "baseline", "baseline_ms", "optimized_ms",
-                "eager_ms", "compile_ms", "dtype"):
+    for key in (
+        "speedup",
+        "ci_low",
+        "ci_high",
+        "baseline",
+        "baseline_ms",
+        "optimized_ms",
+        "eager_ms",
+        "compile_ms",
+        "dtype",
+    ):
         value = getattr(summary, key)
         if value is not None and not (isinstance(value, float) and math.isnan(value)):
             props.append((f"opprof_{key}", value))
     props.append(("opprof_passes", ",".join(summary.passes)))
     return props
-

@@ -13,7 +13,9 @@ TOLERANCES: dict[str, tuple[float, float]] = {
 }
 
 
-def tolerance_for(dtype: str | None, overrides: dict[str, Any] | None = None) -> tuple[float, float]:
+def tolerance_for(
+    dtype: str | None, overrides: dict[str, Any] | None = None
+) -> tuple[float, float]:
     rtol, atol = TOLERANCES.get(dtype or "float32", TOLERANCES["float32"])
     overrides = overrides or {}
     return float(overrides.get("rtol", rtol)), float(overrides.get("atol", atol))

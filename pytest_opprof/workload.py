@@ -97,21 +97,26 @@ def _read_overrides(tree: ast.Module, path: Path) -> tuple[dict[str, Any], str |
     from pytest_opprof.options import parse_workload_overrides
 
     for node in tree.body:
-        targets = node.targets if isinstance(node, ast.Assign) else (
-            [node.target] if isinstance(node, ast.AnnAssign) and node.value else []
-        )
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
         if not any(isinstance(t, ast.Name) and t.id == "OPPROF" for t in targets):
             continue
-        value = node.value
         try:
-            raw = ast.literal_eval(value) if value is not None else None
+            raw = ast.literal_eval(value)
         except ValueError:
             return {}, (
                 f"{path.name}:{node.lineno}: OPPROF must be a literal dict (numbers, strings, "
                 "lists), so it can be read without importing the file"
             )
         if not isinstance(raw, dict):
-            return {}, f"{path.name}:{node.lineno}: OPPROF must be a dict, found {type(raw).__name__}"
+            return (
+                {},
+                f"{path.name}:{node.lineno}: OPPROF must be a dict, found {type(raw).__name__}",
+            )
         try:
             return parse_workload_overrides(raw), None
         except pytest.UsageError as exc:
@@ -181,7 +186,7 @@ def import_workload(path: Path, module_name: str | None = None) -> Any:
     except SystemExit as exc:
         raise WorkloadError(
             f"{path.name}: importing the file called sys.exit({exc.code}); a workload must not "
-            "exit the process — guard script code with `if __name__ == \"__main__\":`"
+            'exit the process — guard script code with `if __name__ == "__main__":`'
         ) from None
     except BaseException as exc:
         raise WorkloadError(
@@ -262,8 +267,9 @@ def check_contract(path: Path, result: Any, device: str) -> LoadedWorkload:
     name = path.name
     expected = "(torch.nn.Module, torch.Tensor | tuple[torch.Tensor, ...])"
     if not isinstance(result, tuple) or len(result) != 2:
-        found = type(result).__name__ + (f" of length {len(result)}" if isinstance(result, tuple)
-                                         else "")
+        found = type(result).__name__ + (
+            f" of length {len(result)}" if isinstance(result, tuple) else ""
+        )
         raise WorkloadError(f"{name}: {ENTRY}() returned a {found}; expected {expected}")
     model, raw_inputs = result
     if isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or hasattr(model, "_orig_mod"):
@@ -273,16 +279,13 @@ def check_contract(path: Path, result: Any, device: str) -> LoadedWorkload:
         )
     if not isinstance(model, torch.nn.Module):
         raise WorkloadError(
-            f"{name}: {ENTRY}() returned a {type(model).__name__} as the model; expected "
-            f"{expected}"
+            f"{name}: {ENTRY}() returned a {type(model).__name__} as the model; expected {expected}"
         )
     tuple_input = isinstance(raw_inputs, (tuple, list))
     inputs = tuple(raw_inputs) if tuple_input else (raw_inputs,)
     if not inputs or not all(isinstance(t, torch.Tensor) for t in inputs):
         kinds = ", ".join(type(t).__name__ for t in inputs) or "nothing"
-        raise WorkloadError(
-            f"{name}: {ENTRY}() returned {kinds} as the input; expected {expected}"
-        )
+        raise WorkloadError(f"{name}: {ENTRY}() returned {kinds} as the input; expected {expected}")
     training = [n or "(root)" for n, m in model.named_modules() if m.training]
     if training:
         raise WorkloadError(
@@ -302,8 +305,9 @@ def check_contract(path: Path, result: Any, device: str) -> LoadedWorkload:
                 f"{name}: input {i} is on {t.device.type}, but the model runs on {want.type}; "
                 f"create it with device='{want.type}'"
             )
-    return LoadedWorkload(path=path, model=model, inputs=inputs, tuple_input=tuple_input,
-                          device=device)
+    return LoadedWorkload(
+        path=path, model=model, inputs=inputs, tuple_input=tuple_input, device=device
+    )
 
 
 def check_output(path: Path, output: Any) -> None:
@@ -354,20 +358,28 @@ def fresh_inputs(template: tuple[torch.Tensor, ...], seed: int) -> tuple[torch.T
             std = float(t.float().std()) if t.numel() > 1 else 1.0
             mean = float(t.float().mean())
             new = torch.randn(t.shape, generator=gen) * (std if std > 0 else 1.0) + mean
-            out.append(new.to(device=t.device, dtype=t.dtype).contiguous(
-                memory_format=_memory_format(t)))
+            out.append(
+                new.to(device=t.device, dtype=t.dtype).contiguous(memory_format=_memory_format(t))
+            )
         elif t.dtype == torch.bool:
             out.append(torch.randint(0, 2, t.shape, generator=gen).bool().to(t.device))
         else:
             lo, hi = int(t.min()), int(t.max())
-            out.append(torch.randint(lo, max(hi, lo) + 1, t.shape, generator=gen,
-                                     dtype=torch.int64).to(device=t.device, dtype=t.dtype))
+            out.append(
+                torch.randint(lo, max(hi, lo) + 1, t.shape, generator=gen, dtype=torch.int64).to(
+                    device=t.device, dtype=t.dtype
+                )
+            )
     return tuple(out)
 
 
 def _memory_format(t: torch.Tensor) -> torch.memory_format:
     import torch
 
-    if t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last) and not t.is_contiguous():
+    if (
+        t.dim() == 4
+        and t.is_contiguous(memory_format=torch.channels_last)
+        and not t.is_contiguous()
+    ):
         return torch.channels_last
     return torch.contiguous_format

@@ -9,6 +9,7 @@ import pytest
 # Inductor on 2 CPU cores: keep compile threads low so tests do not oversubscribe.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
+
 def cuda_available() -> bool:
     try:
         import torch

@@ -37,8 +37,9 @@ class Attention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd)
         mask = torch.tril(torch.ones(cfg.n_positions, cfg.n_positions, dtype=torch.bool))
-        self.register_buffer("bias", mask.view(1, 1, cfg.n_positions, cfg.n_positions),
-                             persistent=False)
+        self.register_buffer(
+            "bias", mask.view(1, 1, cfg.n_positions, cfg.n_positions), persistent=False
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from pytest_opprof.backend import compiler
+import pytest_opprof.backend.compiler as compiler
 from pytest_opprof.passes.base import PassResult
 from pytest_opprof.schema import BackendPlan
 
@@ -37,7 +37,10 @@ def apply_model_changes(
     in the original dtype, so optimized and baseline compute the same function on the same
     tensors."""
     new_model, _, results = compiler.apply_non_graph(
-        model, inputs, dtype=plan.dtype, channels_last=plan.channels_last,
+        model,
+        inputs,
+        dtype=plan.dtype,
+        channels_last=plan.channels_last,
         pad_batch_to=plan.pad_batch_to,
     )
     return new_model, list(results)

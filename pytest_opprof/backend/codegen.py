@@ -58,7 +58,8 @@ def render_optimized(
     body = (
         f"    model = runtime.apply_non_graph(model, x, {', '.join(changes)}, "
         "results=PASS_RESULTS)\n"
-        if changes else ""
+        if changes
+        else ""
     )
     if selection.chosen == "eager" and plan == BackendPlan():
         registration = (
@@ -191,8 +192,11 @@ def render_notes(selection: BackendSelection, proposals: Sequence[Proposal]) -> 
     for v in selection.variants:
         ms = f"{v.latency.median_ms:.4f}" if v.latency else "—"
         sp = f"{v.speedup:.3f}x" if v.speedup else "—"
-        num = (f"rel {v.numerics.rel_err:.2e} ({'ok' if v.numerics.ok else 'FAIL'})"
-               if v.numerics else "—")
+        num = (
+            f"rel {v.numerics.rel_err:.2e} ({'ok' if v.numerics.ok else 'FAIL'})"
+            if v.numerics
+            else "—"
+        )
         lines.append(f"| {v.name} | {ms} | {sp} | {num} | {v.error or ''} |")
     lines += ["", "## Proposals kept", ""]
     for pid in selection.plan.proposals:
@@ -202,6 +206,8 @@ def render_notes(selection: BackendSelection, proposals: Sequence[Proposal]) -> 
     lines += [f"- `{d.id}` ({d.type}): {d.reason}" for d in selection.dropped] or ["- none"]
     lines += ["", "## Waterfall", "", "| step | ms | cumulative | added |", "|---|---|---|---|"]
     for w in selection.waterfall:
-        lines.append(f"| {w.step} | {w.latency_ms:.4f} | {w.speedup_cumulative:.3f}x | "
-                     f"{w.speedup_added:.3f}x |")
+        lines.append(
+            f"| {w.step} | {w.latency_ms:.4f} | {w.speedup_cumulative:.3f}x | "
+            f"{w.speedup_added:.3f}x |"
+        )
     return "\n".join(lines) + "\n"

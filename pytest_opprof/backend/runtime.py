@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from pytest_opprof.backend import compiler
+import pytest_opprof.backend.compiler as compiler
 from pytest_opprof.workload import cpu_remap, import_workload
 
 register_backend = compiler.register_backend

@@ -16,8 +16,9 @@ def capture_graph(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> F
     with torch.no_grad():
         explained = torch._dynamo.explain(model)(*inputs)
     graphs = [[_node(n) for n in gm.graph.nodes] for gm in explained.graphs]
-    reasons = [str(getattr(r, "reason", r)).strip().splitlines()[0]
-               for r in explained.break_reasons]
+    reasons = [
+        str(getattr(r, "reason", r)).strip().splitlines()[0] for r in explained.break_reasons
+    ]
     torch._dynamo.reset()
     if not graphs:
         # torch 2.11/2.13: Dynamo skips frames it cannot trace at all (nn.LSTM is one) and
@@ -28,8 +29,10 @@ def capture_graph(model: torch.nn.Module, inputs: tuple[torch.Tensor, ...]) -> F
         graph_breaks=max(0, int(explained.graph_break_count)),
         break_reasons=reasons,
         parameters={n: list(p.shape) for n, p in model.named_parameters()},
-        module_types={n or "": f"{type(m).__module__}.{type(m).__qualname__}"
-                      for n, m in model.named_modules()},
+        module_types={
+            n or "": f"{type(m).__module__}.{type(m).__qualname__}"
+            for n, m in model.named_modules()
+        },
     )
 
 
@@ -55,8 +58,7 @@ def _node(node: torch.fx.Node) -> FxNode:
     value = node.meta.get("example_value")
     shape = dtype = None
     if isinstance(value, torch.Tensor):
-        shape = [int(s) if isinstance(s, int) or hasattr(s, "__int__") else -1
-                 for s in value.shape]
+        shape = [int(s) if isinstance(s, int) or hasattr(s, "__int__") else -1 for s in value.shape]
         dtype = str(value.dtype)
     module_type = module_path = None
     stack = node.meta.get("nn_module_stack")

@@ -55,8 +55,14 @@ def environment(device: str) -> dict[str, Any]:
 
 
 def fingerprint(info: dict[str, Any]) -> str:
-    keys = ("device_type", "device_name", "torch_version", "cuda_version", "triton_version",
-            "driver")
+    keys = (
+        "device_type",
+        "device_name",
+        "torch_version",
+        "cuda_version",
+        "triton_version",
+        "driver",
+    )
     blob = json.dumps({k: info.get(k) for k in keys}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -77,7 +83,10 @@ def _driver_version() -> str | None:
     try:
         out = subprocess.run(
             [exe, "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True, text=True, timeout=20, check=False,
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
         )
     except (OSError, subprocess.TimeoutExpired):
         return None

@@ -7,11 +7,14 @@ import textwrap
 
 import pytest
 
-
 pytestmark = pytest.mark.slow
 
-FAST = ["--opprof-warmup-iters=1", "--opprof-measure-iters=2", "--opprof-rounds=3",
-        "--opprof-device=cpu"]
+FAST = [
+    "--opprof-warmup-iters=1",
+    "--opprof-measure-iters=2",
+    "--opprof-rounds=3",
+    "--opprof-device=cpu",
+]
 
 TINY = """
 import torch
@@ -44,33 +47,46 @@ def get_model_and_input():
 
 
 def test_all_stages_on_a_tiny_workload(pytester: pytest.Pytester) -> None:
-    pytester.makepyfile(**{"work/tiny": textwrap.dedent(TINY),
-                           "work/broken": textwrap.dedent(BROKEN)})
-    result = pytester.runpytest_subprocess("--opprof", "work", *FAST, "-v",
-                                           "--opprof-junit=stages.xml")
-    result.stdout.fnmatch_lines([
-        "*broken.py::capture FAILED*",
-        "*broken.py::propose SKIPPED*blocked by capture*",
-        "*tiny.py::capture PASSED*",
-        "*tiny.py::propose PASSED*",
-        "*tiny.py::backend PASSED*",
-        "*tiny.py::validate PASSED*",
-        "*tiny.py::recapture PASSED*",
-        "*tiny.py::speedup PASSED*",
-    ])
+    pytester.makepyfile(
+        **{"work/tiny": textwrap.dedent(TINY), "work/broken": textwrap.dedent(BROKEN)}
+    )
+    result = pytester.runpytest_subprocess(
+        "--opprof", "work", *FAST, "-v", "--opprof-junit=stages.xml"
+    )
+    result.stdout.fnmatch_lines(
+        [
+            "*broken.py::capture FAILED*",
+            "*broken.py::propose SKIPPED*blocked by capture*",
+            "*tiny.py::capture PASSED*",
+            "*tiny.py::propose PASSED*",
+            "*tiny.py::backend PASSED*",
+            "*tiny.py::validate PASSED*",
+            "*tiny.py::recapture PASSED*",
+            "*tiny.py::speedup PASSED*",
+        ]
+    )
     result.stdout.fnmatch_lines(["*training mode*call .eval()*"])
     out = pytester.path / "opprof-results"
-    for rel in ("profile.json", "graph.json", "optimizations.json", "tiny_optimized.py",
-                "test_tiny_optimized.py", "profiler_output/validation_report.json",
-                "profiler_output/implementation_notes.md", "profile_optimized.json",
-                "report.md"):
+    for rel in (
+        "profile.json",
+        "graph.json",
+        "optimizations.json",
+        "tiny_optimized.py",
+        "test_tiny_optimized.py",
+        "profiler_output/validation_report.json",
+        "profiler_output/implementation_notes.md",
+        "profile_optimized.json",
+        "report.md",
+    ):
         assert (out / "tiny" / rel).exists(), rel
     report = json.loads((out / "tiny/profiler_output/validation_report.json").read_text())
     assert report["overall"] == "READY_FOR_PROFILING"
     assert [s["status"] for s in report["steps"].values()] == ["pass"] * 6
     session = json.loads((out / "session.json").read_text())
     assert {w["name"]: w["status"] for w in session["workloads"]} == {
-        "tiny": "passed", "broken": "error"}
+        "tiny": "passed",
+        "broken": "error",
+    }
     assert (out / "report.md").exists() and (pytester.path / "stages.xml").exists()
     assert result.ret == 1  # the broken workload fails its items
 

@@ -211,7 +211,8 @@ def test_aten_custom_pass_uuid_follows_the_passes() -> None:
         return torch.relu(a @ b)
 
     a_in, b_in = torch.randn(8, 16), torch.randn(16, 4) / 4
-    with torch._inductor.config.patch(post_grad_custom_post_pass=hook):
+    # A warm FX graph cache (same uuid) would serve the graph without running the pass.
+    with torch._inductor.config.patch(post_grad_custom_post_pass=hook, fx_graph_cache=False):
         out = torch.compile(mm)(a_in, b_in)
     assert _statuses(results) == [("dtype_promotion", "APPLIED")]
     torch.testing.assert_close(out, mm(a_in, b_in), **BF16)

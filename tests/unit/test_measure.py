@@ -38,15 +38,16 @@ def test_paired_speedup() -> None:
 @pytest.mark.parametrize(
     ("lo", "hi", "minimum", "strict", "ok"),
     [
-        (0.9, 1.1, 1.0, False, True),   # straddles: noise alone never fails
+        (0.9, 1.1, 1.0, False, True),  # straddles: noise alone never fails
         (0.8, 0.95, 1.0, False, False),  # wholly below
-        (0.9, 1.1, 1.0, True, False),   # strict needs wholly above
+        (0.9, 1.1, 1.0, True, False),  # strict needs wholly above
         (1.05, 1.2, 1.0, True, True),
     ],
 )
 def test_gate(lo: float, hi: float, minimum: float, strict: bool, ok: bool) -> None:
-    s = Speedup(baseline="compile", candidate="optimized", ratio=(lo + hi) / 2, ci_low=lo,
-                ci_high=hi)
+    s = Speedup(
+        baseline="compile", candidate="optimized", ratio=(lo + hi) / 2, ci_low=lo, ci_high=hi
+    )
     verdict, why = gate_verdict(s, minimum, strict=strict)
     assert verdict is ok
     assert "compile" in why

@@ -79,8 +79,10 @@ def test_shard_empty_is_none() -> None:
 
 def test_workload_overrides() -> None:
     assert parse_workload_overrides({"min_speedup": 1.2, "skip": ["bn_fold"]}) == {
-        "min_speedup": 1.2, "skip": ["bn_fold"]}
-    with pytest.raises(pytest.UsageError, match="unknown key 'speed'.*min_speedup"):
+        "min_speedup": 1.2,
+        "skip": ["bn_fold"],
+    }
+    with pytest.raises(pytest.UsageError, match=r"unknown key 'speed'.*min_speedup"):
         parse_workload_overrides({"speed": 2})
     with pytest.raises(pytest.UsageError, match="not a transformation type"):
         parse_workload_overrides({"skip": ["magic"]})

@@ -16,8 +16,11 @@ from pytest_opprof.schema import (
 
 
 def _session() -> SessionSummary:
-    return SessionSummary(device="cpu", gate_passed=True, workloads=[
-        WorkloadSummary(name="a", path="a.py", status="passed", stage="report")])
+    return SessionSummary(
+        device="cpu",
+        gate_passed=True,
+        workloads=[WorkloadSummary(name="a", path="a.py", status="passed", stage="report")],
+    )
 
 
 def test_round_trip_and_version(tmp_path: Path) -> None:

@@ -28,7 +28,9 @@ def _write(tmp_path: Path, body: str, name: str = "w.py") -> Path:
 
 
 def test_discovery_reads_the_ast_without_importing(tmp_path: Path) -> None:
-    path = _write(tmp_path, GOOD + "\nraise SystemExit('imported!')\nOPPROF = {'min_speedup': 1.5}\n")
+    path = _write(
+        tmp_path, GOOD + "\nraise SystemExit('imported!')\nOPPROF = {'min_speedup': 1.5}\n"
+    )
     spec = discover(path)
     assert spec is not None and spec.overrides == {"min_speedup": 1.5}
     assert discover(_write(tmp_path, "def other(): pass\n", "x.py")) is None
@@ -62,29 +64,48 @@ def test_errors_found_at_discovery(tmp_path: Path, body: str, message: str) -> N
 
 
 CASES = {
-    "raises": ("def get_model_and_input():\n    raise ValueError('no weights')\n",
-               "raised ValueError: no weights at w.py:2"),
-    "not a tuple": ("import torch\ndef get_model_and_input():\n    return torch.nn.Linear(2, 2)\n",
-                    "returned a Linear; expected (torch.nn.Module"),
+    "raises": (
+        "def get_model_and_input():\n    raise ValueError('no weights')\n",
+        "raised ValueError: no weights at w.py:2",
+    ),
+    "not a tuple": (
+        "import torch\ndef get_model_and_input():\n    return torch.nn.Linear(2, 2)\n",
+        "returned a Linear; expected (torch.nn.Module",
+    ),
     "three values": ("def get_model_and_input():\n    return 1, 2, 3\n", "tuple of length 3"),
-    "model not a module": ("import torch\ndef get_model_and_input():\n"
-                           "    return 'm', torch.ones(1)\n", "returned a str as the model"),
-    "input not a tensor": ("import torch\ndef get_model_and_input():\n"
-                           "    return torch.nn.Linear(2, 2).eval(), [1, 2]\n",
-                           "returned int, int as the input"),
-    "training mode": ("import torch\ndef get_model_and_input():\n"
-                      "    return torch.nn.Linear(2, 2), torch.ones(1, 2)\n",
-                      "training mode ((root)); call .eval()"),
-    "compiled": ("import torch\ndef get_model_and_input():\n"
-                 "    m = torch.compile(torch.nn.Linear(2, 2).eval())\n"
-                 "    return m, torch.ones(1, 2)\n", "already wrapped by torch.compile"),
-    "exit at import": ("import sys\nsys.exit(3)\ndef get_model_and_input(): pass\n",
-                       "called sys.exit(3)"),
-    "exit in function": ("import sys\ndef get_model_and_input():\n    sys.exit(0)\n",
-                         "get_model_and_input() called sys.exit(0)"),
-    "out of memory": ("import torch\ndef get_model_and_input():\n"
-                      "    raise torch.cuda.OutOfMemoryError('CUDA out of memory')\n",
-                      "ran out of GPU memory"),
+    "model not a module": (
+        "import torch\ndef get_model_and_input():\n    return 'm', torch.ones(1)\n",
+        "returned a str as the model",
+    ),
+    "input not a tensor": (
+        "import torch\ndef get_model_and_input():\n"
+        "    return torch.nn.Linear(2, 2).eval(), [1, 2]\n",
+        "returned int, int as the input",
+    ),
+    "training mode": (
+        "import torch\ndef get_model_and_input():\n"
+        "    return torch.nn.Linear(2, 2), torch.ones(1, 2)\n",
+        "training mode ((root)); call .eval()",
+    ),
+    "compiled": (
+        "import torch\ndef get_model_and_input():\n"
+        "    m = torch.compile(torch.nn.Linear(2, 2).eval())\n"
+        "    return m, torch.ones(1, 2)\n",
+        "already wrapped by torch.compile",
+    ),
+    "exit at import": (
+        "import sys\nsys.exit(3)\ndef get_model_and_input(): pass\n",
+        "called sys.exit(3)",
+    ),
+    "exit in function": (
+        "import sys\ndef get_model_and_input():\n    sys.exit(0)\n",
+        "get_model_and_input() called sys.exit(0)",
+    ),
+    "out of memory": (
+        "import torch\ndef get_model_and_input():\n"
+        "    raise torch.cuda.OutOfMemoryError('CUDA out of memory')\n",
+        "ran out of GPU memory",
+    ),
 }
 
 
