@@ -358,6 +358,7 @@ def _run_generated_tests(run: WorkloadRun, generated: Path) -> StepResult:
         "pytest",
         str(test_file),
         "-q",
+        "-rf",
         "-p",
         "no:cacheprovider",
         "-p",
@@ -375,14 +376,20 @@ def _run_generated_tests(run: WorkloadRun, generated: Path) -> StepResult:
             timeout=run.setting("timeout"),
             cwd=test_file.parent,
             check=False,
+            env={**os.environ, "COLUMNS": "400"},  # untruncated short summary lines
         )
     except subprocess.TimeoutExpired:
         return StepResult(status="fail", detail="the generated tests timed out")
     write_text_atomic(log, out.stdout + out.stderr)
-    last = (out.stdout.strip().splitlines() or ["no output"])[-1]
+    lines = out.stdout.strip().splitlines() or ["no output"]
     if out.returncode == 0:
-        return StepResult(status="pass", detail=last)
-    return StepResult(status="fail", detail=f"{test_file.name}: {last} (see {_rel(log)})")
+        return StepResult(status="pass", detail=lines[-1])
+    # Name the failing checks: pytest's short summary ("FAILED file::test[seed] - reason").
+    failed = [line.split("::", 1)[-1] for line in lines if line.startswith("FAILED ")]
+    shown = "; ".join(failed[:3]) + (f"; … {len(failed) - 3} more" if len(failed) > 3 else "")
+    return StepResult(
+        status="fail", detail=f"{test_file.name}: {lines[-1]}: {shown} (see {_rel(log)})"
+    )
 
 
 def stage_validate(run: WorkloadRun) -> str:
