@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from pytest_opprof.backend.codegen import render_optimized, render_test
-from pytest_opprof.schema import BackendPlan, BackendSelection, read_artifact
-from pytest_opprof.schema import ValidationReport
+from pytest_opprof.schema import BackendPlan, BackendSelection, ValidationReport, read_artifact
 
 DATA = Path(__file__).parents[1] / "data"
 
