@@ -425,7 +425,11 @@ def run_stage(run: WorkloadRun, stage: str) -> StageOutcome:
     for earlier in STAGES[:index]:
         prior = run.outcomes.get(earlier)
         if prior is not None and prior.status != "passed":
-            outcome = StageOutcome(stage, "skipped", f"blocked by {earlier}")
+            if run.options.stage == stage and prior.status != "skipped":
+                # The one stage asked for cannot run: say why as its own failure.
+                outcome = StageOutcome(stage, "error", f"needs {earlier}: {prior.message}")
+            else:
+                outcome = StageOutcome(stage, "skipped", f"blocked by {earlier}")
             run.outcomes[stage] = outcome
             return outcome
     if run.spec.override_error:

@@ -38,6 +38,22 @@ def get_model_and_input():
     return model, torch.randn(2, 3, 8, 8, device="cuda")
 """
 
+CRASH = """
+import os, signal
+
+def get_model_and_input():
+    os.kill(os.getpid(), signal.SIGSEGV)
+"""
+
+HANG = """
+import time
+
+OPPROF = {"timeout": 3}
+
+def get_model_and_input():
+    time.sleep(600)
+"""
+
 BROKEN = """
 import torch
 
@@ -48,7 +64,12 @@ def get_model_and_input():
 
 def test_all_stages_on_a_tiny_workload(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
-        **{"work/tiny": textwrap.dedent(TINY), "work/broken": textwrap.dedent(BROKEN)}
+        **{
+            "work/tiny": textwrap.dedent(TINY),
+            "work/broken": textwrap.dedent(BROKEN),
+            "work/crash": textwrap.dedent(CRASH),
+            "work/hang": textwrap.dedent(HANG),
+        }
     )
     result = pytester.runpytest_subprocess(
         "--opprof", "work", *FAST, "-v", "--opprof-junit=stages.xml"
@@ -66,6 +87,9 @@ def test_all_stages_on_a_tiny_workload(pytester: pytest.Pytester) -> None:
         ]
     )
     result.stdout.fnmatch_lines(["*training mode*call .eval()*"])
+    result.stdout.fnmatch_lines(["*the capture process was killed by SIGSEGV*"])
+    result.stdout.fnmatch_lines(["*capture did not finish within 3 s and was stopped*"])
+    result.stdout.fnmatch_lines(["*hang.py::propose SKIPPED*blocked by capture*"])
     out = pytester.path / "opprof-results"
     for rel in (
         "profile.json",
@@ -86,6 +110,8 @@ def test_all_stages_on_a_tiny_workload(pytester: pytest.Pytester) -> None:
     assert {w["name"]: w["status"] for w in session["workloads"]} == {
         "tiny": "passed",
         "broken": "error",
+        "crash": "failed",
+        "hang": "failed",
     }
     assert (out / "report.md").exists() and (pytester.path / "stages.xml").exists()
     assert result.ret == 1  # the broken workload fails its items
@@ -97,4 +123,26 @@ def test_all_stages_on_a_tiny_workload(pytester: pytest.Pytester) -> None:
     again.stdout.fnmatch_lines(["*tiny.py::speedup PASSED*"])
     assert again.ret == 0
     collected = pytester.runpytest_subprocess("--opprof", ".", "--collect-only", "-q")
-    collected.stdout.fnmatch_lines(["*12 tests collected*"])
+    collected.stdout.fnmatch_lines(["*24 tests collected*"])
+
+    # --opprof-from recomputes from a stage on and reads the earlier ones from disk.
+    profile = out / "tiny" / "profile.json"
+    selection = out / "tiny" / "profiler_output" / "backend_selection.json"
+    before = (profile.stat().st_mtime_ns, selection.stat().st_mtime_ns)
+    resumed = pytester.runpytest_subprocess(
+        "--opprof", "work/tiny.py", *FAST, "--opprof-from=backend"
+    )
+    assert resumed.ret == 0
+    assert profile.stat().st_mtime_ns == before[0]
+    assert selection.stat().st_mtime_ns > before[1]
+
+    # --opprof-stage runs one stage; a missing artifact before it is a clear error.
+    only = pytester.runpytest_subprocess(
+        "--opprof", "work/tiny.py", *FAST, "-v", "--opprof-stage=propose"
+    )
+    only.stdout.fnmatch_lines(["*tiny.py::propose PASSED*", "*1 passed*"])
+    profile.unlink()
+    missing = pytester.runpytest_subprocess(
+        "--opprof", "work/tiny.py", *FAST, "--opprof-stage=propose"
+    )
+    missing.stdout.fnmatch_lines(["*profile.json: not found*"])
