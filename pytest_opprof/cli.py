@@ -6,6 +6,7 @@
     opprof backend workload.py out/conv_block/optimizations.json
     opprof validate out/conv_block/conv_block_optimized.py
     opprof report workload.py
+    opprof merge shard-1/ shard-2/ --out merged/
     opprof preflight
 
 Exit status: 0 when every gate passed, 1 when one failed, 2 on a usage error.
@@ -52,6 +53,9 @@ def _parser() -> argparse.ArgumentParser:
     add_cli_arguments(p)
     p = sub.add_parser("validate", help="stage 3 on any backend file, generated or edited")
     p.add_argument("file", type=Path)
+    add_cli_arguments(p)
+    p = sub.add_parser("merge", help="combine the --opprof-out folders of shards into one report")
+    p.add_argument("dirs", nargs="+", type=Path)
     add_cli_arguments(p)
     sub.add_parser("preflight", help="check Python, torch, CUDA, the GPU, ncu and permissions")
     return parser
@@ -248,7 +252,18 @@ def preflight() -> int:
     return 1 if problems else 0
 
 
+def cmd_merge(ns: argparse.Namespace, options: OpprofOptions) -> int:
+    from pytest_opprof.report import terminal_summary_lines
+    from pytest_opprof.session import merge_sessions
+
+    merged = merge_sessions(list(ns.dirs), options.out)
+    print("\n".join(terminal_summary_lines(merged.workloads)))
+    print(f"merged {len(ns.dirs)} shard(s) into {options.out / 'report.md'}")
+    return 0 if merged.gate_passed else 1
+
+
 COMMANDS = {
+    "merge": cmd_merge,
     "optimize": cmd_optimize,
     "capture": cmd_capture,
     "report": cmd_report,

@@ -252,3 +252,47 @@ def user_properties(summary: WorkloadSummary) -> list[tuple[str, object]]:
             props.append((f"opprof_{key}", value))
     props.append(("opprof_passes", ",".join(summary.passes)))
     return props
+
+
+def merge_sessions(dirs: list[Path], out: Path) -> SessionSummary:
+    """Combine the results of shards (each an ``--opprof-out`` folder) into one session:
+    ``session.json``, ``report.md`` and the pull-request comment body, written under ``out``.
+
+    Workload folders are copied into ``out`` (when it is not the shard itself) so the links of
+    the merged report resolve. A workload found in two shards is an error: shards are disjoint.
+    """
+    import shutil
+
+    from pytest_opprof.errors import OpprofError
+    from pytest_opprof.report import render_comment_body, render_session_report
+
+    found: dict[str, WorkloadSummary] = {}
+    devices: list[str] = []
+    for folder in dirs:
+        session_file = folder / "session.json"
+        if not session_file.exists():
+            raise OpprofError(f"{folder}: no session.json; is it an --opprof-out folder?")
+        shard = read_artifact(session_file, SessionSummary)
+        devices.append(shard.device)
+        for w in shard.workloads:
+            if w.name in found:
+                raise OpprofError(
+                    f"workload {w.name!r} is in two shards ({folder} and another); shards must "
+                    "be disjoint: run them with --opprof-shard=K/N and the same N"
+                )
+            found[w.name] = w
+            src, dst = folder / w.name, out / w.name
+            if src.is_dir() and src.resolve() != dst.resolve():
+                shutil.copytree(src, dst, dirs_exist_ok=True)
+    summaries = [found[k] for k in sorted(found)]
+    device = devices[0] if len(set(devices)) == 1 else " / ".join(sorted(set(devices)))
+    merged = SessionSummary(
+        device=device,
+        workloads=summaries,
+        gate_passed=all(s.status in ("passed", "skipped") for s in summaries),
+    )
+    write_artifact(out / "session.json", merged)
+    report = render_session_report(summaries, device=device, out_dir=out)
+    write_text_atomic(out / "report.md", report)
+    write_text_atomic(out / "comment.md", render_comment_body(report))
+    return merged

@@ -1,0 +1,107 @@
+"""One GPU per xdist worker, deterministic shards, and merging shard results."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pytest_opprof.gpus import visible_gpus, worker_gpu
+from pytest_opprof.schema import SessionSummary, WorkloadSummary, read_artifact, write_artifact
+from pytest_opprof.session import merge_sessions
+
+
+def test_workers_get_distinct_gpus_within_the_outer_restriction() -> None:
+    gpus = visible_gpus({"CUDA_VISIBLE_DEVICES": "3,5"})
+    assert gpus == ["3", "5"]
+    assert [worker_gpu(f"gw{i}", 2, gpus) for i in range(2)] == ["3", "5"]
+    assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
+
+
+def test_more_workers_than_gpus_is_a_usage_error() -> None:
+    with pytest.raises(pytest.UsageError, match="timing must never share a GPU"):
+        worker_gpu("gw0", 3, ["0", "1"])
+
+
+def _shard(folder: Path, names: list[str], status: str = "passed") -> None:
+    summaries = [
+        WorkloadSummary(
+            name=n,
+            path=f"{n}.py",
+            status=status,
+            stage="report",  # type: ignore[arg-type]
+            speedup=2.0,
+            ci_low=1.9,
+            ci_high=2.1,
+            baseline="compile",
+            baseline_ms=1.0,
+            optimized_ms=0.5,
+        )
+        for n in names
+    ]
+    write_artifact(
+        folder / "session.json",
+        SessionSummary(device="NVIDIA H200", workloads=summaries, gate_passed=True),
+    )
+    for n in names:
+        (folder / n).mkdir(parents=True)
+        (folder / n / "report.md").write_text(f"# {n}\n")
+
+
+def test_merge_two_shards(tmp_path: Path) -> None:
+    _shard(tmp_path / "s1", ["a", "c"])
+    _shard(tmp_path / "s2", ["b"])
+    merged = merge_sessions([tmp_path / "s1", tmp_path / "s2"], tmp_path / "all")
+    assert [w.name for w in merged.workloads] == ["a", "b", "c"] and merged.gate_passed
+    assert read_artifact(tmp_path / "all" / "session.json", SessionSummary) == merged
+    assert (tmp_path / "all" / "b" / "report.md").exists()
+    assert (tmp_path / "all" / "comment.md").read_text().startswith("<!-- pytest-opprof -->")
+
+
+def test_merge_rejects_overlapping_shards(tmp_path: Path) -> None:
+    _shard(tmp_path / "s1", ["a"])
+    _shard(tmp_path / "s2", ["a"])
+    from pytest_opprof.errors import OpprofError
+
+    with pytest.raises(OpprofError, match="in two shards"):
+        merge_sessions([tmp_path / "s1", tmp_path / "s2"], tmp_path / "all")
+
+
+def test_merge_command_fails_when_a_shard_failed(tmp_path: Path) -> None:
+    _shard(tmp_path / "s1", ["a"])
+    _shard(tmp_path / "s2", ["b"], status="failed")
+    out = subprocess.run(
+        [sys.executable, "-m", "pytest_opprof.cli", "merge", "s1", "s2", "--out", "all"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert out.returncode == 1, out.stderr
+    assert "merged 2 shard(s)" in out.stdout
+
+
+def test_shards_partition_the_workloads(pytester: pytest.Pytester) -> None:
+    for i in range(6):
+        pytester.makepyfile(**{f"w{i}": "def get_model_and_input():\n    pass\n"})
+    seen: list[str] = []
+    for k in (1, 2):
+        result = pytester.runpytest("--opprof", f"--opprof-shard={k}/2", "--collect-only", "-q")
+        ids = [line for line in result.outlines if "::capture" in line]
+        seen += ids
+        again = pytester.runpytest("--opprof", f"--opprof-shard={k}/2", "--collect-only", "-q")
+        assert [line for line in again.outlines if "::capture" in line] == ids
+    assert sorted(seen) == sorted(f"w{i}.py::capture" for i in range(6))
+
+
+def test_xdist_keeps_a_workloads_items_on_one_worker(pytester: pytest.Pytester) -> None:
+    pytest.importorskip("xdist")
+    pytester.makepyfile(
+        w1="def get_model_and_input():\n    pass\n", w2="def get_model_and_input():\n    pass\n"
+    )
+    verbose = pytester.runpytest_subprocess(
+        "--opprof", "-n", "2", "--opprof-device=cpu", "--opprof-stage=capture", "-v"
+    )
+    verbose.stdout.fnmatch_lines(["*scheduling tests via LoadFileScheduling*"])
