@@ -252,8 +252,14 @@ def stage_propose(run: WorkloadRun) -> str:
         max_opts=run.options.max_opts,
         skip=run.setting("skip") or (),
     )
+    note = ""
+    if run.options.llm:
+        from pytest_opprof.propose.llm import strategize
+
+        result, note = strategize(profile, graph, result, run.options)
     write_artifact(run.out_dir / "optimizations.json", result)
-    return f"{len(result.proposals)} proposals: " + ", ".join(p.type for p in result.proposals)
+    summary = f"{len(result.proposals)} proposals: " + ", ".join(p.type for p in result.proposals)
+    return summary + (f" ({note})" if note else "")
 
 
 def stage_backend(run: WorkloadRun) -> str:

@@ -1,0 +1,117 @@
+"""Summarise a run of the seven examples into one JSON and one Markdown table.
+
+    python benchmarks/summarize.py OUT_DIR [OUT_DIR …] --json results/h200.json --md results/h200.md
+
+Each OUT_DIR is an ``--opprof-out`` folder (or a folder of ``<name>/h200`` artifacts); every
+figure is read from the artifacts the pipeline wrote, never typed in. Targets are the
+hand-tuned figures of EXAMPLES.md (H200, torch 2.11).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from pytest_opprof.schema import BackendSelection, Profile, ValidationReport, read_artifact
+
+# EXAMPLES.md: best hand-tuned latency (ms) and its ratio over torch.compile fp32.
+TARGETS = {
+    "conv_block": (0.120, 2.12),
+    "mlp_activations": (0.121, 2.17),
+    "sdpa_attention": (0.126, 3.25),
+    "depthwise_separable_conv": (0.118, 2.35),
+    "embedding_projection": (0.541, 11.4),
+    "gpt2": (0.625, 4.94),
+    "lstm_sequence_encoder": (3.78, 1.08),
+}
+
+
+def _find(folder: Path, name: str) -> Path | None:
+    for candidate in (folder / name, folder / name / "h200", folder / "examples" / name / "h200"):
+        if (candidate / "profile_optimized.json").exists():
+            return candidate
+    return None
+
+
+def summarize(folders: list[Path]) -> dict[str, Any]:
+    rows: dict[str, Any] = {}
+    for name, (target_ms, target_ratio) in TARGETS.items():
+        where = next((p for f in folders if (p := _find(f, name))), None)
+        if where is None:
+            rows[name] = {"status": "missing"}
+            continue
+        opt = read_artifact(where / "profile_optimized.json", Profile)
+        sel = read_artifact(where / "profiler_output" / "backend_selection.json",
+                            BackendSelection)
+        val = read_artifact(where / "profiler_output" / "validation_report.json",
+                            ValidationReport)
+        v = opt.timing.variants
+        sp = {(s.baseline, s.candidate): s for s in opt.timing.speedups}
+        vs_compile = sp[("compile", "optimized")]
+        row = {
+            "eager_ms": v["eager"].median_ms,
+            "compile_ms": v["compile"].median_ms,
+            "optimized_ms": v["optimized"].median_ms,
+            "optimized_ci_ms": [v["optimized"].ci_low_ms, v["optimized"].ci_high_ms],
+            "speedup_vs_compile": vs_compile.ratio,
+            "speedup_vs_compile_ci": [vs_compile.ci_low, vs_compile.ci_high],
+            "speedup_vs_eager": sp[("eager", "optimized")].ratio,
+            "dtype": sel.plan.dtype or "float32",
+            "passes_kept": sel.plan.proposals,
+            "rel_error": val.numerics.rel_err if val.numerics else None,
+            "validation": val.overall,
+            "target_ms": target_ms,
+            "target_ratio": target_ratio,
+            "meets_target": v["optimized"].median_ms <= target_ms
+            or vs_compile.ratio >= target_ratio,
+            "compile_seconds": opt.timing.compile_seconds,
+        }
+        rows[name] = row
+    ratios = [r["speedup_vs_compile"] for r in rows.values() if "speedup_vs_compile" in r]
+    return {
+        "workloads": rows,
+        "geomean_speedup_vs_compile": math.exp(sum(map(math.log, ratios)) / len(ratios))
+        if ratios else None,
+    }
+
+
+def markdown(result: dict[str, Any]) -> str:
+    lines = [
+        "| workload | eager ms | compile ms | optimized ms | × compile (95% CI) | target ms / × "
+        "| meets | dtype | rel. error | kept |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, r in result["workloads"].items():
+        if "optimized_ms" not in r:
+            lines.append(f"| {name} | — | — | — | — | — | missing | | | |")
+            continue
+        lo, hi = r["speedup_vs_compile_ci"]
+        lines.append(
+            f"| {name} | {r['eager_ms']:.3f} | {r['compile_ms']:.3f} | {r['optimized_ms']:.3f} "
+            f"| {r['speedup_vs_compile']:.2f}× ({lo:.2f}–{hi:.2f}) | {r['target_ms']} / "
+            f"{r['target_ratio']}× | {'yes' if r['meets_target'] else 'no'} | {r['dtype']} | "
+            f"{r['rel_error']:.1e} | {', '.join(r['passes_kept']) or '—'} |"
+        )
+    gm = result["geomean_speedup_vs_compile"]
+    lines.append("")
+    lines.append(f"Geometric mean over torch.compile: {gm:.2f}×" if gm else "")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("folders", nargs="+", type=Path)
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--md", type=Path, required=True)
+    args = parser.parse_args()
+    result = summarize(args.folders)
+    args.json.write_text(json.dumps(result, indent=2) + "\n")
+    args.md.write_text(markdown(result))
+    print(markdown(result))
+
+
+if __name__ == "__main__":
+    main()
