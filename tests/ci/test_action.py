@@ -159,7 +159,7 @@ def test_the_workflow_gives_each_job_least_privilege() -> None:
     assert len(comment_jobs) == 1
 
 
-def test_the_shard_matrix_and_the_future_merge_are_shown() -> None:
+def test_the_shard_matrix_and_the_merge_are_shown() -> None:
     jobs = load(WORKFLOW)["jobs"]
     sharded = jobs["perf-sharded"]
     [merge] = [s["run"] for s in jobs["merge-shards"]["steps"] if "run" in s]
@@ -168,7 +168,6 @@ def test_the_shard_matrix_and_the_future_merge_are_shown() -> None:
     [action_step] = [s for s in sharded["steps"] if "pytest-opprof@" in s.get("uses", "")]
     assert action_step["with"]["extra-args"] == "--opprof-shard=${{ matrix.shard }}/2"
     assert "opprof merge shard-*/" in merge
-    assert "# FUTURE: `opprof merge`" in merge
 
 
 # --- dry run of the action's steps ------------------------------------------------------------
