@@ -153,6 +153,13 @@ def cmd_propose(ns: argparse.Namespace, options: OpprofOptions) -> int:
     result = propose(
         profile, graph, min_confidence=options.min_confidence, max_opts=options.max_opts
     )
+    if options.llm:
+        from pytest_opprof.propose.llm import strategize
+
+        result, note = strategize(profile, graph, result, options)
+        if note:
+            print(note)
+
     out = ns.profile.with_name("optimizations.json")
     write_artifact(out, result)
     for p in result.proposals:

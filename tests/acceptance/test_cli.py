@@ -133,3 +133,29 @@ def test_preflight_reports_the_cpu_fallback(tmp_path: Path) -> None:
     result = _opprof("preflight", cwd=tmp_path)
     assert "torch installed" in result.stdout
     assert "CPU fallback" in result.stdout or "CUDA device" in result.stdout
+
+
+def test_propose_llm_without_a_key_keeps_the_rules(tmp_path: Path) -> None:
+    for name in ("profile.json", "graph.json"):
+        shutil.copy(DATA / "h200" / "conv_block" / name, tmp_path / name)
+    plain = _opprof("propose", str(tmp_path / "profile.json"), cwd=tmp_path)
+    rules = (tmp_path / "optimizations.json").read_text()
+    env_free = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest_opprof.cli",
+            "propose",
+            str(tmp_path / "profile.json"),
+            "--llm",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env={k: v for k, v in __import__("os").environ.items() if k != "ANTHROPIC_API_KEY"},
+    )
+    assert plain.returncode == 0 and env_free.returncode == 0, env_free.stderr
+    assert "ANTHROPIC_API_KEY is not set" in env_free.stdout
+    assert (tmp_path / "optimizations.json").read_text() == rules
