@@ -7,7 +7,9 @@ stage is read back from disk, and ``--opprof-from`` recomputes from a given stag
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 import os
 import py_compile
@@ -22,9 +24,12 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from pytest_opprof import STAGES, __version__
+from pytest_opprof.backend.plan import EXTRA_PASSES_ENV, PassRegistry, extra_targets
 from pytest_opprof.errors import ArtifactError, OpprofError, StageBlocked, StageError, WorkloadError
-from pytest_opprof.options import OpprofOptions
+from pytest_opprof.options import BY_FIELD, OpprofOptions
 from pytest_opprof.schema import (
     VALIDATION_STEPS,
     BackendSelection,
@@ -34,6 +39,7 @@ from pytest_opprof.schema import (
     Optimizations,
     PassStatus,
     Profile,
+    Proposal,
     StepResult,
     ValidationReport,
     read_artifact,
@@ -60,6 +66,23 @@ ARTIFACTS: dict[str, tuple[str, ...]] = {
 }
 
 
+TIMING_KEYS: tuple[str, ...] = ("warmup_iters", "measure_iters", "rounds")
+
+
+@functools.lru_cache(maxsize=1)
+def default_hooks() -> Any:
+    """The hooks with only the plugin's own implementations: what runs where no pytest session
+    is (the ``opprof`` command), so that both go through the same code."""
+    import pluggy
+
+    from pytest_opprof import hookspecs, plugin
+
+    manager = pluggy.PluginManager("pytest")
+    manager.add_hookspecs(hookspecs)
+    manager.register(plugin, "opprof")
+    return manager.hook
+
+
 @dataclass
 class StageOutcome:
     stage: str
@@ -77,6 +100,24 @@ class WorkloadRun:
     options: OpprofOptions
     name: str
     outcomes: dict[str, StageOutcome] = field(default_factory=dict)
+    hook: Any = field(default=None, repr=False)
+    """The ``pytest_opprof_*`` hooks that apply to this workload (pytest's hook proxy for its
+    path, so conftests apply by folder); ``None``: the plugin's own implementations only."""
+    _decided: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def hooks(self) -> Any:
+        if self.hook is None:
+            self.hook = default_hooks()
+        return self.hook
+
+    @property
+    def path(self) -> Path:
+        return self.spec.path
+
+    @property
+    def overrides(self) -> dict[str, Any]:
+        return dict(self.spec.overrides)
 
     @property
     def out_dir(self) -> Path:
@@ -95,7 +136,73 @@ class WorkloadRun:
         return self.out_dir / f"test_{self.spec.stem}_optimized.py"
 
     def setting(self, name: str) -> Any:
+        """The value of option ``name`` for this workload: the hooks' choice for the timing
+        settings and the threshold, else the workload's ``OPPROF`` entry, else the option."""
+        if name in TIMING_KEYS:
+            return self.timing_settings()[name]
+        if name == "min_speedup":
+            return self.min_speedup()
+        return self.base_setting(name)
+
+    def base_setting(self, name: str) -> Any:
         return self.spec.overrides.get(name, getattr(self.options, name, None))
+
+    # --------------------------------------------------------------------------- hooks
+
+    def timing_settings(self) -> dict[str, int]:
+        """``pytest_opprof_timing_settings``, asked once per run, checked like the options."""
+        if "timing" not in self._decided:
+            base = {k: int(self.base_setting(k)) for k in TIMING_KEYS}
+            chosen = self.hooks.pytest_opprof_timing_settings(workload=self, settings=dict(base))
+            checked = _checked("pytest_opprof_timing_settings", chosen or {}, TIMING_KEYS)
+            self._decided["timing"] = {**base, **checked}
+        return dict(self._decided["timing"])
+
+    def min_speedup(self) -> float:
+        """``pytest_opprof_min_speedup``, asked once per run."""
+        if "min_speedup" not in self._decided:
+            base = float(self.base_setting("min_speedup"))
+            chosen = self.hooks.pytest_opprof_min_speedup(workload=self, min_speedup=base)
+            if chosen is not None:
+                chosen = _checked(
+                    "pytest_opprof_min_speedup", {"min_speedup": chosen}, ("min_speedup",)
+                )["min_speedup"]
+            self._decided["min_speedup"] = base if chosen is None else chosen
+        return float(self._decided["min_speedup"])
+
+    def extra_passes(self) -> PassRegistry:
+        """The user passes of this workload (``pytest_opprof_register_passes``)."""
+        if "passes" not in self._decided:
+            fresh = PassRegistry()
+            try:
+                self.hooks.pytest_opprof_register_passes(registry=fresh)
+            except ValueError as exc:
+                raise StageError(f"pytest_opprof_register_passes: {exc}") from None
+            self._decided["passes"] = fresh
+        registry: PassRegistry = self._decided["passes"]
+        return registry
+
+    def _hook_identity(self, name: str) -> list[str]:
+        """Who implements hook ``name`` here, and a hash of their source: part of the cache
+        key of the stage the hook feeds, so a new or edited rule recomputes it."""
+        found = []
+        for impl in getattr(self.hooks, name).get_hookimpls():
+            fn = impl.function
+            try:
+                source = inspect.getsource(fn)
+            except (OSError, TypeError):
+                source = ""
+            digest = hashlib.sha256(source.encode()).hexdigest()[:16]
+            found.append(f"{fn.__module__}:{fn.__qualname__}:{digest}")
+        return sorted(found)
+
+    def _passes_identity(self) -> list[str]:
+        found = []
+        for p in self.extra_passes().values():
+            file = p.source_file()
+            digest = hashlib.sha256(file.read_bytes()).hexdigest()[:16] if file else ""
+            found.append(f"{p.name}={p.target}@{p.level}:{digest}")
+        return found
 
     # ----------------------------------------------------------------------- artifacts
 
@@ -114,8 +221,18 @@ class WorkloadRun:
                 self.setting("measure_iters"),
                 self.setting("rounds"),
             ),
-            "propose": (opts.min_confidence, opts.max_opts, self.setting("skip") or [], opts.llm),
-            "backend": (self.setting("rtol") if "rtol" in self.spec.overrides else None,),
+            "propose": (
+                opts.min_confidence,
+                opts.max_opts,
+                self.setting("skip") or [],
+                opts.llm,
+                self._hook_identity("pytest_opprof_propose"),
+                self._passes_identity(),
+            ),
+            "backend": (
+                self.setting("rtol") if "rtol" in self.spec.overrides else None,
+                self._passes_identity(),
+            ),
         }.get(stage, ())
         index = STAGES.index(stage)
         previous = self.key(STAGES[index - 1]) if index else ""
@@ -157,14 +274,24 @@ class WorkloadRun:
     def run_child(self, task: str, stage: str, **extra: Any) -> None:
         """Run one runner task in a child process, with the stage timeout."""
         self.profiler_output.mkdir(parents=True, exist_ok=True)
+        user_passes = self.extra_passes().values()
         spec = {
             "task": task,
             "workload": str(self.spec.path.resolve()),
             "out_dir": str(self.out_dir.resolve()),
             "options": self.options.to_child(),
-            "overrides": self.spec.overrides,
+            "overrides": {**self.spec.overrides, **self.timing_settings()},
+            # a record of the user passes; the child loads them from the environment below
+            "extra_passes": {p.name: {**p.child_entry(), "path": str(p.path)} for p in user_passes},
             **extra,
         }
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if user_passes:
+            folders = list(dict.fromkeys(str(p.path) for p in user_passes if p.path))
+            env["PYTHONPATH"] = os.pathsep.join(
+                [*folders, *filter(None, [os.environ.get("PYTHONPATH")])]
+            )
+            env[EXTRA_PASSES_ENV] = json.dumps({p.name: p.child_entry() for p in user_passes})
         with tempfile.TemporaryDirectory(prefix="opprof-") as tmp:
             spec_path = Path(tmp) / "spec.json"
             spec_path.write_text(json.dumps(spec, default=str), encoding="utf-8")
@@ -176,7 +303,7 @@ class WorkloadRun:
                     stdout=fh,
                     stderr=subprocess.STDOUT,
                     start_new_session=True,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                    env=env,
                 )
                 try:
                     code = proc.wait(timeout=timeout)
@@ -208,6 +335,21 @@ class WorkloadRun:
                 f"{self.spec.path.name}: the {stage} process failed (exit {code}); this is "
                 f"likely a bug in pytest-opprof or torch. Last lines of {_rel(log)}:\n{tail}"
             )
+
+
+def _checked(hook: str, values: Any, keys: tuple[str, ...]) -> dict[str, Any]:
+    """A hook's settings, parsed like the options of the same name."""
+    if not isinstance(values, dict):
+        raise StageError(f"{hook} returned {values!r}, not a dict of {', '.join(keys)}")
+    out: dict[str, Any] = {}
+    for key, value in values.items():
+        if key not in keys:
+            raise StageError(f"{hook}: unknown key {key!r}; accepted keys: {', '.join(keys)}")
+        try:
+            out[key] = BY_FIELD[key].parse(str(value))
+        except pytest.UsageError as exc:
+            raise StageError(f"{hook}: {exc}") from None
+    return out
 
 
 def _kill_group(proc: subprocess.Popen[Any]) -> None:
@@ -257,9 +399,64 @@ def stage_propose(run: WorkloadRun) -> str:
         from pytest_opprof.propose.llm import strategize
 
         result, note = strategize(profile, graph, result, run.options)
+    found = run.hooks.pytest_opprof_propose(profile=profile, graph=graph, optimizations=result)
+    result = merge_hook_proposals(run, result, [p for batch in found for p in batch or ()])
     write_artifact(run.out_dir / "optimizations.json", result)
     summary = f"{len(result.proposals)} proposals: " + ", ".join(p.type for p in result.proposals)
     return summary + (f" ({note})" if note else "")
+
+
+def merge_hook_proposals(
+    run: WorkloadRun, result: Optimizations, found: list[Any]
+) -> Optimizations:
+    """Add what ``pytest_opprof_propose`` returned: marked ``source="hook"``, renumbered where
+    an id is taken, routed at its pass's level, filtered as the rules' proposals are, and the
+    whole set put back in dependency order."""
+    from pydantic import ValidationError
+
+    from pytest_opprof.options import TRANSFORMATION_TYPES
+    from pytest_opprof.propose import CONFIDENCE_RANK, order
+
+    if not found:
+        return result
+    user_passes = run.extra_passes()
+    skip = set(run.setting("skip") or ())
+    floor = CONFIDENCE_RANK[run.options.min_confidence]
+    taken = {p.id for p in result.proposals}
+    proposals, notes = list(result.proposals), list(result.global_notes)
+    for item in found:
+        try:
+            p = item if isinstance(item, Proposal) else Proposal.model_validate(item)
+        except ValidationError as exc:
+            raise StageError(
+                f"pytest_opprof_propose returned a proposal that does not validate: "
+                f"{exc.errors()[0]['loc']}: {exc.errors()[0]['msg']}"
+            ) from None
+        p = p.model_copy(update={"source": "hook"}, deep=True)
+        if p.type in user_passes:
+            p.ir_level = user_passes[p.type].level  # type: ignore[assignment]
+        elif p.type not in TRANSFORMATION_TYPES:
+            notes.append(
+                f"hook proposal {p.id} dropped: type {p.type!r} is not a pass; register it "
+                "with pytest_opprof_register_passes"
+            )
+            continue
+        if p.type in skip or CONFIDENCE_RANK[p.confidence] < floor:
+            why = (
+                "OPPROF['skip']"
+                if p.type in skip
+                else f"min_confidence={run.options.min_confidence}"
+            )
+            notes.append(f"{why}: dropped hook proposal {p.id}")
+            continue
+        if p.id in taken:
+            n = 1
+            while f"{p.type}-hook-{n}" in taken:
+                n += 1
+            p.id = f"{p.type}-hook-{n}"
+        taken.add(p.id)
+        proposals.append(p)
+    return result.model_copy(update={"proposals": order(proposals, notes), "global_notes": notes})
 
 
 def stage_backend(run: WorkloadRun) -> str:
@@ -270,6 +467,11 @@ def stage_backend(run: WorkloadRun) -> str:
     run.run_child("select", "backend")
     sel_path = run.profiler_output / "backend_selection.json"
     selection = read_artifact(sel_path, BackendSelection)
+    user_passes = run.extra_passes()
+    used = extra_targets(selection.plan, user_passes)
+    if used:  # the plan names where its user passes come from (the child only routed them)
+        selection.plan.extra_passes = used
+        write_artifact(sel_path, selection)
     rtol, atol = tolerance_for(selection.plan.dtype, run.spec.overrides)
     write_text_atomic(
         run.generated,
@@ -281,6 +483,7 @@ def stage_backend(run: WorkloadRun) -> str:
             proposals=optimizations.proposals,
             rtol=rtol,
             atol=atol,
+            extra_passes=[user_passes[name] for name in used],
         ),
     )
     write_text_atomic(run.generated_test, render_test(stem=run.spec.stem))
@@ -373,6 +576,10 @@ def _run_generated_tests(run: WorkloadRun, generated: Path) -> StepResult:
         str(test_file.parent),
         "-c",
         os.devnull,
+        # the user's conftests above the output folder are not the generated tests' (and,
+        # with the plugin off, their pytest_opprof_* hooks would be unknown hooks)
+        "--confcutdir",
+        str(test_file.parent),
     ]
     try:
         out = subprocess.run(
@@ -426,7 +633,14 @@ STAGE_FUNCTIONS: dict[str, Callable[[WorkloadRun], str]] = {
 
 
 def run_stage(run: WorkloadRun, stage: str) -> StageOutcome:
-    """Run (or reuse) one stage; the outcome carries the user-facing message."""
+    """Run (or reuse) one stage; the outcome carries the user-facing message. The hooks hear
+    of it through ``pytest_opprof_stage_finished``."""
+    outcome = _run_stage(run, stage)
+    run.hooks.pytest_opprof_stage_finished(workload=run, stage=stage, outcome=outcome)
+    return outcome
+
+
+def _run_stage(run: WorkloadRun, stage: str) -> StageOutcome:
     index = STAGES.index(stage)
     for earlier in STAGES[:index]:
         prior = run.outcomes.get(earlier)

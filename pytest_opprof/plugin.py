@@ -1,9 +1,11 @@
 """pytest hooks of pytest-opprof: options, collection of workloads, one item per stage, the
-summary. Hook functions only; the work is in ``session.py`` and ``pipeline.py``. Importing this
-module imports no torch."""
+summary, the ``opprof`` fixture, and the plugin's own (``trylast``) implementations of its
+decision hooks (``hookspecs.py``). Hook functions only; the work is in ``session.py`` and
+``pipeline.py``. Importing this module imports no torch."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -18,10 +20,18 @@ from pytest_opprof.options import OPTIONS, OpprofOptions
 from pytest_opprof.workload import WorkloadSpec, discover, is_generated
 
 if TYPE_CHECKING:
-    from pytest_opprof.session import OpprofSession  # noqa: F401 (used in a string below)
+    from pytest_opprof.pipeline import WorkloadRun
+    from pytest_opprof.schema import Timing
+    from pytest_opprof.session import OpprofSession, Optimizer  # noqa: F401 (used in a string)
 
 SESSION_KEY = pytest.StashKey["OpprofSession"]()
 RESULTS_KEY = pytest.StashKey[list[Any]]()
+
+
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from pytest_opprof import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -201,7 +211,8 @@ class StageItem(pytest.Item):
     def runtest(self) -> None:
         session = self.config.stash[SESSION_KEY]
         spec = self.parent.spec  # type: ignore[union-attr]
-        outcome = session.run(spec, self.stage)
+        # the hooks of the conftests above the workload's folder, as for pytest's own hooks
+        outcome = session.run(spec, self.stage, hook=self.ihook)
         self.config.stash[RESULTS_KEY].append((session.workload(spec).name, outcome))
         if self.stage == "report":
             summary = session.summaries.get(session.workload(spec).name)
@@ -260,3 +271,54 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         for name, o in config.stash[RESULTS_KEY]
     ]
     write_stage_junit(junit, records)
+
+
+# ------------------------------------------------------------------------------ fixture
+
+
+@pytest.fixture
+def opprof(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Optimizer:
+    """Run the pipeline from your own test, with or without ``--opprof``::
+
+        def test_fast_enough(opprof):
+            result = opprof.optimize("workloads/conv_block.py", min_speedup=1.2)
+            assert result.validation.overall == "READY_FOR_PROFILING"
+            assert result.speedup.ci_low > 1.2
+
+    Keyword arguments override the session's ``--opprof-*`` options (by field name:
+    ``device="cpu"``, ``rounds=5``, ``baseline="compile"``, ``out=...``). Artifacts go to
+    ``--opprof-out`` when it is given, else to a temporary folder. The conftests that apply to
+    the calling test provide the ``pytest_opprof_*`` hooks."""
+    from pytest_opprof.session import Optimizer
+
+    config = request.config
+    options = _options(config)
+    given = config.getoption("opprof_out") is not None or config.getini("opprof_out")
+    if not given:
+        options = dataclasses.replace(options, out=tmp_path_factory.mktemp("opprof"))
+    return Optimizer(options=options, hook=request.node.ihook)
+
+
+# ------------------------------------------------- the plugin's own decision hooks (trylast)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_opprof_select_baseline(workload: WorkloadRun, timing: Timing) -> str | None:
+    """``--opprof-baseline`` / ``OPPROF['baseline']``: eager, compile, or best (the faster)."""
+    choice = str(workload.base_setting("baseline"))
+    if choice != "best":
+        return choice
+    v = timing.variants
+    return "eager" if v["eager"].median_ms < v["compile"].median_ms else "compile"
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_opprof_min_speedup(workload: WorkloadRun, min_speedup: float) -> float | None:
+    return min_speedup
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_opprof_timing_settings(
+    workload: WorkloadRun, settings: dict[str, int]
+) -> dict[str, int] | None:
+    return settings

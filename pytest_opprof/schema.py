@@ -278,6 +278,11 @@ class BackendPlan(Model):
     aten: list[str] = Field(default_factory=list)
     config_patches: dict[str, Any] = Field(default_factory=dict)
     proposals: list[str] = Field(default_factory=list)
+    extra_passes: dict[str, str] = Field(
+        default_factory=dict,
+        description="user passes among functional/aten: type → 'module:qualname' "
+        "(registered by a conftest through pytest_opprof_register_passes)",
+    )
 
     def without_dtype(self) -> BackendPlan:
         drop = {"dtype_promotion"}
@@ -318,6 +323,8 @@ class DroppedProposal(Model):
 
 
 class BackendSelection(Artifact):
+    SCHEMA_VERSION: ClassVar[str] = "1.1"  # 1.1: plan.extra_passes (user passes)
+
     workload: str
     reference: str
     reference_ms: float

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pytest_opprof import STAGES
-from pytest_opprof.errors import ArtifactError
+from pytest_opprof.errors import ArtifactError, OpprofError, StageError
 from pytest_opprof.measure import gate_verdict
 from pytest_opprof.options import OpprofOptions
 from pytest_opprof.pipeline import StageOutcome, WorkloadRun, run_stage
@@ -42,23 +42,29 @@ class OpprofSession:
     summaries: dict[str, WorkloadSummary] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
 
-    def workload(self, spec: WorkloadSpec) -> WorkloadRun:
+    def workload(self, spec: WorkloadSpec, hook: Any = None) -> WorkloadRun:
+        """The run of ``spec``; ``hook``: the ``pytest_opprof_*`` hooks that apply to it
+        (pytest's hook proxy for its path), kept from the first call that gives them."""
         key = spec.path.resolve()
         if key not in self.runs:
             taken = {r.name for r in self.runs.values()}
             name = spec.stem if spec.stem not in taken else f"{spec.path.parent.name}_{spec.stem}"
-            self.runs[key] = WorkloadRun(spec=spec, options=self.options, name=name)
+            self.runs[key] = WorkloadRun(spec=spec, options=self.options, name=name, hook=hook)
+        elif hook is not None and self.runs[key].hook is None:
+            self.runs[key].hook = hook
         return self.runs[key]
 
-    def run(self, spec: WorkloadSpec, stage: str) -> StageOutcome:
+    def run(self, spec: WorkloadSpec, stage: str, hook: Any = None) -> StageOutcome:
         """Run ``stage`` after any earlier stage not yet run in this session (deselected
         items still get their stage computed or read from disk)."""
-        wr = self.workload(spec)
+        wr = self.workload(spec, hook)
         for earlier in STAGES[: STAGES.index(stage)]:
             if earlier not in wr.outcomes and earlier != "report":
                 run_stage(wr, earlier)
         if stage == "report":
-            return self.report(wr)
+            outcome = self.report(wr)
+            wr.hooks.pytest_opprof_stage_finished(workload=wr, stage=stage, outcome=outcome)
+            return outcome
         return wr.outcomes.get(stage) or run_stage(wr, stage)
 
     # --------------------------------------------------------------------------- report
@@ -66,11 +72,15 @@ class OpprofSession:
     def report(self, wr: WorkloadRun) -> StageOutcome:
         """Stage 5: the report and the gate's verdict (raised as ``GateFailed``)."""
         start = time.perf_counter()
-        summary = self.summarize(wr)
         try:
+            summary = self.summarize(wr)
             self.write_report(wr, summary)
         except OSError as exc:
             outcome = StageOutcome("report", "error", f"cannot write the report: {exc}")
+            wr.outcomes["report"] = outcome
+            return outcome
+        except OpprofError as exc:  # a hook's answer that does not check out
+            outcome = StageOutcome("report", "error", str(exc))
             wr.outcomes["report"] = outcome
             return outcome
         blocked = next(
@@ -85,14 +95,25 @@ class OpprofSession:
             outcome = StageOutcome("report", "passed", summary.message)
         outcome.seconds = time.perf_counter() - start
         wr.outcomes["report"] = outcome
+        if not blocked:
+            wr.hooks.pytest_opprof_gate_decided(
+                workload=wr, summary=summary, passed=summary.status == "passed"
+            )
         return outcome
 
     def gate_baseline(self, wr: WorkloadRun, optimized: Profile) -> str:
-        choice = wr.setting("baseline")
-        if choice != "best":
-            return str(choice)
-        v = optimized.timing.variants
-        return "eager" if v["eager"].median_ms < v["compile"].median_ms else "compile"
+        """``pytest_opprof_select_baseline``: eager or compile, measured in ``optimized``."""
+        timing = optimized.timing
+        choice = wr.hooks.pytest_opprof_select_baseline(workload=wr, timing=timing)
+        usable = sorted(
+            s.baseline for s in timing.speedups if s.candidate == "optimized" and s.baseline
+        )
+        if choice not in usable:
+            raise StageError(
+                f"pytest_opprof_select_baseline returned {choice!r}; the baselines measured "
+                f"against the optimized model are {', '.join(usable) or 'none'}"
+            )
+        return str(choice)
 
     def summarize(self, wr: WorkloadRun) -> WorkloadSummary:
         out = wr.out_dir
@@ -172,8 +193,22 @@ class OpprofSession:
             strict_gate=self.options.strict_gate,
             gate_on_cpu=self.options.gate_on_cpu,
         )
+        found = wr.hooks.pytest_opprof_report_sections(artifacts=artifacts)
+        sections = [section for batch in found for section in batch or ()]
+        for section in sections:
+            if not (
+                isinstance(section, tuple)
+                and len(section) == 2
+                and all(isinstance(x, str) for x in section)
+            ):
+                raise StageError(
+                    f"pytest_opprof_report_sections returned {section!r}; each section is a "
+                    "(title, markdown) pair of strings"
+                )
         out.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(out / "report.md", render_workload_report(artifacts))
+        write_text_atomic(
+            out / "report.md", render_workload_report(artifacts, extra_sections=sections)
+        )
         self.summaries[wr.name] = summary
         write_artifact(out / SUMMARY_FILE, summary)
 
@@ -206,6 +241,126 @@ class OpprofSession:
         path = out / "report.md"
         write_text_atomic(path, render_session_report(summaries, device=device, out_dir=out))
         return path
+
+
+# --------------------------------------------------------------------------- the fixture
+
+
+@dataclass(frozen=True)
+class Result:
+    """What ``opprof.optimize`` returns: one workload's artifacts, typed. An artifact is
+    ``None`` when its stage did not run (``outcomes`` says why)."""
+
+    name: str
+    summary: WorkloadSummary
+    """The gate's verdict and numbers (``status``, ``speedup``, ``ci_low``, ``message``, …)."""
+    profile: Profile | None
+    optimizations: Optimizations | None
+    selection: BackendSelection | None
+    validation: ValidationReport | None
+    optimized: Profile | None
+    """``profile_optimized.json``."""
+    speedup: Speedup | None
+    """Optimized against the gate's baseline (``ratio``, ``ci_low``, ``ci_high``)."""
+    report: Path
+    out_dir: Path
+    outcomes: dict[str, StageOutcome]
+
+    @property
+    def passed(self) -> bool:
+        """The gate passed (on the CPU fallback: unless ``gate_on_cpu``, it is not enforced)."""
+        return self.summary.status == "passed"
+
+
+class OptimizeFailed(OpprofError):
+    """A stage before the gate failed; ``result`` holds what was produced."""
+
+    def __init__(self, message: str, result: Result) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+@dataclass
+class Optimizer:
+    """The ``opprof`` fixture: the pipeline of ``pytest --opprof`` on one workload."""
+
+    options: OpprofOptions
+    hook: Any = None
+
+    def optimize(self, path: str | Path, **options: Any) -> Result:
+        """Run every stage on the workload at ``path`` (the usual stage cache applies) and
+        return its artifacts. ``options`` override the session's by field name. Raises
+        ``OptimizeFailed`` when a stage before the gate fails; a failed gate is
+        ``result.passed`` false, for the test to assert on."""
+        __tracebackhide__ = True
+        from pytest_opprof.workload import discover
+
+        session = OpprofSession(options=self.with_options(options))
+        target = Path(path)
+        spec = discover(target) if target.is_file() else None
+        if spec is None:
+            raise OpprofError(f"{target}: not a workload (no top-level def get_model_and_input)")
+        wr = session.workload(spec, self.hook)
+        for stage in STAGES:
+            session.run(spec, stage, self.hook)
+        out = wr.out_dir
+        summary = session.summaries.get(wr.name)
+        if summary is None:  # the report stage failed before it wrote one
+            report = wr.outcomes["report"]
+            summary = WorkloadSummary(
+                name=wr.name,
+                path=_display(spec.path),
+                status="error",
+                stage="report",
+                message=report.message,
+            )
+        optimized = _maybe(out / "profile_optimized.json", Profile)
+        result = Result(
+            name=wr.name,
+            summary=summary,
+            profile=_maybe(out / "profile.json", Profile),
+            optimizations=_maybe(out / "optimizations.json", Optimizations),
+            selection=_maybe(wr.profiler_output / "backend_selection.json", BackendSelection),
+            validation=_maybe(wr.profiler_output / "validation_report.json", ValidationReport),
+            optimized=optimized,
+            speedup=_find(optimized.timing.speedups, summary.baseline, "optimized")
+            if optimized is not None and summary.baseline
+            else None,
+            report=out / "report.md",
+            out_dir=out,
+            outcomes=dict(wr.outcomes),
+        )
+        broken = next(
+            (
+                o
+                for s, o in wr.outcomes.items()
+                if s != "report" and o.status in ("failed", "error")
+            ),
+            None,
+        )
+        if broken is not None:
+            raise OptimizeFailed(
+                f"{wr.name}: {broken.stage} {broken.status}: {broken.message}", result
+            )
+        return result
+
+    def with_options(self, overrides: dict[str, Any]) -> OpprofOptions:
+        """The fixture's options with ``overrides`` (field names), parsed like the flags."""
+        import dataclasses
+
+        from pytest_opprof.options import BY_FIELD
+
+        changes: dict[str, Any] = {}
+        for key, value in overrides.items():
+            name = "from" if key == "from_" else key
+            if name not in BY_FIELD:
+                raise TypeError(
+                    f"optimize() got an unknown option {key!r}; options: "
+                    + ", ".join(sorted(f.replace("from", "from_") for f in BY_FIELD))
+                )
+            parsed = None if value is None else BY_FIELD[name].parse(str(value))
+            changes["from_" if name == "from" else name] = parsed
+        return dataclasses.replace(self.options, **changes)
 
 
 def session_device(summaries: Iterable[WorkloadSummary], out: Path) -> str:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from pytest_opprof import __version__
+from pytest_opprof.backend.plan import ExtraPass
 from pytest_opprof.schema import BackendPlan, BackendSelection, Proposal
 from pytest_opprof.workload import GENERATED_MARKER
 
@@ -35,7 +36,10 @@ def render_optimized(
     proposals: Sequence[Proposal],
     rtol: float,
     atol: float,
+    extra_passes: Sequence[ExtraPass] = (),
 ) -> str:
+    """The text of ``<stem>_optimized.py``. ``extra_passes``: the user passes the plan uses
+    (``plan.extra_passes``), which the file imports from their own modules and registers."""
     plan = selection.plan
     kept = [p for p in proposals if p.id in plan.proposals]
     dropped = {d.id: d.reason for d in selection.dropped}
@@ -73,6 +77,7 @@ def render_optimized(
             f"    aten={listing(plan.aten)},\n    config_patches={patches},\n"
             "    results=PASS_RESULTS,\n)"
         )
+    passes_import, user_passes = _user_passes(extra_passes, out_file)
     return f'''{GENERATED_MARKER} {__version__}; `opprof validate` re-checks it after edits.
 """Optimized backend for ``{stem}``: compile with ``backend="{name}"``.
 
@@ -92,11 +97,11 @@ from __future__ import annotations
 
 import torch
 
-from pytest_opprof.backend import runtime
+{passes_import}from pytest_opprof.backend import runtime
 from pytest_opprof.passes.base import PassResult
 
 baseline = runtime.import_baseline(__file__, {rel!r}, {stem!r})
-
+{user_passes}
 BACKEND = {name!r}
 RTOL, ATOL = {rtol!r}, {atol!r}
 PASS_RESULTS: list[PassResult] = []
@@ -110,6 +115,33 @@ def get_model_and_input() -> tuple[torch.nn.Module, torch.Tensor]:
     model, x = baseline.get_model_and_input()
 {body}    return model, x
 '''
+
+
+def _user_passes(extra: Sequence[ExtraPass], out_file: Path) -> tuple[str, str]:
+    """The import line and the block that imports and registers each user pass."""
+    if not extra:
+        return "", ""
+    lines = [
+        "",
+        "# Passes a conftest registered (pytest_opprof_register_passes), imported from their own",
+        "# modules so that this file works outside pytest too.",
+    ]
+    for folder in dict.fromkeys(str(e.path) for e in extra if e.path is not None):
+        lines.append(
+            f"runtime.add_import_path(__file__, {_relative(Path(folder), out_file.parent)!r})"
+        )
+    specs = []
+    for e in extra:
+        top, _, rest = e.qualname.partition(".")
+        alias = "" if top == e.name else f" as {e.name}"
+        lines.append(f"from {e.module} import {top}{alias}  # noqa: E402")
+        apply = f"{e.name}.{rest}" if rest else e.name
+        specs.append(
+            f"passes.register(\n    passes.PassSpec(\n        name={e.name!r},\n"
+            f"        level={e.level!r},\n        apply={apply},\n"
+            f"        description={e.description!r},\n    )\n)"
+        )
+    return "from pytest_opprof import passes\n", "\n".join([*lines, "", *specs, ""]) + "\n"
 
 
 def render_test(*, stem: str, seeds: Sequence[int] = (0, 1, 2)) -> str:

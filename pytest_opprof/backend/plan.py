@@ -9,9 +9,15 @@ only pay once the kernels are short — so each rung's gain can be attributed to
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+from pytest_opprof.options import TRANSFORMATION_TYPES
 from pytest_opprof.schema import BackendPlan, Proposal
 
 # Rung order of the ladder; proposal types not listed are graph passes of the first rung.
@@ -88,3 +94,181 @@ def plan_of(proposals: Sequence[Proposal]) -> BackendPlan:
 
 def changes_precision(plan: BackendPlan) -> bool:
     return plan.dtype not in (None, "float32")
+
+
+# ------------------------------------------------------------------------------ user passes
+
+GRAPH_LEVELS: tuple[str, ...] = ("functional", "aten")
+EXTRA_PASSES_ENV = "OPPROF_EXTRA_PASSES"
+"""How a parent names the user passes to its child processes (``pytest_opprof.passes``)."""
+
+
+@dataclass(frozen=True)
+class ExtraPass:
+    """A pass a conftest registered (``pytest_opprof_register_passes``), named by where it can
+    be imported from, so that processes that never saw the conftest can load it."""
+
+    name: str
+    level: str
+    target: str
+    """``"module:qualname"`` of the ``apply(gm, example_inputs) -> PassResult`` function."""
+    description: str = ""
+    path: Path | None = None
+    """The folder the module is imported from (put on the children's ``sys.path``)."""
+
+    @property
+    def module(self) -> str:
+        return self.target.partition(":")[0]
+
+    @property
+    def qualname(self) -> str:
+        return self.target.partition(":")[2]
+
+    def source_file(self) -> Path | None:
+        """The module's file, found without importing it (for the stage cache key)."""
+        top, _, rest = self.module.partition(".")
+        if self.path is None:
+            return None
+        base = self.path.joinpath(top, *rest.split(".")) if rest else self.path / top
+        candidates = (base.with_name(base.name + ".py"), base / "__init__.py")
+        return next((c for c in candidates if c.is_file()), None)
+
+    def child_entry(self) -> dict[str, str]:
+        return {"target": self.target, "level": self.level, "description": self.description}
+
+
+class PassRegistry:
+    """What ``pytest_opprof_register_passes`` receives: the user passes of one workload.
+
+    Pure Python: a pass given as a function is recorded by its ``module:qualname`` and never
+    called here; one given as a string is not even imported.
+    """
+
+    def __init__(self) -> None:
+        self._passes: dict[str, ExtraPass] = {}
+
+    def add(
+        self,
+        name: Any,
+        apply: Callable[..., Any] | str | None = None,
+        *,
+        level: str | None = None,
+        description: str = "",
+        path: str | Path | None = None,
+    ) -> ExtraPass:
+        """Register the pass ``name`` (see the hook's documentation); returns its record.
+
+        ``name`` may be a ``PassSpec`` (``name``, ``level``, ``apply``, ``description``)."""
+        if not isinstance(name, str) and hasattr(name, "apply"):
+            spec = name
+            name, apply = spec.name, spec.apply
+            level = level or spec.level
+            description = description or getattr(spec, "description", "")
+        if not isinstance(name, str) or not name.isidentifier() or name != name.lower():
+            raise ValueError(f"pass name {name!r} is not a snake_case identifier")
+        if name in TRANSFORMATION_TYPES:
+            raise ValueError(
+                f"{name!r} is a built-in pass and cannot be replaced; register yours under a "
+                "new name (and skip the built-in with OPPROF['skip'] if it is in the way)"
+            )
+        if level not in GRAPH_LEVELS:
+            raise ValueError(
+                f"pass {name!r}: level {level!r} is not one of {', '.join(GRAPH_LEVELS)}; user "
+                "passes are graph passes (Inductor settings: propose algorithm_selection with "
+                "params={'config_patches': {...}})"
+            )
+        if apply is None:
+            raise ValueError(f"pass {name!r}: give the function, or 'module:function'")
+        target, found = _target_of(name, apply)
+        folder = Path(path).resolve() if path is not None else found
+        if folder is None:
+            raise ValueError(
+                f"pass {name!r}: module {target.partition(':')[0]!r} is not found on sys.path; "
+                "pass path= (the folder that holds it)"
+            )
+        entry = ExtraPass(name, level, target, description, folder)
+        known = self._passes.get(name)
+        if known is not None and (known.target, known.level) != (entry.target, entry.level):
+            raise ValueError(
+                f"pass {name!r} is registered twice: as {known.target} ({known.level}) and as "
+                f"{entry.target} ({entry.level})"
+            )
+        self._passes[name] = entry
+        return entry
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._passes
+
+    def __getitem__(self, name: str) -> ExtraPass:
+        return self._passes[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(sorted(self._passes))
+
+    def __len__(self) -> int:
+        return len(self._passes)
+
+    def values(self) -> list[ExtraPass]:
+        return [self._passes[k] for k in self]
+
+
+def _target_of(name: str, apply: Callable[..., Any] | str) -> tuple[str, Path | None]:
+    """``("module:qualname", the folder it is imported from)`` for a function or a string."""
+    if isinstance(apply, str):
+        module, sep, qualname = apply.partition(":")
+        if not sep or not module or not qualname:
+            raise ValueError(f"pass {name!r}: {apply!r} is not 'module:function'")
+        _check_module(name, module)
+        return apply, _import_root(module)
+    found_module = getattr(apply, "__module__", None)
+    found_qualname = getattr(apply, "__qualname__", None)
+    if not callable(apply) or not found_module or not found_qualname:
+        raise ValueError(f"pass {name!r}: {apply!r} is not a function")
+    module, qualname = str(found_module), str(found_qualname)
+    if "<" in qualname:
+        raise ValueError(
+            f"pass {name!r}: {module}.{qualname} cannot be imported by name (a lambda or a "
+            "nested function); define it at the top level of a module"
+        )
+    _check_module(name, module)
+    loaded = sys.modules.get(module)
+    file = getattr(loaded, "__file__", None) or inspect.getsourcefile(apply)
+    root = None
+    if file:
+        root = Path(file).resolve().parent
+        depth = module.count(".") + (Path(file).name == "__init__.py")
+        root = root.parents[depth - 1] if depth else root
+    return f"{module}:{qualname}", root
+
+
+def _check_module(name: str, module: str) -> None:
+    last = module.rpartition(".")[2]
+    if module == "__main__" or last == "conftest":
+        raise ValueError(
+            f"pass {name!r} is defined in {module!r}, which other processes cannot import by "
+            "name: define the pass in a module of its own next to the conftest (e.g. "
+            "opprof_passes.py) and register 'opprof_passes:apply'"
+        )
+
+
+def _import_root(module: str) -> Path | None:
+    """The ``sys.path`` folder ``module`` is found under, without importing it (only a
+    dotted module's top-level package is imported to find it)."""
+    top = module.partition(".")[0]
+    try:
+        spec = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.origin or spec.origin in ("built-in", "frozen"):
+        return None
+    origin = Path(spec.origin).resolve()
+    return origin.parent.parent if origin.name == "__init__.py" else origin.parent
+
+
+def extra_targets(
+    plan: BackendPlan, registry: Mapping[str, ExtraPass] | PassRegistry
+) -> dict[str, str]:
+    """``plan``'s user passes: type → ``module:qualname`` (``BackendPlan.extra_passes``)."""
+    return {
+        name: registry[name].target for name in [*plan.functional, *plan.aten] if name in registry
+    }

@@ -40,6 +40,16 @@ def import_baseline(generated_file: str, relative_path: str, name: str) -> Modul
     return module
 
 
+def add_import_path(generated_file: str, relative_path: str) -> None:
+    """Put the folder at ``relative_path`` from the generated file first on ``sys.path``, so
+    the modules of the user passes a conftest registered can be imported by name."""
+    import sys
+
+    folder = str((Path(generated_file).resolve().parent / relative_path).resolve())
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+
+
 MODEL_SEED = 0
 
 

@@ -1079,9 +1079,20 @@ def section_caveats(a: WorkloadArtifacts) -> list[str]:
     return [*lines, ""]
 
 
-def render_workload_report(a: WorkloadArtifacts, *, plots: bool = True) -> str:
+def section_extra(sections: Sequence[tuple[str, str]]) -> list[str]:
+    """The sections ``pytest_opprof_report_sections`` returned, as ``## title`` + markdown."""
+    lines: list[str] = []
+    for title, body in sections:
+        lines += [f"## {one_line(title, 200)}", "", body.strip("\n"), ""]
+    return lines
+
+
+def render_workload_report(
+    a: WorkloadArtifacts, *, plots: bool = True, extra_sections: Sequence[tuple[str, str]] = ()
+) -> str:
     """The whole ``report.md`` of one workload. With ``plots`` and matplotlib present, the PNGs
-    are written to ``a.out_dir / "profiler_output"`` and linked relatively."""
+    are written to ``a.out_dir / "profiler_output"`` and linked relatively. ``extra_sections``
+    (title, markdown) come after the analysis, before the reproduction commands."""
     lines: list[str] = []
     lines += _title(a)
     lines += section_headline(a)
@@ -1094,6 +1105,7 @@ def render_workload_report(a: WorkloadArtifacts, *, plots: bool = True) -> str:
     lines += section_waterfall(a, plots)
     lines += section_estimated_vs_measured(a)
     lines += section_remaining(a)
+    lines += section_extra(extra_sections)
     lines += section_reproduction(a)
     lines += section_caveats(a)
     return "\n".join(lines).rstrip("\n") + "\n"
