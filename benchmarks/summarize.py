@@ -44,10 +44,8 @@ def summarize(folders: list[Path]) -> dict[str, Any]:
             rows[name] = {"status": "missing"}
             continue
         opt = read_artifact(where / "profile_optimized.json", Profile)
-        sel = read_artifact(where / "profiler_output" / "backend_selection.json",
-                            BackendSelection)
-        val = read_artifact(where / "profiler_output" / "validation_report.json",
-                            ValidationReport)
+        sel = read_artifact(where / "profiler_output" / "backend_selection.json", BackendSelection)
+        val = read_artifact(where / "profiler_output" / "validation_report.json", ValidationReport)
         v = opt.timing.variants
         sp = {(s.baseline, s.candidate): s for s in opt.timing.speedups}
         vs_compile = sp[("compile", "optimized")]
@@ -74,7 +72,8 @@ def summarize(folders: list[Path]) -> dict[str, Any]:
     return {
         "workloads": rows,
         "geomean_speedup_vs_compile": math.exp(sum(map(math.log, ratios)) / len(ratios))
-        if ratios else None,
+        if ratios
+        else None,
     }
 
 

@@ -307,8 +307,12 @@ class WorkloadRun:
                 )
                 try:
                     code = proc.wait(timeout=timeout)
-                except subprocess.TimeoutExpired:
+                except BaseException as exc:
+                    # A timeout, or the session itself interrupted (Ctrl-C): the child runs in
+                    # its own process group and must not outlive us to write artifacts later.
                     _kill_group(proc)
+                    if not isinstance(exc, subprocess.TimeoutExpired):
+                        raise
                     raise StageError(
                         f"{self.spec.path.name}: {stage} did not finish within {timeout:.0f} s "
                         f"and was stopped; the workload hangs or is too slow — raise "
@@ -658,10 +662,14 @@ def _run_stage(run: WorkloadRun, stage: str) -> StageOutcome:
         return outcome
     start = time.perf_counter()
     opts = run.options
-    forced = opts.from_ is not None and index >= STAGES.index(opts.from_)
-    reuse_only = (opts.from_ is not None and index < STAGES.index(opts.from_)) or (
-        opts.stage is not None and stage != opts.stage
-    )
+    # --opprof-from=F recomputes F and later stages; --opprof-stage=S runs S alone, reading
+    # what comes before it from disk (or F..S when both are given).
+    first = STAGES.index(opts.from_) if opts.from_ else None
+    if opts.stage is not None:
+        only = STAGES.index(opts.stage)
+        first = only if first is None else min(first, only)
+    forced = first is not None and index >= first
+    reuse_only = first is not None and index < first
     try:
         if reuse_only:
             for path in run.artifact_paths(stage):
@@ -672,8 +680,7 @@ def _run_stage(run: WorkloadRun, stage: str) -> StageOutcome:
                     )
             _check_artifacts(run, stage)
             outcome = StageOutcome(stage, "passed", "reused from disk", cached=True)
-        elif not forced and run.cached(stage):
-            _check_artifacts(run, stage)
+        elif not forced and run.cached(stage) and _artifacts_valid(run, stage):
             outcome = StageOutcome(stage, "passed", "unchanged inputs: read from disk", cached=True)
         else:
             run.invalidate_from(stage)
@@ -697,6 +704,16 @@ def _run_stage(run: WorkloadRun, stage: str) -> StageOutcome:
     outcome.seconds = time.perf_counter() - start
     run.outcomes[stage] = outcome
     return outcome
+
+
+def _artifacts_valid(run: WorkloadRun, stage: str) -> bool:
+    """A cached stage whose artifacts no longer validate (truncated by a crash, edited by hand)
+    is recomputed rather than failed: its inputs are all still there."""
+    try:
+        _check_artifacts(run, stage)
+    except ArtifactError:
+        return False
+    return True
 
 
 def _check_artifacts(run: WorkloadRun, stage: str) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 import time
 from datetime import datetime, timezone
@@ -26,6 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: python -m pytest_opprof.runner SPEC.json", file=sys.stderr)
         return 2
     spec_path = Path(args[0])
+    _die_with_parent()
     spec = json.loads(spec_path.read_text(encoding="utf-8"))
     from pytest_opprof.errors import OpprofError
     from pytest_opprof.schema import ChildFailure, write_artifact
@@ -52,6 +54,23 @@ def main(argv: list[str] | None = None) -> int:
             return EXIT_USER_ERROR
         raise
     return 0
+
+
+def _die_with_parent() -> None:
+    """Linux: be killed when the parent (pytest, the CLI) dies, even by SIGKILL, so no child
+    writes artifacts after its session is gone. Elsewhere the parent's own cleanup must do."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl: nobody to report to
+        os._exit(1)
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -124,12 +143,24 @@ def _compile_timed(
     import torch
 
     from pytest_opprof.capture.timing import synchronize
+    from pytest_opprof.errors import StageError
 
     fn = torch.compile(model, backend=backend)
     t0 = time.perf_counter()
-    with torch.no_grad():
-        fn(*inputs)
-    synchronize(device)
+    try:
+        with torch.no_grad():
+            fn(*inputs)
+        synchronize(device)
+    except Exception as exc:
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            raise
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        shown = lines[0] if lines else type(exc).__name__
+        raise StageError(
+            f"torch.compile(backend={getattr(backend, '__name__', backend)!r}) failed: "
+            f"{type(exc).__name__}: {shown[:300]}; check that Inductor works here (a C++ "
+            "compiler for the CPU, Triton for the GPU), or see the stage log"
+        ) from None
     return fn, time.perf_counter() - t0
 
 
@@ -345,7 +376,19 @@ def task_select(spec: dict[str, Any]) -> None:
         for p in opt.proposals
         if p.type in skip
     }
-    proposals = [p for p in opt.proposals if p.type not in skip]
+    for p in opt.proposals:
+        if p.params.get("implemented") is False and p.id not in dropped:
+            # An LLM proposal of a type no registered pass implements: its code (if any) was
+            # written to params["pass_file"] for a person to review; selection never runs it.
+            dropped[p.id] = DroppedProposal(
+                id=p.id,
+                type=p.type,
+                reason=(
+                    "no pass implements this type; its proposed code is in "
+                    f"{p.params.get('pass_file', 'no file')} and was not run"
+                ),
+            )
+    proposals = [p for p in opt.proposals if p.id not in dropped]
     rungs = ladder(proposals)
     if (
         device == "cuda"
