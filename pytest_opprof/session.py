@@ -180,11 +180,11 @@ class OpprofSession:
             name=wr.name,
             path=_display(wr.spec.path),
             out_dir=out,
-            profile=_maybe(out / "profile.json", Profile),
+            profile=_classified(_maybe(out / "profile.json", Profile)),
             optimizations=_maybe(out / "optimizations.json", Optimizations),
             selection=_maybe(wr.profiler_output / "backend_selection.json", BackendSelection),
             validation=_maybe(wr.profiler_output / "validation_report.json", ValidationReport),
-            optimized=_maybe(out / "profile_optimized.json", Profile),
+            optimized=_classified(_maybe(out / "profile_optimized.json", Profile)),
             summary=summary,
             implementation_notes=notes.read_text(encoding="utf-8") if notes.exists() else None,
             stage_errors={s: o.message for s, o in wr.outcomes.items() if o.status != "passed"},
@@ -373,6 +373,16 @@ def session_device(summaries: Iterable[WorkloadSummary], out: Path) -> str:
 
 def _find(speedups: list[Speedup], baseline: str, candidate: str) -> Speedup | None:
     return next((s for s in speedups if s.baseline == baseline and s.candidate == candidate), None)
+
+
+def _classified(profile: Profile | None) -> Profile | None:
+    """The profile with each operator's bottleneck class (the propose stage's classifier), so
+    the report's operator tables show it; profile.json itself stays as captured."""
+    if profile is None:
+        return None
+    from pytest_opprof.propose.classify import classify
+
+    return classify(profile)
 
 
 def _maybe(path: Path, model: Any) -> Any:
