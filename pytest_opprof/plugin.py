@@ -217,7 +217,7 @@ class StageItem(pytest.Item):
         if self.stage == "report":
             summary = session.summaries.get(session.workload(spec).name)
             if summary is not None:
-                from pytest_opprof.session import user_properties
+                from pytest_opprof.report import user_properties
 
                 self.user_properties.extend(user_properties(summary))
         if outcome.status == "skipped":

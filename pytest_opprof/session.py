@@ -6,7 +6,6 @@ the same code. Pure Python: torch is imported only by the child processes.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -397,26 +396,6 @@ def _display(path: Path) -> str:
         return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
     except ValueError:
         return str(path)
-
-
-def user_properties(summary: WorkloadSummary) -> list[tuple[str, object]]:
-    props: list[tuple[str, object]] = []
-    for key in (
-        "speedup",
-        "ci_low",
-        "ci_high",
-        "baseline",
-        "baseline_ms",
-        "optimized_ms",
-        "eager_ms",
-        "compile_ms",
-        "dtype",
-    ):
-        value = getattr(summary, key)
-        if value is not None and not (isinstance(value, float) and math.isnan(value)):
-            props.append((f"opprof_{key}", value))
-    props.append(("opprof_passes", ",".join(summary.passes)))
-    return props
 
 
 def merge_sessions(dirs: list[Path], out: Path) -> SessionSummary:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -154,7 +155,7 @@ def test_propose_llm_without_a_key_keeps_the_rules(tmp_path: Path) -> None:
         text=True,
         timeout=120,
         check=False,
-        env={k: v for k, v in __import__("os").environ.items() if k != "ANTHROPIC_API_KEY"},
+        env={k: v for k, v in os.environ.items() if k != "ANTHROPIC_API_KEY"},
     )
     assert plain.returncode == 0 and env_free.returncode == 0, env_free.stderr
     assert "ANTHROPIC_API_KEY is not set" in env_free.stdout

@@ -72,7 +72,7 @@ def test_all_stages_on_a_tiny_workload(pytester: pytest.Pytester) -> None:
         }
     )
     result = pytester.runpytest_subprocess(
-        "--opprof", "work", *FAST, "-v", "--opprof-junit=stages.xml"
+        "--opprof", "work", *FAST, "-v", "--opprof-junit=stages.xml", "--junitxml=junit.xml"
     )
     result.stdout.fnmatch_lines(
         [
@@ -114,6 +114,8 @@ def test_all_stages_on_a_tiny_workload(pytester: pytest.Pytester) -> None:
         "hang": "failed",
     }
     assert (out / "report.md").exists() and (pytester.path / "stages.xml").exists()
+    junit = (pytester.path / "junit.xml").read_text()
+    assert 'name="opprof.speedup"' in junit and 'name="opprof.optimized_ms"' in junit
     assert result.ret == 1  # the broken workload fails its items
 
     # A second run over the same tree: generated files and the output folder are not
