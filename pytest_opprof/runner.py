@@ -578,7 +578,7 @@ def task_validate_run(spec: dict[str, Any]) -> None:
     template = tuple(x) if isinstance(x, (tuple, list)) else (x,)
     try:
         model, _ = module.get_model_and_input()
-        fn = torch.compile(model, backend=module.BACKEND)
+        fn = runtime.optimized_callable(module, model)
         with torch.no_grad():
             fn(*template)
             synchronize(device)
@@ -643,7 +643,10 @@ def task_recapture(spec: dict[str, Any]) -> None:
     model, _ = module.get_model_and_input()
     compile_s: dict[str, float] = {}
     compiled, compile_s["compile"] = _compile_timed(w.model, opts.compile_backend, w.inputs, device)
-    optimized, compile_s["optimized"] = _compile_timed(model, module.BACKEND, w.inputs, device)
+    if getattr(module, "COMPILE", True):
+        optimized, compile_s["optimized"] = _compile_timed(model, module.BACKEND, w.inputs, device)
+    else:
+        optimized = model
     calls: dict[str, Any] = {"eager": w.model, "compile": compiled, "optimized": optimized}
     pairs = [("eager", "compile"), ("eager", "optimized"), ("compile", "optimized")]
     selection_path = out_dir / "profiler_output" / "backend_selection.json"

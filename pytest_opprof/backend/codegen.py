@@ -68,11 +68,14 @@ def render_optimized(
     if selection.chosen == "eager" and plan == BackendPlan():
         registration = (
             "# Measured selection found nothing faster than eager: the backend runs the captured\n"
-            "# graph as it is.\n"
+            "# graph as it is, and the pipeline times the model uncompiled (COMPILE = False),\n"
+            "# since Dynamo's guard checks alone would make it slower than the baseline.\n"
+            "COMPILE = False\n"
             "runtime.register_backend(BACKEND, passthrough=True, results=PASS_RESULTS)"
         )
     else:
         registration = (
+            "COMPILE = True\n"
             f"runtime.register_backend(\n    BACKEND,\n    functional={listing(plan.functional)},\n"
             f"    aten={listing(plan.aten)},\n    config_patches={patches},\n"
             "    results=PASS_RESULTS,\n)"
@@ -158,6 +161,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pytest_opprof.backend import runtime
 from pytest_opprof.workload import check_contract, flatten_tensors, fresh_inputs
 
 HERE = Path(__file__).resolve().parent
@@ -190,7 +194,7 @@ def pair():
     base_model, x = optimized.baseline.get_model_and_input()
     model, _ = optimized.get_model_and_input()
     template = x if isinstance(x, tuple) else (x,)
-    return base_model, torch.compile(model, backend=optimized.BACKEND), template
+    return base_model, runtime.optimized_callable(optimized, model), template
 
 
 @pytest.mark.parametrize("seed", {list(seeds)!r})

@@ -83,3 +83,12 @@ def apply_non_graph(
     if results is not None:
         results.extend(applied)
     return new_model
+
+
+def optimized_callable(module: ModuleType, model: torch.nn.Module) -> Any:
+    """What the pipeline times and validates for a generated file: the model compiled with the
+    file's backend, or the model itself where the file says ``COMPILE = False`` (nothing beat
+    eager, so the baseline itself is shipped)."""
+    if getattr(module, "COMPILE", True):
+        return torch.compile(model, backend=module.BACKEND)
+    return model

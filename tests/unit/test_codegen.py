@@ -1,0 +1,52 @@
+"""The generated backend file: what it compiles, and shipping the baseline itself."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import torch
+
+from pytest_opprof.backend import runtime
+from pytest_opprof.backend.codegen import render_optimized
+from pytest_opprof.schema import BackendPlan, BackendSelection
+
+
+def _render(tmp_path: Path, chosen: str, plan: BackendPlan) -> str:
+    selection = BackendSelection(
+        workload="w", reference=chosen, reference_ms=1.0, variants=[], chosen=chosen, plan=plan
+    )
+    return render_optimized(
+        stem="w",
+        workload=tmp_path / "w.py",
+        out_file=tmp_path / "out" / "w_optimized.py",
+        selection=selection,
+        proposals=[],
+        rtol=1e-4,
+        atol=1e-5,
+    )
+
+
+def test_nothing_faster_than_eager_ships_the_baseline_uncompiled(tmp_path: Path) -> None:
+    text = _render(tmp_path, "eager", BackendPlan())
+    assert "COMPILE = False" in text and "passthrough=True" in text
+    compile(text, "w_optimized.py", "exec")
+
+
+def test_a_plan_is_compiled_with_its_backend(tmp_path: Path) -> None:
+    plan = BackendPlan(aten=["bn_fold"], config_patches={"freezing": True}, proposals=["b-1"])
+    text = _render(tmp_path, "b-1", plan)
+    assert "COMPILE = True" in text and "aten=['bn_fold']" in text
+    assert "'freezing': True" in text and "../w.py" in text
+
+
+def test_optimized_callable_follows_the_flag() -> None:
+    model = torch.nn.Linear(2, 2).eval()
+    shipped = types.SimpleNamespace(COMPILE=False, BACKEND="eager")
+    assert runtime.optimized_callable(shipped, model) is model  # type: ignore[arg-type]
+    compiled = runtime.optimized_callable(
+        types.SimpleNamespace(COMPILE=True, BACKEND="eager"),  # type: ignore[arg-type]
+        model,
+    )
+    assert compiled is not model
+    torch.testing.assert_close(compiled(torch.ones(1, 2)), model(torch.ones(1, 2)))
