@@ -258,8 +258,6 @@ def _timing(
 
 def task_capture(spec: dict[str, Any]) -> None:
     """Stage 0: graph summary, timing (eager vs compiled, interleaved), both timelines."""
-    import torch
-
     from pytest_opprof.capture.graph import capture_graph
     from pytest_opprof.capture.system import environment, resolve_device
     from pytest_opprof.capture.timing import time_interleaved
@@ -306,7 +304,6 @@ def task_capture(spec: dict[str, Any]) -> None:
         ],
     )
     write_artifact(out_dir / spec.get("profile_name", "profile.json"), profile)
-    del torch
 
 
 def task_select(spec: dict[str, Any]) -> None:
@@ -523,7 +520,7 @@ def task_validate_import(spec: dict[str, Any]) -> None:
     """Validation steps 2 and 3: the generated file imports and registers its backend."""
     import torch
 
-    from pytest_opprof.schema import StepResult, write_artifact
+    from pytest_opprof.schema import StepResult
 
     _setup_torch()
     path = Path(spec["generated"])
@@ -547,7 +544,6 @@ def task_validate_import(spec: dict[str, Any]) -> None:
         "runtime.register_backend(BACKEND, ...) at import",
     )
     _write_steps(spec, steps)
-    del write_artifact
 
 
 def _write_steps(spec: dict[str, Any], steps: dict[str, Any], **extra: Any) -> None:
@@ -620,7 +616,6 @@ def task_validate_run(spec: dict[str, Any]) -> None:
         checks={k: v.model_dump() for k, v in checks.items()},
         passes=[p.model_dump() for p in passes],
     )
-    del runtime
 
 
 def task_recapture(spec: dict[str, Any]) -> None:
