@@ -191,9 +191,10 @@ def cmd_validate(ns: argparse.Namespace, options: OpprofOptions) -> int:
         raise OpprofError(f"{ns.file}: no such file")
     stem = file.name.removesuffix("_optimized.py")
     run = WorkloadRun(
-        spec=WorkloadSpec(path=file), name=stem, options=replace(options, out=file.parent.parent)
+        spec=WorkloadSpec(path=_baseline_of(file) or file),
+        name=stem,
+        options=replace(options, out=file.parent.parent),
     )
-    run.spec = WorkloadSpec(path=_baseline_of(file) or file)
     report = validate_file(run, file)
     write_artifact(run.profiler_output / "validation_report.json", report)
     for step, result in report.steps.items():
