@@ -1,0 +1,677 @@
+"""The counters pass (DESIGN §2.1): Nsight Compute over exactly one measured iteration.
+
+Why an NVTX range and not ``--launch-skip``: the number of kernels launched before the
+measured call (model set-up, Inductor compile and autotuning, warmup) changes from run to run
+with the autotune and FX-graph caches, so a skip count taken from the timeline is not exact. The
+target process (``counters_target_task``) wraps the one measured call in
+``torch.cuda.nvtx.range("opprof_iteration")``, a push/pop range, which ncu selects with
+``--nvtx --nvtx-include "opprof_iteration/"`` (the trailing ``/`` names a push/pop range).
+``--launch-count`` is only a safety bound (twice the timeline's kernel count, at least +16): if
+the range somehow matched more, the join below reports the surplus instead of ncu replaying
+kernels for an hour.
+
+Kernel names: ncu prints names with ``--kernel-name-base demangled``, the same demangled form the
+torch profiler (CUPTI) puts in the trace. Both sides then go through ``kernel_key``, which drops
+the return type, template arguments and parameter list and keeps the qualified function name,
+because the two demanglers format templates and parameters differently (spaces, ``(anonymous
+namespace)``). Different instantiations of one template share a key; the join is by key *and*
+ordinal among the kernels of that key in launch order, so they still pair up in order, and a
+count that differs for a key is a warning naming the kernels, never a shifted join. Keys compare
+exactly, so ``triton_poi_fused_add_1`` never matches ``triton_poi_fused_add_10``.
+
+Everything here is data in, data out: failures come back as ``CountersResult.note`` and
+``warnings``, never raised. No torch at module level (``counters_target_task`` imports it).
+"""
+
+from __future__ import annotations
+
+import csv
+import glob
+import io
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pytest_opprof.schema import KernelRecord
+
+NVTX_RANGE = "opprof_iteration"
+TARGET_TASK = "counters_target"
+PARAMS_FILE = Path("/proc/driver/nvidia/params")
+NCU_LOCATIONS = (
+    "/usr/local/cuda/bin/ncu",
+    "/opt/nvidia/nsight-compute/*/ncu",
+    "/usr/local/NVIDIA-Nsight-Compute*/ncu",
+)
+
+# Logical name -> ncu metrics in order of preference; the first one present in the CSV header
+# wins, and a name none of whose candidates is present is None (the GPU lacks it), never 0.
+METRICS: dict[str, tuple[str, ...]] = {
+    "gpu_time_ns": ("gpu__time_duration.sum",),
+    "dram_bytes_read": ("dram__bytes_read.sum",),
+    "dram_bytes_write": ("dram__bytes_write.sum",),
+    "dram_throughput_pct": (
+        "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+        "gpu__dram_throughput.avg.pct_of_peak_sustained_elapsed",
+    ),
+    "memory_throughput_pct": ("gpu__compute_memory_throughput.avg.pct_of_peak_sustained_elapsed",),
+    "l1_throughput_pct": ("l1tex__throughput.avg.pct_of_peak_sustained_active",),
+    "sm_throughput_pct": ("sm__throughput.avg.pct_of_peak_sustained_elapsed",),
+    "l1_hit_rate_pct": ("l1tex__t_sector_hit_rate.pct",),
+    "l2_hit_rate_pct": ("lts__t_sector_hit_rate.pct",),
+    # Hopper's wgmma runs on the gmma path, which the hmma metric does not see: prefer the
+    # all-tensor-pipe metric where the chip has it.
+    "tensor_active_pct": (
+        "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active",
+        "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+        "sm__inst_executed_pipe_tensor.avg.pct_of_peak_sustained_active",
+    ),
+    "achieved_occupancy_pct": ("sm__warps_active.avg.pct_of_peak_sustained_active",),
+    "warp_cycles_per_issued": ("smsp__average_warp_latency_per_inst_issued.ratio",),
+    "issue_active_pct": (
+        "sm__inst_issued.avg.pct_of_peak_sustained_active",
+        "smsp__issue_active.avg.pct_of_peak_sustained_active",
+    ),
+    "instructions": ("smsp__inst_executed.sum", "sm__inst_executed.sum"),
+    "ipc": ("sm__inst_executed.avg.per_cycle_active",),
+    "threads_per_warp": ("smsp__thread_inst_executed_per_inst_executed.ratio",),
+    "registers_per_thread": ("launch__registers_per_thread",),
+    "local_spill_bytes": ("l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum",),
+    "dynamic_shared_memory_bytes": ("launch__shared_mem_per_block_dynamic",),
+    # FLOP counts: SIMT instructions (an FMA is two FLOPs) and tensor-pipe operations.
+    "fadd": ("smsp__sass_thread_inst_executed_op_fadd_pred_on.sum",),
+    "fmul": ("smsp__sass_thread_inst_executed_op_fmul_pred_on.sum",),
+    "ffma": ("smsp__sass_thread_inst_executed_op_ffma_pred_on.sum",),
+    "hadd": ("smsp__sass_thread_inst_executed_op_hadd_pred_on.sum",),
+    "hmul": ("smsp__sass_thread_inst_executed_op_hmul_pred_on.sum",),
+    "hfma": ("smsp__sass_thread_inst_executed_op_hfma_pred_on.sum",),
+    "tensor_ops": ("sm__ops_path_tensor_src_all.sum", "sm__ops_path_tensor.sum"),
+}
+
+SUM = frozenset(
+    {
+        "gpu_time_ns",
+        "dram_bytes_read",
+        "dram_bytes_write",
+        "dram_bytes",
+        "instructions",
+        "local_spill_bytes",
+        "flops",
+        *("fadd", "fmul", "ffma", "hadd", "hmul", "hfma", "tensor_ops"),
+    }
+)
+MAX = frozenset({"registers_per_thread", "dynamic_shared_memory_bytes"})
+# Everything else (throughput %, hit rates, occupancy, IPC, warp cycles, threads per warp) is a
+# rate: its operator value is the mean over kernels weighted by each kernel's duration.
+
+_TIME_NS = {"nsecond": 1.0, "ns": 1.0, "usecond": 1e3, "us": 1e3, "msecond": 1e6, "ms": 1e6}
+_TIME_NS |= {"second": 1e9, "s": 1e9}
+_BYTES = {"byte": 1.0, "b": 1.0}
+for _p, _f in (("k", 1e3), ("m", 1e6), ("g", 1e9), ("t", 1e12)):
+    _BYTES |= {f"{_p}byte": _f, f"{_p}b": _f}
+
+
+class KernelCounters(BaseModel):
+    """One timeline kernel's counters: ``index`` is its position in the iteration."""
+
+    model_config = ConfigDict(extra="forbid")
+    index: int
+    name: str
+    ncu_id: int
+    metrics: dict[str, float | None]
+    bound: Literal["memory", "compute"] | None = None
+
+
+class CountersResult(BaseModel):
+    """What the counters pass returns; a failure is a ``note``, never an exception."""
+
+    model_config = ConfigDict(extra="forbid")
+    metrics: list[KernelCounters] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
+    note: str | None = None
+    resolved: dict[str, str | None] = Field(
+        default_factory=dict, description="logical name -> the ncu metric read"
+    )
+    command: list[str] = Field(default_factory=list)
+
+
+# ------------------------------------------------------------------------------- detection
+
+
+def find_ncu(path: str | None = None, locations: Sequence[str] = NCU_LOCATIONS) -> str | None:
+    """``ncu`` on ``path`` (default ``$PATH``), else the newest of the usual install places."""
+    found = shutil.which("ncu", path=path)
+    if found:
+        return found
+    for pattern in locations:
+        hits = sorted(glob.glob(pattern), key=_version_key, reverse=True)
+        for hit in hits:
+            if os.path.isfile(hit) and os.access(hit, os.X_OK):
+                return hit
+    return None
+
+
+def _version_key(path: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in re.findall(r"\d+", path))
+
+
+def needs_sudo(mode: str, params_file: Path = PARAMS_FILE, euid: int | None = None) -> bool:
+    """``--opprof-ncu-sudo``: ``auto`` uses sudo when the driver restricts the counters to
+    admins (``RmProfilingAdminOnly: 1``) and we are not root."""
+    if mode == "true":
+        return True
+    if mode == "false":
+        return False
+    uid = os.geteuid() if euid is None else euid
+    if uid == 0:
+        return False
+    try:
+        text = params_file.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return False
+    match = re.search(r"^\s*RmProfilingAdminOnly\s*:\s*(\d+)", text, re.MULTILINE)
+    return bool(match and match.group(1) == "1")
+
+
+# -------------------------------------------------------------------------------- command
+
+
+def launch_bound(kernels_per_iteration: int) -> int:
+    """``--launch-count``: a bound, not the selector (the NVTX range is)."""
+    return max(2 * kernels_per_iteration, kernels_per_iteration + 16)
+
+
+def build_command(
+    ncu: str,
+    spec_path: Path,
+    *,
+    kernels_per_iteration: int,
+    log_file: Path,
+    metrics: Sequence[str],
+    clock_control: str = "none",
+    sudo: bool = False,
+    python: str = sys.executable,
+    env: Mapping[str, str] | None = None,
+) -> list[str]:
+    """The ncu command line over ``python -m pytest_opprof.runner SPEC`` for one iteration.
+
+    ncu's own output (the raw CSV included) goes to ``log_file`` so the workload's prints
+    cannot interleave with it. Kernel replay (the default) replays each kernel in place, not
+    the whole process (application replay took ~65 s for a tiny script). ``application-only``
+    keeps ncu out of Inductor's compile workers, which launch nothing inside the range.
+    """
+    if clock_control not in ("none", "base"):
+        raise ValueError(f"clock control must be none or base, got {clock_control!r}")
+    cmd = [
+        ncu,
+        "--nvtx",
+        "--nvtx-include",
+        f"{NVTX_RANGE}/",
+        "--launch-count",
+        str(launch_bound(kernels_per_iteration)),
+        "--replay-mode",
+        "kernel",
+        "--target-processes",
+        "application-only",
+        "--clock-control",
+        clock_control,
+        "--kernel-name-base",
+        "demangled",
+        "--metrics",
+        ",".join(metrics),
+        "--csv",
+        "--page",
+        "raw",
+        "--print-units",
+        "base",
+        "--log-file",
+        str(log_file),
+        python,
+        "-m",
+        "pytest_opprof.runner",
+        str(spec_path),
+    ]
+    if not sudo:
+        return cmd
+    environ = os.environ if env is None else env
+    # sudo resets the environment: pass PATH (ncu's own tools) and PYTHONPATH (this package)
+    # through explicitly; -n fails at once instead of waiting for a password nobody types.
+    passthrough = [f"PATH={environ.get('PATH', '')}", f"PYTHONPATH={_pythonpath(environ)}"]
+    return ["sudo", "-n", "-E", "env", *passthrough, *cmd]
+
+
+def _pythonpath(environ: Mapping[str, str]) -> str:
+    root = str(Path(__file__).resolve().parents[2])
+    parts = [p for p in environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    return os.pathsep.join([root, *[p for p in parts if p != root]])
+
+
+def requested_metrics(available: set[str] | None = None) -> list[str]:
+    """Every candidate of ``METRICS``; with ``available`` (base names from ``ncu
+    --query-metrics``), only those the chip has, since ncu refuses an unknown metric."""
+    out: list[str] = []
+    for candidates in METRICS.values():
+        for metric in candidates:
+            wanted = available is None or metric.split(".")[0] in available
+            if wanted and metric not in out:
+                out.append(metric)
+    return out
+
+
+def query_available(ncu: str, sudo: bool = False, timeout: float = 120.0) -> set[str] | None:
+    """Base metric names the installed GPU supports (``ncu --query-metrics --csv``)."""
+    cmd = [ncu, "--query-metrics", "--csv"]
+    if sudo:
+        cmd = ["sudo", "-n", "-E", *cmd]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if proc.returncode != 0:
+        return None
+    names = set()
+    for row in csv.reader(io.StringIO(proc.stdout)):
+        if row and re.fullmatch(r"[a-z0-9_]+__[a-z0-9_]+", row[0].strip()):
+            names.add(row[0].strip())
+    return names or None
+
+
+# ---------------------------------------------------------------------------------- parsing
+
+
+def to_base(value: str, unit: str) -> float | None:
+    """One ncu cell in base units: times in ns, sizes in bytes (1000-based, as ncu prints
+    them), rates as the quotient of both; ``%``, cycles, instructions… as printed."""
+    text = value.strip().replace(",", "")
+    if text in ("", "n/a", "N/A", "nan", "-"):
+        return None
+    try:
+        number = float(text)
+    except ValueError:
+        return None
+    num, _, den = unit.strip().partition("/")
+    return number * _scale(num) / (_scale(den) if den else 1.0)
+
+
+def _scale(unit: str) -> float:
+    key = unit.strip().lower()
+    if key in _TIME_NS:
+        return _TIME_NS[key]
+    if key in _BYTES:
+        return _BYTES[key]
+    return 1.0
+
+
+class NcuRow(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    id: int
+    name: str
+    values: dict[str, float | None]
+
+
+def parse_raw_csv(text: str) -> tuple[list[NcuRow], list[str]]:
+    """ncu's ``--csv --page raw`` output: a header of column names, a row of units, then one
+    row per kernel. Lines that are not CSV (``==PROF==`` and the like) are skipped. Returns
+    the rows in launch order and the header's metric columns."""
+    lines = [line for line in text.splitlines() if line.startswith('"')]
+    start = next((i for i, line in enumerate(lines) if line.startswith('"ID"')), None)
+    if start is None:
+        return [], []
+    table = list(csv.reader(lines[start:]))
+    header = table[0]
+    units = table[1] if len(table) > 1 else []
+    has_units = bool(units) and units[0].strip() == ""
+    body = table[2:] if has_units else table[1:]
+    if not has_units:
+        units = [""] * len(header)
+    name_col = header.index("Kernel Name")
+    metric_cols = [i for i, h in enumerate(header) if "__" in h]
+    rows = []
+    for cells in body:
+        if len(cells) != len(header) or not cells[0].strip().isdigit():
+            continue
+        rows.append(
+            NcuRow(
+                id=int(cells[0]),
+                name=cells[name_col],
+                values={header[i]: to_base(cells[i], units[i]) for i in metric_cols},
+            )
+        )
+    rows.sort(key=lambda r: r.id)
+    return rows, [header[i] for i in metric_cols]
+
+
+def resolve(header: Sequence[str]) -> dict[str, str | None]:
+    """Logical name -> the first candidate present in the CSV header (None: absent)."""
+    present = set(header)
+    return {
+        name: next((m for m in candidates if m in present), None)
+        for name, candidates in METRICS.items()
+    }
+
+
+def logical_metrics(row: NcuRow, resolved: Mapping[str, str | None]) -> dict[str, float | None]:
+    """One row's logical metrics, plus the derived ``dram_bytes`` and ``flops``."""
+    out = {name: (row.values.get(m) if m else None) for name, m in resolved.items()}
+    read, write = out.get("dram_bytes_read"), out.get("dram_bytes_write")
+    out["dram_bytes"] = read + write if read is not None and write is not None else None
+    simt = [out.get(k) for k in ("fadd", "fmul", "ffma", "hadd", "hmul", "hfma")]
+    if all(v is None for v in simt[:3]):
+        out["flops"] = None
+    else:
+        fadd, fmul, ffma, hadd, hmul, hfma = (v or 0.0 for v in simt)
+        # half-precision SIMT ops count per instruction thread; the packed form is counted
+        # once by ncu, so this is a lower bound for half2 code.
+        out["flops"] = fadd + fmul + 2 * ffma + hadd + hmul + 2 * hfma + (out["tensor_ops"] or 0.0)
+    return out
+
+
+# ------------------------------------------------------------------------------------ join
+
+
+def kernel_key(name: str) -> str:
+    """The qualified function name of a demangled kernel name: no return type, template
+    arguments or parameters. ``void at::native::k<float, 4>(float*)`` -> ``at::native::k``."""
+    out: list[str] = []
+    depth = 0
+    for ch in name.strip():
+        if ch == "<":
+            depth += 1
+        elif ch == ">" and depth:
+            depth -= 1
+        elif depth == 0:
+            out.append(ch)
+    text = "".join(out).strip()
+    if text.endswith(")"):  # drop the trailing parameter list, balanced
+        level = 0
+        for i in range(len(text) - 1, -1, -1):
+            level += {")": 1, "(": -1}.get(text[i], 0)
+            if level == 0:
+                text = text[:i].rstrip()
+                break
+    text = re.sub(r"\(anonymous namespace\)", "(anonymous_namespace)", text)
+    return text.split()[-1] if text.split() else text
+
+
+def join(
+    timeline: Sequence[KernelRecord], rows: Sequence[NcuRow], resolved: Mapping[str, str | None]
+) -> tuple[list[KernelCounters], list[str]]:
+    """Pair timeline kernels (one iteration, launch order) with ncu rows by key + ordinal."""
+    by_key_t: dict[str, list[int]] = {}
+    for i, k in enumerate(timeline):
+        by_key_t.setdefault(kernel_key(k.name), []).append(i)
+    by_key_n: dict[str, list[NcuRow]] = {}
+    for r in rows:
+        by_key_n.setdefault(kernel_key(r.name), []).append(r)
+    out: list[KernelCounters] = []
+    warnings: list[str] = []
+    for key in sorted(set(by_key_t) | set(by_key_n)):
+        t, n = by_key_t.get(key, []), by_key_n.get(key, [])
+        if len(t) != len(n):
+            warnings.append(
+                f"counters: kernel {key!r} ran {len(t)}x in the timeline iteration but "
+                f"{len(n)}x under ncu; its counters are left out rather than paired by guess"
+            )
+            continue
+        for i, row in zip(t, n, strict=True):
+            out.append(
+                KernelCounters(
+                    index=i,
+                    name=timeline[i].name,
+                    ncu_id=row.id,
+                    metrics=logical_metrics(row, resolved),
+                )
+            )
+    out.sort(key=lambda c: c.index)
+    return out, warnings
+
+
+# ------------------------------------------------------------------------ roofline, operators
+
+
+def add_roofline(
+    metrics: dict[str, float | None], spec: Any, dtype: str
+) -> Literal["memory", "compute"] | None:
+    """Add achieved FLOP/s, bytes/s and roofline position to ``metrics`` (in place) from its
+    ``flops``, ``dram_bytes`` and ``gpu_time_ns``; returns the bound, or None if unknown.
+    ``spec`` is a ``knowledge.GpuSpec`` (``lookup_gpu(...).spec``)."""
+    from pytest_opprof.knowledge import roofline
+
+    flops, nbytes, ns = metrics.get("flops"), metrics.get("dram_bytes"), metrics.get("gpu_time_ns")
+    keys = (
+        "achieved_flops_per_s",
+        "achieved_bytes_per_s",
+        "arithmetic_intensity",
+        "pct_of_peak_flops",
+        "pct_of_peak_bw",
+        "pct_of_roofline",
+    )
+    for k in keys:
+        metrics.setdefault(k, None)
+    if flops is None or nbytes is None or not ns:
+        return None
+    tensor = bool(metrics.get("tensor_ops"))
+    point = roofline(spec, dtype, flops, nbytes, ns * 1e-9, tensor_cores=tensor)
+    metrics.update(
+        achieved_flops_per_s=point.achieved_flops,
+        achieved_bytes_per_s=point.achieved_bytes_per_s,
+        arithmetic_intensity=point.arithmetic_intensity,
+        pct_of_peak_flops=point.pct_of_peak_flops,
+        pct_of_peak_bw=point.pct_of_peak_bw,
+        pct_of_roofline=point.pct_of_roofline,
+    )
+    return point.bound
+
+
+def aggregate(kernels: Sequence[KernelRecord]) -> dict[str, float | None]:
+    """One operator's counters from its kernels': sum, max, or duration-weighted mean (see
+    ``SUM``/``MAX``). Kernels without counters are left out, and ``counter_coverage`` says
+    what share of the operator's kernel time the result covers; a metric missing on any
+    covered kernel is None, never a partial sum."""
+    covered = [k for k in kernels if k.metrics]
+    total_us = sum(k.duration_us for k in kernels)
+    out: dict[str, float | None] = {
+        "counter_coverage": (sum(k.duration_us for k in covered) / total_us) if total_us else None
+    }
+    if not covered:
+        return out
+    names = sorted({n for k in covered for n in k.metrics if n not in _DERIVED_RATES})
+    for name in names:
+        values = [k.metrics.get(name) for k in covered]
+        if any(v is None for v in values):
+            out[name] = None
+            continue
+        nums = [float(v) for v in values if v is not None]
+        if name in SUM:
+            out[name] = sum(nums)
+        elif name in MAX:
+            out[name] = max(nums)
+        else:
+            weights = [_duration_ns(k) for k in covered]
+            wsum = sum(weights)
+            out[name] = (
+                sum(w * v for w, v in zip(weights, nums, strict=True)) / wsum if wsum else None
+            )
+    return out
+
+
+# Recomputed from the sums by ``add_roofline``, never averaged.
+_DERIVED_RATES = frozenset(
+    {
+        "achieved_flops_per_s",
+        "achieved_bytes_per_s",
+        "arithmetic_intensity",
+        "pct_of_peak_flops",
+        "pct_of_peak_bw",
+        "pct_of_roofline",
+    }
+)
+
+
+def _duration_ns(k: KernelRecord) -> float:
+    ns = k.metrics.get("gpu_time_ns")
+    return float(ns) if ns is not None else k.duration_us * 1e3
+
+
+def attach(
+    kernels: Sequence[KernelRecord], result: CountersResult, spec: Any | None, dtype: str
+) -> list[KernelRecord]:
+    """Copies of ``kernels`` carrying their counters (and roofline, with a GPU ``spec``)."""
+    by_index = {c.index: c for c in result.metrics}
+    out = []
+    for i, k in enumerate(kernels):
+        c = by_index.get(i)
+        if c is None:
+            out.append(k.model_copy(deep=True))
+            continue
+        metrics = dict(c.metrics)
+        if spec is not None:
+            c.bound = add_roofline(metrics, spec, dtype)
+        out.append(k.model_copy(update={"metrics": {**k.metrics, **metrics}}, deep=True))
+    return out
+
+
+# ----------------------------------------------------------------------------------- errors
+
+PERMISSION_FIX = (
+    "ncu: ERR_NVGPUCTRPERM, this user may not read the GPU performance counters; the profile "
+    "is kept without counters. Fix: rerun with --opprof-ncu-sudo=true (ncu through sudo), or "
+    "let every user profile with the NVIDIA driver option NVreg_RestrictProfilingToAdminUsers=0 "
+    "(a line `options nvidia NVreg_RestrictProfilingToAdminUsers=0` in /etc/modprobe.d/, then "
+    "reload the driver or reboot)"
+)
+
+
+def classify_failure(returncode: int, output: str, tail: int = 8) -> str | None:
+    """A note for a failed ncu run (None when it succeeded)."""
+    if "ERR_NVGPUCTRPERM" in output:
+        return PERMISSION_FIX
+    if "sudo:" in output and ("password" in output or "not allowed" in output):
+        return (
+            "ncu through sudo failed: sudo needs a password here (it is run with -n); allow "
+            "ncu without one, or use the driver option NVreg_RestrictProfilingToAdminUsers=0 "
+            "with --opprof-ncu-sudo=false"
+        )
+    errors = [line for line in output.splitlines() if "==ERROR==" in line]
+    if returncode == 0 and not errors:
+        return None
+    lines = [line for line in output.splitlines() if line.strip()][-tail:]
+    return f"ncu failed (exit status {returncode}): " + " | ".join(lines)
+
+
+# ------------------------------------------------------------------------------ parent side
+
+
+def run_counters(
+    spec: Mapping[str, Any],
+    timeline_kernels: Sequence[KernelRecord],
+    *,
+    label: str,
+    work_dir: Path,
+    mode: str = "auto",
+    sudo_mode: str = "auto",
+    clock_control: str = "none",
+    timeout: float = 600.0,
+    ncu: str | None = None,
+) -> CountersResult:
+    """Replay one iteration of the ``label`` call (``eager`` or ``compiled``) under ncu and
+    join its rows to ``timeline_kernels`` (one iteration of that timeline, launch order)."""
+    ncu = ncu or find_ncu()
+    if ncu is None:
+        note = "counters: ncu (Nsight Compute) not found on PATH or in the usual places; skipped"
+        return CountersResult(note=note)
+    if not timeline_kernels:
+        return CountersResult(note="counters: the timeline iteration launched no kernels")
+    work_dir.mkdir(parents=True, exist_ok=True)
+    target = dict(spec, task=TARGET_TASK, counters_label=label)
+    spec_path = work_dir / f"counters_target.{label}.json"
+    spec_path.write_text(json.dumps(target, indent=1, default=str), encoding="utf-8")
+    log_file = work_dir / f"ncu.{label}.log"
+    log_file.unlink(missing_ok=True)
+    sudo = needs_sudo(sudo_mode)
+    metrics = requested_metrics(query_available(ncu, sudo=sudo))
+    cmd = build_command(
+        ncu,
+        spec_path,
+        kernels_per_iteration=len(timeline_kernels),
+        log_file=log_file,
+        metrics=metrics,
+        clock_control=clock_control,
+        sudo=sudo,
+    )
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    except subprocess.TimeoutExpired:
+        return CountersResult(note=f"counters: ncu took over {timeout:.0f} s; skipped", command=cmd)
+    except OSError as exc:
+        return CountersResult(note=f"counters: could not start ncu: {exc}", command=cmd)
+    log = log_file.read_text(encoding="utf-8", errors="replace") if log_file.exists() else ""
+    return parse_run(proc.returncode, log, proc.stdout + proc.stderr, timeline_kernels, cmd)
+
+
+def parse_run(
+    returncode: int,
+    log: str,
+    output: str,
+    timeline_kernels: Sequence[KernelRecord],
+    command: Sequence[str] = (),
+) -> CountersResult:
+    """Turn one ncu run's log (the CSV) and console output into a ``CountersResult``."""
+    note = classify_failure(returncode, log + "\n" + output)
+    if note:
+        return CountersResult(note=note, command=list(command))
+    rows, header = parse_raw_csv(log)
+    if not rows:
+        return CountersResult(
+            note="counters: ncu profiled no kernels inside the NVTX range "
+            f"{NVTX_RANGE!r}: " + " | ".join(log.splitlines()[-4:]),
+            command=list(command),
+        )
+    resolved = resolve(header)
+    joined, warnings = join(timeline_kernels, rows, resolved)
+    if len(rows) >= launch_bound(len(timeline_kernels)):
+        warnings.append(
+            f"counters: ncu stopped at its bound of {len(rows)} kernels; the range held more"
+        )
+    return CountersResult(
+        metrics=joined, warnings=warnings, resolved=resolved, command=list(command)
+    )
+
+
+# ------------------------------------------------------------------------------ child side
+
+
+def counters_target_task(spec: dict[str, Any]) -> None:
+    """The process ncu profiles: load, compile as the timeline did (``counters_label``
+    ``compiled``) or not (``eager``), warm up, one call inside the NVTX range, synchronize."""
+    import torch
+
+    from pytest_opprof.options import OpprofOptions
+    from pytest_opprof.runner import _setup_torch  # the timeline's Dynamo/Inductor settings
+    from pytest_opprof.workload import load
+
+    _setup_torch()
+    opts = OpprofOptions.from_child(spec["options"])
+    w = load(Path(spec["workload"]), "cuda")
+    fn: Any = w.model
+    if spec.get("counters_label", "eager") != "eager":
+        fn = torch.compile(w.model, backend=opts.compile_backend)
+    with torch.no_grad():
+        for _ in range(int(spec.get("counters_warmup", 3))):
+            fn(*w.inputs)
+        torch.cuda.synchronize()
+        with torch.cuda.nvtx.range(NVTX_RANGE):
+            fn(*w.inputs)
+        torch.cuda.synchronize()
+
+
+def counters_target_main(spec_path: str | Path) -> None:
+    """``counters_target_task`` from a spec file (for running it by hand)."""
+    counters_target_task(json.loads(Path(spec_path).read_text(encoding="utf-8")))

@@ -1,0 +1,411 @@
+"""The counters pass on the CPU: ncu detection, sudo, the command line, the raw-CSV parser in
+base units, the exact join, error notes and the aggregation math. The CSV files under
+tests/data/ncu/ are synthetic (see their README)."""
+
+from __future__ import annotations
+
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pytest_opprof.capture import counters as c
+from pytest_opprof.schema import KernelRecord
+
+DATA = Path(__file__).parents[1] / "data" / "ncu"
+GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1_execute_"
+GEMM += "segment_k_off_kernel__5x_cublas"
+ATEN = (
+    "void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>, "
+    "std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<float>, std::array<char*, 3ul>)"
+)
+
+
+def _timeline(names: list[str] | None = None) -> list[KernelRecord]:
+    names = names or [
+        "triton_poi_fused_add_1",
+        "triton_poi_fused_add_10",
+        ATEN,
+        "triton_poi_fused_add_1",
+        GEMM,
+    ]
+    durations = {"triton_poi_fused_add_1": 2.1, "triton_poi_fused_add_10": 1.6, ATEN: 1.1}
+    return [
+        KernelRecord(name=n, duration_us=durations.get(n, 51.0), start_us=10.0 * i)
+        for i, n in enumerate(names)
+    ]
+
+
+def _result(name: str = "synthetic_base_units.csv") -> c.CountersResult:
+    log = (DATA / name).read_text(encoding="utf-8")
+    return c.parse_run(0, log, "", _timeline())
+
+
+def _exe(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\n", encoding="utf-8")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+# -------------------------------------------------------------------------------- detection
+
+
+def test_find_ncu_prefers_path(tmp_path: Path) -> None:
+    on_path = _exe(tmp_path / "bin" / "ncu")
+    _exe(tmp_path / "opt" / "2025.3.1" / "ncu")
+    found = c.find_ncu(str(tmp_path / "bin"), (str(tmp_path / "opt" / "*" / "ncu"),))
+    assert found == str(on_path)
+
+
+def test_find_ncu_falls_back_to_newest_install(tmp_path: Path) -> None:
+    _exe(tmp_path / "opt" / "2024.1.0" / "ncu")
+    newest = _exe(tmp_path / "opt" / "2025.3.1" / "ncu")
+    found = c.find_ncu(str(tmp_path / "empty"), (str(tmp_path / "opt" / "*" / "ncu"),))
+    assert found == str(newest)
+
+
+def test_find_ncu_none(tmp_path: Path) -> None:
+    assert c.find_ncu(str(tmp_path), (str(tmp_path / "nothing" / "ncu"),)) is None
+
+
+def test_run_counters_without_ncu_is_a_note(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(c, "find_ncu", lambda: None)
+    result = c.run_counters({}, _timeline(), label="eager", work_dir=tmp_path)
+    assert result.metrics == []
+    assert result.note is not None and "ncu" in result.note and "\n" not in result.note
+
+
+# ------------------------------------------------------------------------------------- sudo
+
+
+@pytest.mark.parametrize(
+    ("text", "euid", "expected"),
+    [
+        ("RmProfilingAdminOnly: 1\nRmGpuComputeExecTimeout: 0\n", 1000, True),
+        ("RmProfilingAdminOnly: 0\n", 1000, False),
+        ("RmProfilingAdminOnly: 1\n", 0, False),
+        ("EnableMSI: 1\n", 1000, False),
+    ],
+)
+def test_sudo_auto_reads_params(tmp_path: Path, text: str, euid: int, expected: bool) -> None:
+    params = tmp_path / "params"
+    params.write_text(text, encoding="utf-8")
+    assert c.needs_sudo("auto", params, euid=euid) is expected
+
+
+def test_sudo_explicit_and_unreadable(tmp_path: Path) -> None:
+    assert c.needs_sudo("true", tmp_path / "missing", euid=0) is True
+    assert c.needs_sudo("false", tmp_path / "missing", euid=1000) is False
+    assert c.needs_sudo("auto", tmp_path / "missing", euid=1000) is False
+
+
+# ---------------------------------------------------------------------------------- command
+
+
+def test_command_replays_one_iteration(tmp_path: Path) -> None:
+    cmd = c.build_command(
+        "/opt/ncu",
+        tmp_path / "spec.json",
+        kernels_per_iteration=40,
+        log_file=tmp_path / "ncu.log",
+        metrics=["gpu__time_duration.sum", "dram__bytes_read.sum"],
+        clock_control="base",
+        python="/venv/bin/python",
+    )
+    assert cmd[0] == "/opt/ncu"
+
+    def arg(flag: str) -> str:
+        return cmd[cmd.index(flag) + 1]
+
+    assert "--nvtx" in cmd and arg("--nvtx-include") == "opprof_iteration/"
+    assert arg("--launch-count") == "80"
+    assert "--launch-skip" not in cmd
+    assert arg("--clock-control") == "base"
+    assert arg("--print-units") == "base"
+    assert "--csv" in cmd and arg("--page") == "raw"
+    assert arg("--kernel-name-base") == "demangled"
+    assert arg("--metrics") == "gpu__time_duration.sum,dram__bytes_read.sum"
+    assert arg("--log-file") == str(tmp_path / "ncu.log")
+    assert cmd[-4:] == [
+        "/venv/bin/python",
+        "-m",
+        "pytest_opprof.runner",
+        str(tmp_path / "spec.json"),
+    ]
+
+
+def test_command_bound_small_iteration_and_bad_clock(tmp_path: Path) -> None:
+    assert c.launch_bound(3) == 19
+    with pytest.raises(ValueError, match="none or base"):
+        c.build_command(
+            "ncu", tmp_path, kernels_per_iteration=1, log_file=tmp_path, metrics=[],
+            clock_control="max",
+        )  # fmt: skip
+
+
+def test_command_through_sudo_passes_the_environment(tmp_path: Path) -> None:
+    cmd = c.build_command(
+        "/opt/ncu",
+        tmp_path / "spec.json",
+        kernels_per_iteration=2,
+        log_file=tmp_path / "log",
+        metrics=["gpu__time_duration.sum"],
+        sudo=True,
+        env={"PATH": "/usr/local/cuda/bin:/usr/bin", "PYTHONPATH": "/extra"},
+    )
+    assert cmd[:4] == ["sudo", "-n", "-E", "env"]
+    assert "PATH=/usr/local/cuda/bin:/usr/bin" in cmd
+    pythonpath = next(a for a in cmd if a.startswith("PYTHONPATH="))
+    root = str(Path(c.__file__).resolve().parents[2])
+    assert pythonpath == f"PYTHONPATH={root}:/extra"
+    assert cmd.index("/opt/ncu") == 6
+
+
+def test_requested_metrics_filters_by_chip() -> None:
+    everything = c.requested_metrics()
+    assert len(everything) == len(set(everything))
+    assert "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active" in everything
+    some = c.requested_metrics({"gpu__time_duration", "dram__bytes_read"})
+    assert some == ["gpu__time_duration.sum", "dram__bytes_read.sum"]
+
+
+# ---------------------------------------------------------------------------------- parsing
+
+
+@pytest.mark.parametrize(
+    ("value", "unit", "expected"),
+    [
+        ("2.5", "usecond", 2500.0),
+        ("3", "msecond", 3e6),
+        ("1,234", "nsecond", 1234.0),
+        ("1.5", "Kbyte", 1500.0),
+        ("2", "Mbyte", 2e6),
+        ("2", "MB", 2e6),
+        ("1", "Gbyte", 1e9),
+        ("1.5", "Gbyte/second", 1.5),  # bytes per ns
+        ("87.5", "%", 87.5),
+        ("12", "cycle", 12.0),
+        ("n/a", "%", None),
+        ("", "byte", None),
+    ],
+)
+def test_to_base(value: str, unit: str, expected: float | None) -> None:
+    got = c.to_base(value, unit)
+    assert got == (pytest.approx(expected) if expected is not None else None)
+
+
+def test_parse_skips_prof_lines_and_reads_units() -> None:
+    rows, header = c.parse_raw_csv((DATA / "synthetic_base_units.csv").read_text())
+    assert [r.id for r in rows] == [0, 1, 2, 3, 4]
+    assert rows[1].name == "triton_poi_fused_add_10"
+    assert rows[0].values["gpu__time_duration.sum"] == 2000.0
+    assert "Kernel Name" not in header and "gpu__time_duration.sum" in header
+
+
+def test_other_units_parse_to_the_same_base_values() -> None:
+    base, _ = c.parse_raw_csv((DATA / "synthetic_base_units.csv").read_text())
+    auto, _ = c.parse_raw_csv((DATA / "synthetic_auto_units.csv").read_text())
+    for a, b in zip(auto, base, strict=True):
+        for metric, value in b.values.items():
+            assert a.values[metric] == pytest.approx(value), metric
+
+
+def test_missing_metric_is_none_and_fallback_is_used() -> None:
+    result = _result()
+    assert result.note is None
+    assert result.resolved["warp_cycles_per_issued"] is None
+    assert result.resolved["tensor_active_pct"] == (
+        "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
+    )
+    first = result.metrics[0].metrics
+    assert first["warp_cycles_per_issued"] is None
+    assert first["tensor_active_pct"] == 60.0
+
+
+# ------------------------------------------------------------------------------------- join
+
+
+@pytest.mark.parametrize(
+    ("name", "key"),
+    [
+        ("triton_poi_fused_add_10", "triton_poi_fused_add_10"),
+        (ATEN, "at::native::vectorized_elementwise_kernel"),
+        ("void (anonymous namespace)::softmax_warp_forward<float, 4>(float*, int)",
+         "(anonymous_namespace)::softmax_warp_forward"),
+        ("at::native::vectorized_elementwise_kernel<4, X<(int)1> >",
+         "at::native::vectorized_elementwise_kernel"),
+    ],
+)  # fmt: skip
+def test_kernel_key(name: str, key: str) -> None:
+    assert c.kernel_key(name) == key
+
+
+def test_join_is_exact_for_prefix_names() -> None:
+    result = _result()
+    assert result.warnings == []
+    assert [k.index for k in result.metrics] == [0, 1, 2, 3, 4]
+    assert [k.ncu_id for k in result.metrics] == [0, 1, 2, 3, 4]
+    # add_10 keeps its own row, never add_1's
+    assert result.metrics[1].metrics["gpu_time_ns"] == 1500.0
+    assert result.metrics[0].metrics["gpu_time_ns"] == 2000.0
+    assert result.metrics[3].metrics["gpu_time_ns"] == 2000.0
+    gemm = result.metrics[4].metrics
+    assert gemm["dram_bytes"] == 125_000_000
+    assert gemm["flops"] == 3_000_000_000 + 2 * 1000
+
+
+def test_count_mismatch_warns_and_never_shifts() -> None:
+    log = (DATA / "synthetic_mismatch.csv").read_text()
+    result = c.parse_run(0, log, "", _timeline())
+    assert len(result.warnings) == 1
+    warning = result.warnings[0]
+    assert "'triton_poi_fused_add_10'" in warning and "1x" in warning and "2x" in warning
+    assert [k.index for k in result.metrics] == [0, 2, 3, 4]
+    # the later kernels keep their own rows (ids 2, 3, 4), not the extra row's
+    assert [k.ncu_id for k in result.metrics] == [0, 2, 3, 4]
+
+
+def test_timeline_kernel_absent_under_ncu_warns() -> None:
+    log = (DATA / "synthetic_base_units.csv").read_text()
+    extra = KernelRecord(name="triton_red_fused_0", duration_us=3, start_us=0)
+    timeline = [*_timeline()[:4], extra]
+    result = c.parse_run(0, log, "", timeline)
+    assert {w.split("'")[1] for w in result.warnings} == {
+        "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1_execute_"
+        "segment_k_off_kernel__5x_cublas",
+        "triton_red_fused_0",
+    }
+
+
+# ----------------------------------------------------------------------------------- errors
+
+
+def test_permission_error_gives_the_fixes() -> None:
+    output = (
+        "==PROF== Connected to process 77\n"
+        "==ERROR== ERR_NVGPUCTRPERM - The user does not have permission to access NVIDIA GPU "
+        "Performance Counters on the target device 0.\n"
+    )
+    result = c.parse_run(1, "", output, _timeline())
+    assert result.metrics == []
+    assert result.note == c.PERMISSION_FIX
+    assert "--opprof-ncu-sudo=true" in result.note
+    assert "NVreg_RestrictProfilingToAdminUsers=0" in result.note
+
+
+def test_other_failure_keeps_the_last_lines() -> None:
+    output = "\n".join(f"line {i}" for i in range(20)) + "\n==ERROR== Failed to profile kernel\n"
+    note = c.classify_failure(9, output)
+    assert note is not None and "exit status 9" in note
+    assert "Failed to profile kernel" in note and "line 19" in note and "line 3 " not in note
+
+
+def test_no_kernels_in_range_is_a_note() -> None:
+    result = c.parse_run(
+        0, "==PROF== Disconnected\n==WARNING== No kernels were profiled.\n", "", _timeline()
+    )
+    assert result.note is not None and "opprof_iteration" in result.note
+
+
+def test_sudo_password_prompt_is_a_note() -> None:
+    note = c.classify_failure(1, "sudo: a password is required\n")
+    assert note is not None and "password" in note
+
+
+def test_run_counters_with_a_fake_ncu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The whole parent side with a stand-in ncu that writes the synthetic CSV to --log-file."""
+    fake = tmp_path / "ncu"
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        "import sys, shutil\n"
+        "if '--query-metrics' in sys.argv: sys.exit(1)\n"
+        "log = sys.argv[sys.argv.index('--log-file') + 1]\n"
+        f"shutil.copy({str(DATA / 'synthetic_base_units.csv')!r}, log)\n",
+        encoding="utf-8",
+    )
+    fake.chmod(0o755)
+    result = c.run_counters(
+        {"task": "capture", "workload": "w.py"},
+        _timeline(),
+        label="compiled",
+        work_dir=tmp_path / "work",
+        sudo_mode="false",
+        ncu=str(fake),
+    )
+    assert result.note is None, result.note
+    assert len(result.metrics) == 5
+    spec = (tmp_path / "work" / "counters_target.compiled.json").read_text()
+    assert '"task": "counters_target"' in spec and '"counters_label": "compiled"' in spec
+
+
+def test_run_counters_timeout_is_a_note(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def slow(*args: object, **kwargs: object) -> None:
+        raise subprocess.TimeoutExpired("ncu", 1)
+
+    monkeypatch.setattr(c, "query_available", lambda ncu, sudo=False: None)
+    monkeypatch.setattr(c.subprocess, "run", slow)
+    result = c.run_counters(
+        {}, _timeline(), label="eager", work_dir=tmp_path, sudo_mode="false", ncu="ncu", timeout=1
+    )
+    assert result.note is not None and "over 1 s" in result.note
+
+
+# ------------------------------------------------------------------------------ aggregation
+
+
+def test_aggregation_sum_weighted_mean_max() -> None:
+    kernels = c.attach(_timeline(), _result(), None, "float32")
+    op = kernels[:3]  # add_1 (2000 ns, 60 %), add_10 (1500 ns, 40 %), aten (1000 ns, 20 %)
+    agg = c.aggregate(op)
+    assert agg["counter_coverage"] == pytest.approx(1.0)
+    assert agg["gpu_time_ns"] == 4500.0
+    assert agg["dram_bytes_read"] == 4_194_304 + 2_097_152 + 1_048_576
+    assert agg["instructions"] == 190_000
+    assert agg["dram_throughput_pct"] == pytest.approx((2000 * 60 + 1500 * 40 + 1000 * 20) / 4500)
+    assert agg["ipc"] == pytest.approx((2000 * 0.5 + 1500 * 0.4 + 1000 * 0.3) / 4500)
+    assert agg["registers_per_thread"] == 20
+    assert agg["warp_cycles_per_issued"] is None
+
+
+def test_aggregation_leaves_out_uncovered_kernels() -> None:
+    log = (DATA / "synthetic_mismatch.csv").read_text()
+    kernels = c.attach(_timeline(), c.parse_run(0, log, "", _timeline()), None, "float32")
+    agg = c.aggregate(kernels[:2])  # add_10 has no counters
+    assert agg["gpu_time_ns"] == 2000.0
+    assert agg["counter_coverage"] == pytest.approx(2.1 / (2.1 + 1.6))
+    assert c.aggregate(kernels[1:2]) == {"counter_coverage": 0.0}
+
+
+def test_roofline_per_kernel_and_operator() -> None:
+    from pytest_opprof.knowledge import lookup_gpu
+
+    match = lookup_gpu("NVIDIA H200", 132, (9, 0))
+    assert match is not None
+    spec = match.spec
+    result = _result()
+    kernels = c.attach(_timeline(), result, spec, "bfloat16")
+    gemm = kernels[4].metrics
+    seconds = 50_000e-9
+    assert gemm["achieved_bytes_per_s"] == pytest.approx(125_000_000 / seconds)
+    assert gemm["achieved_flops_per_s"] == pytest.approx((3e9 + 2000) / seconds)
+    assert gemm["arithmetic_intensity"] == pytest.approx((3e9 + 2000) / 125_000_000)
+    assert result.metrics[4].bound in ("memory", "compute")
+    add = kernels[0].metrics
+    assert add["pct_of_peak_bw"] == pytest.approx(
+        100 * (4_194_304 + 2_097_152) / 2000e-9 / spec.memory_bandwidth_bytes_per_s
+    )
+    agg = c.aggregate(kernels[:3])
+    assert "achieved_bytes_per_s" not in agg  # rates are recomputed, never averaged
+    c.add_roofline(agg, spec, "float32")
+    assert agg["achieved_bytes_per_s"] == pytest.approx(agg["dram_bytes"] / 4500e-9)  # type: ignore[operator]
+
+
+def test_module_imports_no_torch() -> None:
+    code = "import sys, pytest_opprof.capture.counters; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
