@@ -10,7 +10,8 @@ target process (``counters_target_task``) wraps the one measured call in
 the range somehow matched more, the join below reports the surplus instead of ncu replaying
 kernels for an hour.
 
-Kernel names: ncu prints names with ``--kernel-name-base demangled``, the same demangled form the
+Kernel names: ncu prints names with ``--print-kernel-base demangled`` (its default,
+``function``, would drop the namespace), the same demangled form the
 torch profiler (CUPTI) puts in the trace. Both sides then go through ``kernel_key``, which drops
 the return type, template arguments and parameter list and keeps the qualified function name,
 because the two demanglers format templates and parameters differently (spaces, ``(anonymous
@@ -40,7 +41,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pytest_opprof.schema import KernelRecord
+from pytest_opprof.schema import KernelRecord, Timeline
 
 NVTX_RANGE = "opprof_iteration"
 TARGET_TASK = "counters_target"
@@ -222,7 +223,7 @@ def build_command(
         "application-only",
         "--clock-control",
         clock_control,
-        "--kernel-name-base",
+        "--print-kernel-base",
         "demangled",
         "--metrics",
         ",".join(metrics),
@@ -538,6 +539,39 @@ def attach(
     return out
 
 
+def timeline_kernels(timeline: Timeline) -> list[KernelRecord]:
+    """The kernels of the timeline's iteration (operators describe one iteration) in launch
+    order, memcpy/memset activities left out since ncu profiles kernels only. The records are
+    the timeline's own objects, not copies."""
+    kernels = [k for op in timeline.operators for k in op.kernels]
+    kernels += list(timeline.unattributed_kernels)
+    kernels = [k for k in kernels if not k.name.startswith(("Memcpy", "Memset"))]
+    return sorted(kernels, key=lambda k: k.start_us)
+
+
+def apply_to_timeline(
+    timeline: Timeline, result: CountersResult, spec: Any | None, dtype: str
+) -> Timeline:
+    """A copy of ``timeline`` with each joined kernel's counters (and roofline, given the
+    ``knowledge.GpuSpec``) in ``KernelRecord.metrics`` and each operator's aggregate in
+    ``OperatorAggregate.metrics``. ``result`` must come from ``run_counters`` over
+    ``timeline_kernels(timeline)``."""
+    out = timeline.model_copy(deep=True)
+    kernels = timeline_kernels(out)
+    for kernel, filled in zip(kernels, attach(kernels, result, spec, dtype), strict=True):
+        kernel.metrics = filled.metrics
+    for agg in out.aggregated:
+        members = [k for op in out.operators if op.name == agg.name for k in op.kernels]
+        members = [k for k in members if not k.name.startswith(("Memcpy", "Memset"))]
+        if not members:
+            continue
+        metrics = aggregate(members)
+        if spec is not None and len(metrics) > 1:
+            add_roofline(metrics, spec, dtype)
+        agg.metrics = {**agg.metrics, **metrics}
+    return out
+
+
 # ----------------------------------------------------------------------------------- errors
 
 PERMISSION_FIX = (
@@ -583,6 +617,8 @@ def run_counters(
 ) -> CountersResult:
     """Replay one iteration of the ``label`` call (``eager`` or ``compiled``) under ncu and
     join its rows to ``timeline_kernels`` (one iteration of that timeline, launch order)."""
+    if label not in ("eager", "compiled"):
+        return CountersResult(note=f"counters: no target for the {label!r} timeline")
     ncu = ncu or find_ncu()
     if ncu is None:
         note = "counters: ncu (Nsight Compute) not found on PATH or in the usual places; skipped"
@@ -606,14 +642,35 @@ def run_counters(
         clock_control=clock_control,
         sudo=sudo,
     )
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
-    except subprocess.TimeoutExpired:
-        return CountersResult(note=f"counters: ncu took over {timeout:.0f} s; skipped", command=cmd)
-    except OSError as exc:
-        return CountersResult(note=f"counters: could not start ncu: {exc}", command=cmd)
-    log = log_file.read_text(encoding="utf-8", errors="replace") if log_file.exists() else ""
-    return parse_run(proc.returncode, log, proc.stdout + proc.stderr, timeline_kernels, cmd)
+    for attempt in range(2):
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+        except subprocess.TimeoutExpired:
+            note = f"counters: ncu took over {timeout:.0f} s; skipped"
+            return CountersResult(note=note, command=cmd)
+        except OSError as exc:
+            return CountersResult(note=f"counters: could not start ncu: {exc}", command=cmd)
+        log = log_file.read_text(encoding="utf-8", errors="replace") if log_file.exists() else ""
+        output = proc.stdout + proc.stderr
+        unknown = unknown_metrics(log + "\n" + output, metrics)
+        if proc.returncode == 0 or not unknown or attempt:
+            break
+        # The chip lacks a metric that --query-metrics could not rule out: drop it, once.
+        metrics = [m for m in metrics if m not in unknown]
+        cmd[cmd.index("--metrics") + 1] = ",".join(metrics)
+        log_file.unlink(missing_ok=True)
+    return parse_run(proc.returncode, log, output, timeline_kernels, cmd)
+
+
+def unknown_metrics(output: str, requested: Sequence[str]) -> set[str]:
+    """Requested metrics that ncu's error lines name (it refuses a metric the chip lacks)."""
+    errors = [line for line in output.splitlines() if "==ERROR==" in line]
+    return {
+        m
+        for m in requested
+        for line in errors
+        if re.search(rf"(?<![\w.]){re.escape(m.split('.')[0])}(?!\w)", line)
+    }
 
 
 def parse_run(

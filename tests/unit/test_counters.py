@@ -12,7 +12,13 @@ from pathlib import Path
 import pytest
 
 from pytest_opprof.capture import counters as c
-from pytest_opprof.schema import KernelRecord
+from pytest_opprof.schema import (
+    KernelRecord,
+    OperatorAggregate,
+    OperatorRecord,
+    Timeline,
+    TimelineSummary,
+)
 
 DATA = Path(__file__).parents[1] / "data" / "ncu"
 GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1_execute_"
@@ -128,7 +134,7 @@ def test_command_replays_one_iteration(tmp_path: Path) -> None:
     assert arg("--clock-control") == "base"
     assert arg("--print-units") == "base"
     assert "--csv" in cmd and arg("--page") == "raw"
-    assert arg("--kernel-name-base") == "demangled"
+    assert arg("--print-kernel-base") == "demangled"
     assert arg("--metrics") == "gpu__time_duration.sum,dram__bytes_read.sum"
     assert arg("--log-file") == str(tmp_path / "ncu.log")
     assert cmd[-4:] == [
@@ -343,6 +349,33 @@ def test_run_counters_with_a_fake_ncu(tmp_path: Path, monkeypatch: pytest.Monkey
     assert '"task": "counters_target"' in spec and '"counters_label": "compiled"' in spec
 
 
+def test_unknown_metric_is_dropped_and_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    fake = tmp_path / "ncu"
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        "import sys, shutil\n"
+        "if '--query-metrics' in sys.argv: sys.exit(1)\n"
+        "metrics = sys.argv[sys.argv.index('--metrics') + 1]\n"
+        "if 'sm__ops_path_tensor_src_all' in metrics:\n"
+        "    print('==ERROR== Failed to find metric sm__ops_path_tensor_src_all.sum')\n"
+        "    sys.exit(1)\n"
+        "log = sys.argv[sys.argv.index('--log-file') + 1]\n"
+        f"shutil.copy({str(DATA / 'synthetic_base_units.csv')!r}, log)\n",
+        encoding="utf-8",
+    )
+    fake.chmod(0o755)
+    result = c.run_counters(
+        {}, _timeline(), label="eager", work_dir=tmp_path / "w", sudo_mode="false", ncu=str(fake)
+    )
+    assert result.note is None, result.note
+    assert (
+        "sm__ops_path_tensor_src_all" not in result.command[result.command.index("--metrics") + 1]
+    )
+    assert len(result.metrics) == 5
+
+
 def test_run_counters_timeout_is_a_note(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def slow(*args: object, **kwargs: object) -> None:
         raise subprocess.TimeoutExpired("ncu", 1)
@@ -409,3 +442,73 @@ def test_module_imports_no_torch() -> None:
     code = "import sys, pytest_opprof.capture.counters; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def _full_timeline() -> Timeline:
+    k = _timeline()
+    memcpy = KernelRecord(name="Memcpy HtoD (Pageable -> Device)", duration_us=5, start_us=1.0)
+    ops = [
+        OperatorRecord(name="aten::add", call_index=0, cpu_time_us=9, gpu_time_us=2.1,
+                       kernels=[k[0], memcpy]),
+        OperatorRecord(name="aten::add", call_index=1, cpu_time_us=9, gpu_time_us=2.1,
+                       kernels=[k[3]]),
+        OperatorRecord(name="aten::mm", call_index=0, cpu_time_us=9, gpu_time_us=51,
+                       kernels=[k[4]]),
+        OperatorRecord(name="aten::mul", call_index=0, cpu_time_us=9, gpu_time_us=1.1,
+                       kernels=[k[2]]),
+    ]  # fmt: skip
+    aggs = [
+        OperatorAggregate(name=n, calls=1, cpu_time_us=9, gpu_time_us=1, share=0.1, kernel_count=1)
+        for n in ("aten::add", "aten::mm", "aten::mul")
+    ]
+    summary = TimelineSummary(
+        iterations=3,
+        device_time_per_iter_us=60,
+        wall_time_per_iter_us=70,
+        idle_time_per_iter_us=10,
+        kernels_per_iter=6,
+        attributed_share=0.97,
+        high_share=0.9,
+    )
+    return Timeline(
+        label="compiled",
+        compile_mode="torch.compile(backend='inductor')",
+        summary=summary,
+        operators=ops,
+        aggregated=aggs,
+        unattributed_kernels=[k[1]],
+    )
+
+
+def test_apply_to_timeline() -> None:
+    from pytest_opprof.knowledge import lookup_gpu
+
+    timeline = _full_timeline()
+    kernels = c.timeline_kernels(timeline)
+    assert [k.start_us for k in kernels] == [0.0, 10.0, 20.0, 30.0, 40.0]  # no memcpy
+    log = (DATA / "synthetic_base_units.csv").read_text()
+    result = c.parse_run(0, log, "", kernels)
+    match = lookup_gpu("NVIDIA H200", 132, (9, 0))
+    assert match is not None
+    out = c.apply_to_timeline(timeline, result, match.spec, "float32")
+    assert timeline.operators[0].kernels[0].metrics == {}  # the input is left alone
+    assert out.unattributed_kernels[0].metrics["gpu_time_ns"] == 1500.0
+    assert out.operators[0].kernels[1].metrics == {}  # memcpy has no counters
+    add = next(a for a in out.aggregated if a.name == "aten::add")
+    assert add.metrics["gpu_time_ns"] == 4000.0
+    assert add.metrics["dram_bytes"] == 2 * (4_194_304 + 2_097_152)
+    assert add.metrics["achieved_bytes_per_s"] == pytest.approx(add.metrics["dram_bytes"] / 4e-6)
+    assert add.metrics["counter_coverage"] == 1.0  # the memcpy is not kernel time
+    mm = next(a for a in out.aggregated if a.name == "aten::mm")
+    assert mm.metrics["dynamic_shared_memory_bytes"] == 196608
+
+
+def test_unknown_metric_match_is_exact() -> None:
+    line = "==ERROR== Failed to find metric sm__ops_path_tensor_src_all.sum"
+    got = c.unknown_metrics(line, ["sm__ops_path_tensor_src_all.sum", "sm__ops_path_tensor.sum"])
+    assert got == {"sm__ops_path_tensor_src_all.sum"}
+
+
+def test_other_labels_have_no_target(tmp_path: Path) -> None:
+    result = c.run_counters({}, _timeline(), label="optimized", work_dir=tmp_path, ncu="ncu")
+    assert result.note is not None and "optimized" in result.note
