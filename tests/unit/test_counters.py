@@ -512,3 +512,62 @@ def test_unknown_metric_match_is_exact() -> None:
 def test_other_labels_have_no_target(tmp_path: Path) -> None:
     result = c.run_counters({}, _timeline(), label="optimized", work_dir=tmp_path, ncu="ncu")
     assert result.note is not None and "optimized" in result.note
+
+
+@pytest.mark.parametrize("label", ["eager", "compiled"])
+def test_target_runs_one_call_inside_the_range(
+    label: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The target process, with CUDA stood in for: warmup outside the range, exactly one
+    call inside it, synchronized before and after; compiled only for the compiled label."""
+    import torch
+
+    import pytest_opprof.workload as workload
+    from pytest_opprof.options import OpprofOptions
+
+    events: list[str] = []
+
+    class Model(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            events.append("call")
+            return x + 1
+
+    class Range:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def __enter__(self) -> None:
+            events.append(f"push {self.name}")
+
+        def __exit__(self, *exc: object) -> None:
+            events.append("pop")
+
+    loaded = workload.LoadedWorkload(
+        path=tmp_path / "w.py", model=Model(), inputs=(torch.ones(2),), tuple_input=False,
+        device="cuda",
+    )  # fmt: skip
+    monkeypatch.setattr(workload, "load", lambda path, device: loaded)
+    monkeypatch.setattr("pytest_opprof.runner._setup_torch", lambda: events.append("setup"))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
+    monkeypatch.setattr(torch.cuda.nvtx, "range", Range)
+    monkeypatch.setattr(torch, "compile", lambda m, backend: events.append(backend) or m)
+    spec = {
+        "task": "counters_target",
+        "workload": str(tmp_path / "w.py"),
+        "options": OpprofOptions().to_child(),
+        "counters_label": label,
+        "counters_warmup": 2,
+    }
+    c.counters_target_task(spec)
+    compiled = ["inductor"] if label == "compiled" else []
+    assert events == [
+        "setup",
+        *compiled,
+        "call",
+        "call",
+        "sync",
+        "push opprof_iteration",
+        "call",
+        "pop",
+        "sync",
+    ]
