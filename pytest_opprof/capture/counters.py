@@ -245,7 +245,12 @@ def build_command(
     # sudo resets the environment: pass PATH (ncu's own tools) and PYTHONPATH (this package)
     # through explicitly; -n fails at once instead of waiting for a password nobody types.
     passthrough = [f"PATH={environ.get('PATH', '')}", f"PYTHONPATH={_pythonpath(environ)}"]
+    passthrough += [f"{k}={environ[k]}" for k in _KEEP_THROUGH_SUDO if k in environ]
     return ["sudo", "-n", "-E", "env", *passthrough, *cmd]
+
+
+# The device the timeline used and where Inductor caches its kernels (else root recompiles).
+_KEEP_THROUGH_SUDO = ("CUDA_VISIBLE_DEVICES", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
 
 def _pythonpath(environ: Mapping[str, str]) -> str:
@@ -289,7 +294,7 @@ def query_available(ncu: str, sudo: bool = False, timeout: float = 120.0) -> set
 
 def to_base(value: str, unit: str) -> float | None:
     """One ncu cell in base units: times in ns, sizes in bytes (1000-based, as ncu prints
-    them), rates as the quotient of both; ``%``, cycles, instructions… as printed."""
+    them), rates per second (bytes/s); ``%``, cycles, instructions… as printed."""
     text = value.strip().replace(",", "")
     if text in ("", "n/a", "N/A", "nan", "-"):
         return None
@@ -298,7 +303,11 @@ def to_base(value: str, unit: str) -> float | None:
     except ValueError:
         return None
     num, _, den = unit.strip().partition("/")
-    return number * _scale(num) / (_scale(den) if den else 1.0)
+    if not den:
+        return number * _scale(num)
+    # A rate: per second when its denominator is a time (bytes/s, FLOP/s), else as printed.
+    per = _TIME_NS[den.strip().lower()] / 1e9 if den.strip().lower() in _TIME_NS else _scale(den)
+    return number * _scale(num) / per
 
 
 def _scale(unit: str) -> float:
@@ -587,7 +596,7 @@ def classify_failure(returncode: int, output: str, tail: int = 8) -> str | None:
     """A note for a failed ncu run (None when it succeeded)."""
     if "ERR_NVGPUCTRPERM" in output:
         return PERMISSION_FIX
-    if "sudo:" in output and ("password" in output or "not allowed" in output):
+    if "sudo:" in output and ("password" in output or "not allowed" in output):  # -n, -E
         return (
             "ncu through sudo failed: sudo needs a password here (it is run with -n); allow "
             "ncu without one, or use the driver option NVreg_RestrictProfilingToAdminUsers=0 "

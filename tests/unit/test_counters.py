@@ -162,14 +162,19 @@ def test_command_through_sudo_passes_the_environment(tmp_path: Path) -> None:
         log_file=tmp_path / "log",
         metrics=["gpu__time_duration.sum"],
         sudo=True,
-        env={"PATH": "/usr/local/cuda/bin:/usr/bin", "PYTHONPATH": "/extra"},
+        env={
+            "PATH": "/usr/local/cuda/bin:/usr/bin",
+            "PYTHONPATH": "/extra",
+            "CUDA_VISIBLE_DEVICES": "1",
+        },
     )
     assert cmd[:4] == ["sudo", "-n", "-E", "env"]
     assert "PATH=/usr/local/cuda/bin:/usr/bin" in cmd
     pythonpath = next(a for a in cmd if a.startswith("PYTHONPATH="))
     root = str(Path(c.__file__).resolve().parents[2])
     assert pythonpath == f"PYTHONPATH={root}:/extra"
-    assert cmd.index("/opt/ncu") == 6
+    assert "CUDA_VISIBLE_DEVICES=1" in cmd
+    assert cmd.index("/opt/ncu") == 7
 
 
 def test_requested_metrics_filters_by_chip() -> None:
@@ -193,7 +198,9 @@ def test_requested_metrics_filters_by_chip() -> None:
         ("2", "Mbyte", 2e6),
         ("2", "MB", 2e6),
         ("1", "Gbyte", 1e9),
-        ("1.5", "Gbyte/second", 1.5),  # bytes per ns
+        ("1.5", "Gbyte/second", 1.5e9),
+        ("3", "Mbyte/usecond", 3e12),
+        ("2", "inst/cycle", 2.0),
         ("87.5", "%", 87.5),
         ("12", "cycle", 12.0),
         ("n/a", "%", None),
