@@ -711,6 +711,66 @@ def parse_run(
     )
 
 
+def counters_for_capture(
+    spec: Mapping[str, Any],
+    timelines: Sequence[Timeline],
+    info: Mapping[str, Any],
+    options: Any,
+    dtype: str,
+) -> tuple[list[Timeline], dict[str, Any], list[str]]:
+    """The counters pass as ``task_capture`` calls it on CUDA: every ``eager``/``compiled``
+    timeline gets its counters; returns the timelines, ``Profile.counters`` and warnings.
+    ``--opprof-ncu=auto`` without ncu is a one-line note; ``on`` without it, a warning."""
+    from pytest_opprof.knowledge import lookup_gpu
+
+    ncu = find_ncu()
+    if ncu is None:
+        note = "ncu (Nsight Compute) not found on PATH or in the usual places"
+        if options.ncu == "on":
+            return list(timelines), {"note": note}, [f"--opprof-ncu=on: {note}; no counters"]
+        return list(timelines), {"note": note}, []
+    cc = str(info.get("compute_capability") or "")
+    major_minor = (int(cc.split(".")[0]), int(cc.split(".")[1])) if "." in cc else None
+    match = lookup_gpu(str(info.get("device_name", "")), info.get("sm_count"), major_minor)
+    gpu = match.spec if match is not None else None
+    work_dir = Path(spec["out_dir"]) / "profiler_output" / "ncu"
+    out: list[Timeline] = []
+    summary: dict[str, Any] = {"ncu": Path(ncu).name, "clock_control": options.ncu_clock_control}
+    warnings: list[str] = []
+    for timeline in timelines:
+        kernels = timeline_kernels(timeline)
+        result = run_counters(
+            spec,
+            kernels,
+            label=timeline.label,
+            work_dir=work_dir,
+            sudo_mode=options.ncu_sudo,
+            clock_control=options.ncu_clock_control,
+            ncu=ncu,
+        )
+        if result.note:
+            warnings.append(f"{timeline.label} timeline: {result.note}")
+            out.append(timeline)
+        else:
+            out.append(apply_to_timeline(timeline, result, gpu, dtype))
+        warnings += [f"{timeline.label} timeline: {w}" for w in result.warnings]
+        total = sum(k.duration_us for k in kernels)
+        covered = {c.index for c in result.metrics}
+        summary[timeline.label] = {
+            "note": result.note,
+            "resolved": result.resolved,
+            "kernels": len(kernels),
+            "kernels_with_counters": len(covered),
+            "time_coverage": (
+                sum(k.duration_us for i, k in enumerate(kernels) if i in covered) / total
+                if total
+                else None
+            ),
+            "warnings": result.warnings,
+        }
+    return out, summary, warnings
+
+
 # ------------------------------------------------------------------------------ child side
 
 

@@ -442,7 +442,9 @@ def test_roofline_per_kernel_and_operator() -> None:
     agg = c.aggregate(kernels[:3])
     assert "achieved_bytes_per_s" not in agg  # rates are recomputed, never averaged
     c.add_roofline(agg, spec, "float32")
-    assert agg["achieved_bytes_per_s"] == pytest.approx(agg["dram_bytes"] / 4500e-9)  # type: ignore[operator]
+    nbytes = agg["dram_bytes"]
+    assert nbytes is not None
+    assert agg["achieved_bytes_per_s"] == pytest.approx(nbytes / 4500e-9)
 
 
 def test_module_imports_no_torch() -> None:
@@ -578,3 +580,52 @@ def test_target_runs_one_call_inside_the_range(
         "pop",
         "sync",
     ]
+
+
+def _fake_ncu(tmp_path: Path, csv_name: str = "synthetic_base_units.csv") -> Path:
+    fake = tmp_path / "bin" / "ncu"
+    fake.parent.mkdir(parents=True, exist_ok=True)
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        "import sys, shutil\n"
+        "if '--query-metrics' in sys.argv: sys.exit(1)\n"
+        "log = sys.argv[sys.argv.index('--log-file') + 1]\n"
+        f"shutil.copy({str(DATA / csv_name)!r}, log)\n",
+        encoding="utf-8",
+    )
+    fake.chmod(0o755)
+    return fake
+
+
+def test_counters_for_capture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_opprof.options import OpprofOptions
+
+    fake = _fake_ncu(tmp_path)
+    monkeypatch.setattr(c, "find_ncu", lambda: str(fake))
+    info = {"device_name": "NVIDIA H200", "sm_count": 132, "compute_capability": "9.0"}
+    spec = {"out_dir": str(tmp_path / "out"), "workload": "w.py"}
+    opts = OpprofOptions(ncu="auto", ncu_sudo="false")
+    timelines, summary, warnings = c.counters_for_capture(
+        spec, [_full_timeline()], info, opts, "float32"
+    )
+    assert warnings == []
+    assert summary["compiled"]["kernels_with_counters"] == 5
+    assert summary["compiled"]["time_coverage"] == 1.0
+    assert summary["compiled"]["resolved"]["warp_cycles_per_issued"] is None
+    mm = next(a for a in timelines[0].aggregated if a.name == "aten::mm")
+    assert mm.metrics["pct_of_roofline"] is not None
+    assert (tmp_path / "out" / "profiler_output" / "ncu" / "ncu.compiled.log").exists()
+
+
+@pytest.mark.parametrize(("mode", "warned"), [("auto", False), ("on", True)])
+def test_counters_for_capture_without_ncu(
+    mode: str, warned: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pytest_opprof.options import OpprofOptions
+
+    monkeypatch.setattr(c, "find_ncu", lambda: None)
+    timeline = _full_timeline()
+    out, summary, warnings = c.counters_for_capture({}, [timeline], {}, OpprofOptions(ncu=mode), "")
+    assert out == [timeline]
+    assert "not found" in summary["note"]
+    assert bool(warnings) is warned
