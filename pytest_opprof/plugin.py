@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from pytest_opprof.session import OpprofSession, Optimizer  # noqa: F401 (used in a string)
 
 SESSION_KEY = pytest.StashKey["OpprofSession"]()
-RESULTS_KEY = pytest.StashKey[list[Any]]()
+RECORDER_KEY = pytest.StashKey["StageRecorder"]()
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -86,7 +86,8 @@ def pytest_configure(config: pytest.Config) -> None:
     from pytest_opprof.session import OpprofSession
 
     config.stash[SESSION_KEY] = OpprofSession(options=options)
-    config.stash[RESULTS_KEY] = []
+    recorder = config.stash[RECORDER_KEY] = StageRecorder()
+    config.pluginmanager.register(recorder, "opprof-stage-recorder")
 
 
 @pytest.hookimpl(tryfirst=True, optionalhook=True)
@@ -213,7 +214,17 @@ class StageItem(pytest.Item):
         spec = self.parent.spec  # type: ignore[union-attr]
         # the hooks of the conftests above the workload's folder, as for pytest's own hooks
         outcome = session.run(spec, self.stage, hook=self.ihook)
-        self.config.stash[RESULTS_KEY].append((session.workload(spec).name, outcome))
+        # The stage's outcome rides on the item's report, so the controller of an xdist run
+        # (which runs no item itself) can write the stage-level JUnit file for all workers.
+        self.user_properties.extend(
+            [
+                ("opprof.workload", session.workload(spec).name),
+                ("opprof.stage", ITEM_NAMES[self.stage]),
+                ("opprof.outcome", outcome.status),
+                ("opprof.stage_seconds", f"{outcome.seconds:.3f}"),
+                ("opprof.message", outcome.message),
+            ]
+        )
         if self.stage == "report":
             summary = session.summaries.get(session.workload(spec).name)
             if summary is not None:
@@ -253,24 +264,38 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     terminalreporter.write_line(f"session report: {path}")
 
 
+class StageRecorder:
+    """Collects stage outcomes from every item's report: this process's items, or under xdist
+    the workers' reports as they reach the controller (which runs no item itself)."""
+
+    def __init__(self) -> None:
+        self.records: list[Any] = []
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        props = dict(report.user_properties)
+        if report.when != "call" or "opprof.stage" not in props:
+            return
+        from pytest_opprof.report import StageResultRecord
+
+        self.records.append(
+            StageResultRecord(
+                workload=str(props["opprof.workload"]),
+                stage=str(props["opprof.stage"]),
+                outcome=props["opprof.outcome"],  # type: ignore[arg-type]
+                seconds=float(str(props["opprof.stage_seconds"])),
+                message=str(props["opprof.message"]),
+            )
+        )
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
     junit = config.stash[SESSION_KEY].options.junit if SESSION_KEY in config.stash else None
-    if junit is None:
+    if junit is None or hasattr(config, "workerinput"):
         return
-    from pytest_opprof.report import StageResultRecord, write_stage_junit
+    from pytest_opprof.report import write_stage_junit
 
-    records = [
-        StageResultRecord(
-            workload=name,
-            stage=ITEM_NAMES[o.stage],
-            outcome=o.status,
-            seconds=o.seconds,
-            message=o.message,
-        )
-        for name, o in config.stash[RESULTS_KEY]
-    ]
-    write_stage_junit(junit, records)
+    write_stage_junit(junit, config.stash[RECORDER_KEY].records)
 
 
 # ------------------------------------------------------------------------------ fixture

@@ -5,6 +5,8 @@ from __future__ import annotations
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
+import pytest
+
 from pytest_opprof.report import StageResultRecord, user_properties, write_stage_junit
 from pytest_opprof.report.junit import STAGE_ORDER, Outcome
 from pytest_opprof.schema import WorkloadSummary
@@ -162,3 +164,23 @@ def test_user_properties_leave_out_what_was_not_measured() -> None:
     assert props["opprof.passes"] == "bn_fold,dtype_promotion"
     assert props["opprof.baseline"] == "compile"
     assert "opprof.eager_ms" not in props and "opprof.dtype" not in props
+
+
+XSD = Path(__file__).parents[1] / "data" / "junit" / "junit.xsd"
+
+
+def test_stage_junit_validates_against_the_junit_schema(tmp_path: Path) -> None:
+    xmlschema = pytest.importorskip("xmlschema")
+    path = tmp_path / "stages.xml"
+    write_stage_junit(path, _records())
+    schema = xmlschema.XMLSchema(str(XSD))
+    schema.validate(str(path))
+    broken = path.read_text().replace("<testcase ", "<testcase bogus='1' ", 1)
+    assert not schema.is_valid(broken)
+
+
+def test_pytests_junit_of_the_h200_run_validates_and_carries_the_speedup() -> None:
+    xmlschema = pytest.importorskip("xmlschema")
+    real = Path(__file__).parents[1] / "data" / "h200" / "pytest-junit-run2.xml"
+    xmlschema.XMLSchema(str(XSD)).validate(str(real))
+    assert 'name="opprof_speedup"' in real.read_text()

@@ -105,3 +105,20 @@ def test_xdist_keeps_a_workloads_items_on_one_worker(pytester: pytest.Pytester) 
         "--opprof", "-n", "2", "--opprof-device=cpu", "--opprof-stage=capture", "-v"
     )
     verbose.stdout.fnmatch_lines(["*scheduling tests via LoadFileScheduling*"])
+
+
+def test_stage_junit_under_xdist_holds_every_workers_stages(pytester: pytest.Pytester) -> None:
+    """The controller runs no item: the stage-level JUnit is built from the workers' reports."""
+    pytest.importorskip("xdist")
+    body = "def get_model_and_input():\n    raise ValueError('no model here')\n"
+    pytester.makepyfile(w1=body, w2=body)
+    pytester.runpytest_subprocess(
+        "--opprof", "-n", "2", "--opprof-device=cpu", "--opprof-junit=stages.xml"
+    )
+    import xml.etree.ElementTree as ET
+
+    root = ET.parse(pytester.path / "stages.xml").getroot()
+    suites = {s.get("name"): [c.get("name") for c in s.findall("testcase")] for s in root}
+    assert set(suites) == {"w1", "w2"}
+    assert all(len(cases) == 6 for cases in suites.values())
+    assert "no model here" in (pytester.path / "stages.xml").read_text()
