@@ -717,12 +717,16 @@ def counters_for_capture(
     info: Mapping[str, Any],
     options: Any,
     dtype: str,
-) -> tuple[list[Timeline], dict[str, Any], list[str]]:
-    """The counters pass as ``task_capture`` calls it on CUDA: every ``eager``/``compiled``
-    timeline gets its counters; returns the timelines, ``Profile.counters`` and warnings.
+    device: str = "cuda",
+) -> tuple[list[Timeline], dict[str, Any] | None, list[str]]:
+    """The counters pass as ``task_capture`` calls it: on CUDA and unless ``--opprof-ncu=off``,
+    every ``eager``/``compiled`` timeline gets its counters; returns the timelines,
+    ``Profile.counters`` (None when the pass did not run) and warnings for the profile.
     ``--opprof-ncu=auto`` without ncu is a one-line note; ``on`` without it, a warning."""
     from pytest_opprof.knowledge import lookup_gpu
 
+    if device != "cuda" or options.ncu == "off":
+        return list(timelines), None, []
     ncu = find_ncu()
     if ncu is None:
         note = "ncu (Nsight Compute) not found on PATH or in the usual places"

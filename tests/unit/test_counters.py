@@ -609,6 +609,7 @@ def test_counters_for_capture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         spec, [_full_timeline()], info, opts, "float32"
     )
     assert warnings == []
+    assert summary is not None
     assert summary["compiled"]["kernels_with_counters"] == 5
     assert summary["compiled"]["time_coverage"] == 1.0
     assert summary["compiled"]["resolved"]["warp_cycles_per_issued"] is None
@@ -625,7 +626,23 @@ def test_counters_for_capture_without_ncu(
 
     monkeypatch.setattr(c, "find_ncu", lambda: None)
     timeline = _full_timeline()
-    out, summary, warnings = c.counters_for_capture({}, [timeline], {}, OpprofOptions(ncu=mode), "")
+    opts = OpprofOptions(ncu=mode)
+    out, summary, warnings = c.counters_for_capture({}, [timeline], {}, opts, "")
     assert out == [timeline]
-    assert "not found" in summary["note"]
+    assert summary is not None and "not found" in summary["note"]
     assert bool(warnings) is warned
+
+
+@pytest.mark.parametrize(("device", "mode"), [("cpu", "auto"), ("cuda", "off")])
+def test_counters_for_capture_skipped(
+    device: str, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pytest_opprof.options import OpprofOptions
+
+    def boom() -> None:
+        raise AssertionError("ncu looked up")
+
+    monkeypatch.setattr(c, "find_ncu", boom)
+    opts = OpprofOptions(ncu=mode)
+    got = c.counters_for_capture({}, [_full_timeline()], {}, opts, "float32", device)
+    assert got == ([_full_timeline()], None, [])
