@@ -691,9 +691,9 @@ def parse_run(
 ) -> CountersResult:
     """Turn one ncu run's log (the CSV) and console output into a ``CountersResult``."""
     note = classify_failure(returncode, log + "\n" + output)
-    if note:
-        return CountersResult(note=note, command=list(command))
     rows, header = parse_raw_csv(log)
+    if note and (not rows or note == PERMISSION_FIX):
+        return CountersResult(note=note, command=list(command))
     if not rows:
         return CountersResult(
             note="counters: ncu profiled no kernels inside the NVTX range "
@@ -702,6 +702,8 @@ def parse_run(
         )
     resolved = resolve(header)
     joined, warnings = join(timeline_kernels, rows, resolved)
+    if note:  # ncu reported an error but profiled kernels: keep them, say what it said
+        warnings.insert(0, f"counters: {note}")
     if len(rows) >= launch_bound(len(timeline_kernels)):
         warnings.append(
             f"counters: ncu stopped at its bound of {len(rows)} kernels; the range held more"

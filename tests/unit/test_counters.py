@@ -646,3 +646,11 @@ def test_counters_for_capture_skipped(
     opts = OpprofOptions(ncu=mode)
     got = c.counters_for_capture({}, [_full_timeline()], {}, opts, "float32", device)
     assert got == ([_full_timeline()], None, [])
+
+
+def test_errors_beside_profiled_kernels_are_warnings() -> None:
+    log = (DATA / "synthetic_base_units.csv").read_text()
+    output = "==ERROR== Failed to profile kernel 'x' in process 4242\n"
+    result = c.parse_run(0, log, output, _timeline())
+    assert result.note is None and len(result.metrics) == 5
+    assert len(result.warnings) == 1 and "Failed to profile kernel" in result.warnings[0]
