@@ -373,7 +373,10 @@ def logical_metrics(row: NcuRow, resolved: Mapping[str, str | None]) -> dict[str
     read, write = out.get("dram_bytes_read"), out.get("dram_bytes_write")
     out["dram_bytes"] = read + write if read is not None and write is not None else None
     simt = [out.get(k) for k in ("fadd", "fmul", "ffma", "hadd", "hmul", "hfma")]
-    if all(v is None for v in simt[:3]):
+    tensor_busy = (out.get("tensor_active_pct") or 0.0) > 0.0
+    if all(v is None for v in simt[:3]) or (tensor_busy and out.get("tensor_ops") is None):
+        # no count, or a tensor-core kernel whose tensor FLOPs this chip cannot count: a SIMT
+        # count alone would put a GEMM far below its roof, so say nothing instead
         out["flops"] = None
     else:
         fadd, fmul, ffma, hadd, hmul, hfma = (v or 0.0 for v in simt)

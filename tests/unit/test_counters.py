@@ -654,3 +654,16 @@ def test_errors_beside_profiled_kernels_are_warnings() -> None:
     result = c.parse_run(0, log, output, _timeline())
     assert result.note is None and len(result.metrics) == 5
     assert len(result.warnings) == 1 and "Failed to profile kernel" in result.warnings[0]
+
+
+def test_tensor_kernel_without_tensor_op_count_has_no_flops() -> None:
+    rows, header = c.parse_raw_csv((DATA / "synthetic_base_units.csv").read_text())
+    resolved = c.resolve(header) | {"tensor_ops": None}
+    gemm = c.logical_metrics(rows[4], resolved)  # tensor pipe 80 % busy
+    assert gemm["flops"] is None
+    add = c.logical_metrics(rows[0], resolved)  # tensor pipe 60 % in the fixture too
+    assert add["flops"] is None
+    idle = rows[0].model_copy(deep=True)
+    metric = "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
+    idle.values[metric] = 0.0
+    assert c.logical_metrics(idle, resolved)["flops"] == 524288.0
