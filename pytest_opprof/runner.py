@@ -291,12 +291,19 @@ def task_capture(spec: dict[str, Any]) -> None:
     timing = _timing(
         samples, device, calls_per_round, [("eager", "compile")], timelines, {"compile": compile_s}
     )
+    from pytest_opprof.capture.counters import counters_for_capture
+
+    meta = _metadata(spec, w, device, info)
+    timelines, counters, notes = counters_for_capture(
+        spec, timelines, info, opts, meta.dtype, device
+    )
     profile = Profile(
-        capture_metadata=_metadata(spec, w, device, info),
+        capture_metadata=meta,
+        counters=counters,
         timing=timing,
         timelines=timelines,
         edge_case_flags=flags,
-        warnings=[]
+        warnings=notes
         if device == "cuda"
         else [
             "CPU fallback: no CUDA device, so CPU operators were profiled and no hardware "
@@ -304,6 +311,13 @@ def task_capture(spec: dict[str, Any]) -> None:
         ],
     )
     write_artifact(out_dir / spec.get("profile_name", "profile.json"), profile)
+
+
+def task_counters_target(spec: dict[str, Any]) -> None:
+    """The process ncu profiles (capture.counters): one call inside the NVTX range."""
+    from pytest_opprof.capture.counters import counters_target_task
+
+    counters_target_task(spec)
 
 
 def task_select(spec: dict[str, Any]) -> None:
@@ -687,6 +701,7 @@ def task_recapture(spec: dict[str, Any]) -> None:
 
 TASKS = {
     "capture": task_capture,
+    "counters_target": task_counters_target,
     "select": task_select,
     "validate_import": task_validate_import,
     "validate_run": task_validate_run,
