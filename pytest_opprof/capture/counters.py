@@ -756,6 +756,9 @@ def counters_for_capture(
             sudo_mode=options.ncu_sudo,
             clock_control=options.ncu_clock_control,
             ncu=ncu,
+            # Both labels together stay well inside the capture stage's own timeout, so a slow
+            # replay costs the counters, never the profile.
+            timeout=min(300.0, float(options.timeout) / 4),
         )
         if result.note:
             warnings.append(f"{timeline.label} timeline: {result.note}")
