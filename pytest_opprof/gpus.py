@@ -41,3 +41,23 @@ def worker_gpu(worker_id: str, worker_count: int, gpus: list[str]) -> str:
         )
     index = int(worker_id.removeprefix("gw"))
     return gpus[index]
+
+
+def nvidia_smi_query(field: str) -> str | None:
+    """The first GPU's ``--query-gpu`` field from nvidia-smi, or None where it is absent or
+    does not answer (no torch, no CUDA initialised)."""
+    exe = shutil.which("nvidia-smi")
+    if not exe:
+        return None
+    try:
+        out = subprocess.run(
+            [exe, f"--query-gpu={field}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = out.stdout.strip().splitlines()
+    return lines[0].strip() if out.returncode == 0 and lines else None

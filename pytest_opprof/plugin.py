@@ -130,22 +130,11 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
 
 
 def _gpu_name() -> str:
-    exe = shutil.which("nvidia-smi")
-    if not exe:
-        return "no NVIDIA GPU found: CPU fallback"
-    import subprocess
+    from pytest_opprof.gpus import nvidia_smi_query
 
-    try:
-        out = subprocess.run(
-            [exe, "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=10,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return "nvidia-smi did not answer"
-    return out.stdout.strip().splitlines()[0] if out.stdout.strip() else "no GPU listed"
+    if not shutil.which("nvidia-smi"):
+        return "no NVIDIA GPU found: CPU fallback"
+    return nvidia_smi_query("name") or "nvidia-smi listed no GPU"
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

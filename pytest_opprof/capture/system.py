@@ -5,8 +5,6 @@ from __future__ import annotations
 import hashlib
 import json
 import platform
-import shutil
-import subprocess
 from typing import Any
 
 
@@ -77,17 +75,6 @@ def _triton_version() -> str | None:
 
 
 def _driver_version() -> str | None:
-    exe = shutil.which("nvidia-smi")
-    if not exe:
-        return None
-    try:
-        out = subprocess.run(
-            [exe, "--query-gpu=driver_version", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout else None
+    from pytest_opprof.gpus import nvidia_smi_query
+
+    return nvidia_smi_query("driver_version")

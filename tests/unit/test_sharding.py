@@ -122,3 +122,25 @@ def test_stage_junit_under_xdist_holds_every_workers_stages(pytester: pytest.Pyt
     assert set(suites) == {"w1", "w2"}
     assert all(len(cases) == 6 for cases in suites.values())
     assert "no model here" in (pytester.path / "stages.xml").read_text()
+
+
+def test_nvidia_smi_query_and_listing_with_a_stand_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pytest_opprof.gpus import nvidia_smi_query
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\n"
+        'case "$1" in\n'
+        '  -L) printf "GPU 0: NVIDIA H200 (UUID: a)\\nGPU 1: NVIDIA H200 (UUID: b)\\n";;\n'
+        '  *) echo "NVIDIA H200";;\n'
+        "esac\n"
+    )
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert nvidia_smi_query("name") == "NVIDIA H200"
+    assert visible_gpus() == ["0", "1"]
+    monkeypatch.setenv("PATH", str(tmp_path / "none"))
+    assert nvidia_smi_query("name") is None and visible_gpus() == []
