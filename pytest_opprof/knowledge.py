@@ -17,7 +17,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from importlib import resources
-from typing import Literal
+from typing import Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -444,16 +444,7 @@ BottleneckClass = Literal[
     "layout_overhead",
     "well_optimized",
 ]
-BOTTLENECK_CLASSES: tuple[BottleneckClass, ...] = (
-    "tensor_core_idle",
-    "compute_bound",
-    "memory_bound",
-    "launch_bound",
-    "occupancy_limited",
-    "register_pressure",
-    "layout_overhead",
-    "well_optimized",
-)
+BOTTLENECK_CLASSES: tuple[BottleneckClass, ...] = get_args(BottleneckClass)
 """The classes of DESIGN §2.2; ``launch_bound`` covers launch- and latency-bound work.
 knowledge/bottlenecks.md gives each one's rule with counters and without."""
 

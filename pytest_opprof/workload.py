@@ -7,6 +7,7 @@ inside the runner's child process.
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import importlib.util
 import sys
@@ -218,7 +219,7 @@ def load(path: Path, device: str) -> LoadedWorkload:
     """Import the file, call ``get_model_and_input()`` and check the contract."""
     path = Path(path)
     remap = device == "cpu"
-    with cpu_remap() if remap else _nullcontext():
+    with cpu_remap() if remap else contextlib.nullcontext():
         module = import_workload(path)
         entry = getattr(module, ENTRY, None)
         if not callable(entry):
@@ -244,14 +245,6 @@ def load(path: Path, device: str) -> LoadedWorkload:
                 ) from None
             raise WorkloadError(f"{path.name}: {ENTRY}() raised {_describe(exc, path)}") from None
     return check_contract(path, result, device)
-
-
-class _nullcontext:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
 
 
 def _is_oom(exc: BaseException) -> bool:

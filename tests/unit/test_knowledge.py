@@ -414,20 +414,9 @@ def test_every_page_of_the_index_exists() -> None:
 
 def test_fx_patterns_use_only_the_transformation_vocabulary() -> None:
     text = (KNOWLEDGE / "fx-patterns.md").read_text(encoding="utf-8")
-    vocabulary = [
-        "dtype_promotion",
-        "memory_layout",
-        "bn_fold",
-        "qkv_fusion",
-        "sdpa_replacement",
-        "pretranspose_weights",
-        "activation_substitution",
-        "batch_padding",
-        "cuda_graphs",
-        "algorithm_selection",
-        "stub_detection",
-    ]
-    for word in vocabulary:
+    from pytest_opprof.options import TRANSFORMATION_TYPES
+
+    for word in TRANSFORMATION_TYPES:
         assert f"`{word}`" in text, word
 
 
