@@ -25,16 +25,22 @@ paths=(); for n in "${names[@]}"; do paths+=("examples/$n"); done
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   command -v ncu && ncu --version | tail -1
 } > "$OUT/env.txt" 2>&1
+# Kept between calls on a machine still warm, so a later call resumes from the stage cache;
+# OPPROF_FRESH=1 starts over.
 work=/tmp/opprof-results
-rm -rf "$work"
+[ "${OPPROF_FRESH:-0}" = 1 ] && rm -rf "$work"
+mkdir -p "$work"
 start=$(date +%s)
 # A call on a lent machine has a hard limit: stop pytest (SIGINT: it still writes the summary)
 # before it, so the artifacts packed below come back.
-timeout --signal=INT "${OPPROF_CALL_BUDGET:-540}" python3 -m pytest -p pytest_opprof.plugin --opprof "${paths[@]}" --opprof-out="$work" \
+timeout --signal=INT "${OPPROF_CALL_BUDGET:-540}" python3 -m pytest -p no:benchmark -p pytest_opprof.plugin --opprof "${paths[@]}" --opprof-out="$work" \
   -p no:cacheprovider -v -rA --opprof-junit="$work/opprof-junit.xml" \
   --junitxml="$work/junit.xml" "${extra[@]}" 2>&1 | tee "$OUT/pytest.log"
 status=${PIPESTATUS[0]}
 echo "pytest exit $status after $(( $(date +%s) - start )) s" | tee -a "$OUT/pytest.log"
-tar -C /tmp -cJf "$OUT/results.tar.xz" opprof-results
+# This call's workloads and the session files only (a file that comes back is at most 16 MiB).
+packed=(); for n in "${names[@]}"; do [ -e "$work/$n" ] && packed+=("opprof-results/$n"); done
+for f in "$work"/*; do [ -f "$f" ] && packed+=("opprof-results/$(basename "$f")"); done
+tar -C /tmp -cJf "$OUT/results.tar.xz" "${packed[@]}"
 ls -la "$OUT"
 exit 0

@@ -36,7 +36,26 @@ def _find(folder: Path, name: str) -> Path | None:
     return None
 
 
-def summarize(folders: list[Path]) -> dict[str, Any]:
+CACHED_S = 0.015
+"""A stage item faster than this found its artifacts cached (a resumed call): not counted."""
+
+
+def stage_seconds(junit_files: list[Path]) -> dict[str, dict[str, float]]:
+    """Wall time of each stage of each workload from the stage JUnit (``--opprof-junit``) of
+    one or more calls; a stage a later call resumed from its cache counts once."""
+    import xml.etree.ElementTree as ET
+
+    out: dict[str, dict[str, float]] = {}
+    for path in junit_files:
+        for case in ET.parse(path).iter("testcase"):
+            seconds = float(case.get("time") or 0.0)
+            if seconds > CACHED_S:
+                out.setdefault(case.get("classname", ""), {})[case.get("name", "")] = seconds
+    return out
+
+
+def summarize(folders: list[Path], junit_files: list[Path] | None = None) -> dict[str, Any]:
+    stages = stage_seconds(junit_files or [])
     rows: dict[str, Any] = {}
     for name, (target_ms, target_ratio) in TARGETS.items():
         where = next((p for f in folders if (p := _find(f, name))), None)
@@ -66,6 +85,15 @@ def summarize(folders: list[Path]) -> dict[str, Any]:
             "meets_target": v["optimized"].median_ms <= target_ms
             or vs_compile.ratio >= target_ratio,
             "compile_seconds": opt.timing.compile_seconds,
+            "stage_seconds": stages.get(name),
+            "counters_seconds": {
+                label: entry.get("seconds")
+                for label, entry in (
+                    read_artifact(where / "profile.json", Profile).counters or {}
+                ).items()
+                if isinstance(entry, dict)
+            },
+            "source": str(where),
         }
         rows[name] = row
     ratios = [r["speedup_vs_compile"] for r in rows.values() if "speedup_vs_compile" in r]
@@ -83,6 +111,9 @@ def markdown(result: dict[str, Any]) -> str:
         "| meets | dtype | rel. error | kept |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
+    timed = {
+        n: r["stage_seconds"] for n, r in result["workloads"].items() if r.get("stage_seconds")
+    }
     for name, r in result["workloads"].items():
         if "optimized_ms" not in r:
             lines.append(f"| {name} | — | — | — | — | — | missing | | | |")
@@ -97,6 +128,14 @@ def markdown(result: dict[str, Any]) -> str:
     gm = result["geomean_speedup_vs_compile"]
     lines.append("")
     lines.append(f"Geometric mean over torch.compile: {gm:.2f}×" if gm else "")
+    if timed:
+        names = ["capture", "propose", "backend", "validate", "recapture", "speedup"]
+        lines += ["", "Pipeline wall time per stage (s, from the stage JUnit):", ""]
+        lines.append("| workload | " + " | ".join(names) + " | total |")
+        lines.append("|---|" + "---|" * (len(names) + 1))
+        for name, st in timed.items():
+            cells = [f"{st[n]:.1f}" if n in st else "—" for n in names]
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {sum(st.values()):.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -105,8 +144,11 @@ def main() -> None:
     parser.add_argument("folders", nargs="+", type=Path)
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument("--md", type=Path, required=True)
+    parser.add_argument(
+        "--junit", type=Path, nargs="*", default=[], help="stage JUnit files of the calls"
+    )
     args = parser.parse_args()
-    result = summarize(args.folders)
+    result = summarize(args.folders, args.junit)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     args.md.write_text(markdown(result))
     print(markdown(result))

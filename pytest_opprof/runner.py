@@ -197,8 +197,16 @@ def _metadata(spec: dict[str, Any], w: Any, device: str, info: dict[str, Any]) -
 
 
 def _timelines(
-    spec: dict[str, Any], calls: dict[str, tuple[Any, str]], inputs: Any, device: str, out_dir: Path
+    spec: dict[str, Any],
+    calls: dict[str, tuple[Any, str]],
+    inputs: Any,
+    device: str,
+    out_dir: Path,
+    twins: dict[str, Any] | None = None,
 ) -> tuple[list[Any], list[Any]]:
+    """Profile each call; a label in ``twins`` (a CUDA-graph variant) is first profiled as its
+    uncaptured twin, whose trace places the replayed kernels (``attribution.replay_twin``)."""
+    from pytest_opprof.capture.attribution import replay_twin
     from pytest_opprof.capture.provenance import collect_inductor_provenance
     from pytest_opprof.capture.timeline import capture_timeline
     from pytest_opprof.schema import write_text_atomic
@@ -212,9 +220,10 @@ def _timelines(
     )
     timelines: list[Any] = []
     flags: list[Any] = []
-    for label, (fn, mode) in calls.items():
+
+    def profile(fn: Any, label: str, mode: str, twin: Any = None) -> tuple[Any, list[Any]]:
         suffix = "" if label == "eager" else f".{label}"
-        timeline, found = capture_timeline(
+        return capture_timeline(
             fn,
             inputs,
             device=device,
@@ -224,7 +233,15 @@ def _timelines(
             iterations=spec.get("timeline_iters", 3),
             trace_path=out_dir / "profiler_output" / f"{stem}{suffix}.trace.json",
             provenance=provenance,
+            twin=twin,
         )
+
+    for label, (fn, mode) in calls.items():
+        twin = None
+        if twins and label in twins:
+            uncaptured, _ = profile(twins[label], f"{label}_uncaptured", f"{mode} without graphs")
+            twin = replay_twin(uncaptured)
+        timeline, found = profile(fn, label, mode, twin)
         timelines.append(timeline)
         flags += [f for f in found if f.name not in {x.name for x in flags}]
     return timelines, flags
@@ -407,6 +424,9 @@ def task_select(spec: dict[str, Any]) -> None:
         and "cuda_graphs" not in skip
     ):
         rungs.append(Rung("cuda_graphs", (_auto_cuda_graphs(),)))
+    if device == "cuda" and "cuda_graphs" not in skip:
+        # After every other rung: one CUDA graph of the whole call, graph breaks included.
+        rungs.append(Rung("cuda_graphs_model", (_auto_cuda_graphs(scope="model"),)))
 
     def attempt(rung: Rung, second_chance: bool) -> bool:
         plan = state["plan"]
@@ -501,19 +521,28 @@ def task_select(spec: dict[str, Any]) -> None:
     write_artifact(out_dir / "profiler_output" / "backend_selection.json", selection)
 
 
-def _auto_cuda_graphs() -> Any:
+def _auto_cuda_graphs(scope: str = "graph") -> Any:
     """CUDA graphs are tried on every GPU workload (DESIGN §2.3: variants with CUDA graphs on
     and off), proposed or not: once other rungs shorten the kernels, launch overhead is often
-    what is left, which the eager profile cannot show."""
+    what is left, which the eager profile cannot show. ``scope="graph"``: Inductor's CUDA
+    graph trees, one per compiled graph; ``"model"``: one graph of the whole call, which also
+    covers the code between graph breaks and skips the per-call Python of guards and trees."""
     from pytest_opprof.schema import Evidence, Impact, Proposal
 
+    whole = scope == "model"
+    step = (
+        "record the whole compiled call as one CUDA graph and replay it (backend.model_graph)"
+        if whole
+        else "compile with Inductor's CUDA graph trees (triton.cudagraphs=True)"
+    )
     return Proposal(
-        id="cuda_graphs-selection",
+        id="cuda_graphs-model" if whole else "cuda_graphs-selection",
         type="cuda_graphs",
-        ir_level="inductor_config",
-        targets=["whole graph"],
+        ir_level="non_graph" if whole else "inductor_config",
+        targets=["whole model" if whole else "whole graph"],
         evidence=[Evidence(metric="tried_by", value="measured selection", source="backend")],
-        fx_steps=["compile with Inductor's CUDA graph trees (triton.cudagraphs=True)"],
+        fx_steps=[step],
+        params={"scope": scope},
         impact=Impact(
             estimated_saving_us=0.0,
             estimated_speedup=1.0,
@@ -573,6 +602,7 @@ def task_validate_run(spec: dict[str, Any]) -> None:
     import torch
 
     from pytest_opprof.backend import runtime
+    from pytest_opprof.backend.model_graph import ModelGraph
     from pytest_opprof.capture.system import resolve_device
     from pytest_opprof.capture.timing import synchronize
     from pytest_opprof.schema import PassStatus, StepResult
@@ -623,6 +653,17 @@ def task_validate_run(spec: dict[str, Any]) -> None:
         PassStatus(name=r.name, status=r.status, detail=r.detail, matches=r.matches)
         for r in results
     ]
+    if isinstance(fn, ModelGraph):
+        recorded = fn.captured and fn.replays > 0
+        passes.append(
+            PassStatus(
+                name="cuda_graphs-model",
+                status="APPLIED" if recorded and not fn.fallbacks else "NOT_APPLIED",
+                detail=f"whole-model CUDA graph {'recorded' if fn.captured else 'not recorded'}: "
+                f"{fn.replays} replays, {fn.fallbacks} calls ran uncaptured",
+                matches=int(recorded),
+            )
+        )
     _write_steps(
         spec,
         steps,
@@ -638,6 +679,7 @@ def task_recapture(spec: dict[str, Any]) -> None:
     import torch
 
     from pytest_opprof.backend.build import build
+    from pytest_opprof.backend.model_graph import ModelGraph
     from pytest_opprof.capture.system import environment, resolve_device
     from pytest_opprof.capture.timing import time_interleaved
     from pytest_opprof.schema import BackendSelection, Profile, read_artifact, write_artifact
@@ -656,11 +698,25 @@ def task_recapture(spec: dict[str, Any]) -> None:
         optimized, compile_s["optimized"] = _compile_timed(model, module.BACKEND, w.inputs, device)
     else:
         optimized = model
+    twins: dict[str, Any] = {}
+    if getattr(module, "CUDA_GRAPH", False) and device == "cuda":
+        optimized = ModelGraph(optimized)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            optimized(*w.inputs)  # warmup and recording
+        compile_s["cuda_graph_capture"] = time.perf_counter() - t0
+        twins["optimized"] = optimized.fn
     calls: dict[str, Any] = {"eager": w.model, "compile": compiled, "optimized": optimized}
     pairs = [("eager", "compile"), ("eager", "optimized"), ("compile", "optimized")]
     selection_path = out_dir / "profiler_output" / "backend_selection.json"
     if selection_path.exists():
         plan = read_artifact(selection_path, BackendSelection).plan
+        if device == "cuda" and plan.config_patches.get("triton.cudagraphs"):
+            # Inductor's graphs: the same plan compiled without them is the twin.
+            torch.manual_seed(0)
+            patches = {k: v for k, v in plan.config_patches.items() if k != "triton.cudagraphs"}
+            uncaptured = plan.model_copy(update={"config_patches": patches})
+            twins["optimized"] = build(_load_baseline(spec, device).model, w.inputs, uncaptured).fn
         if plan.dtype not in (None, "float32"):
             torch.manual_seed(0)
             same = build(_load_baseline(spec, device).model, w.inputs, plan.without_dtype())
@@ -688,6 +744,7 @@ def task_recapture(spec: dict[str, Any]) -> None:
         w.inputs,
         device,
         out_dir,
+        twins,
     )
     timing = _timing(samples, device, calls_per_round, pairs, timelines, compile_s)
     profile = Profile(

@@ -277,6 +277,11 @@ class BackendPlan(Model):
     functional: list[str] = Field(default_factory=list)
     aten: list[str] = Field(default_factory=list)
     config_patches: dict[str, Any] = Field(default_factory=dict)
+    cuda_graph_model: bool = Field(
+        default=False,
+        description="record the whole optimized call as one CUDA graph and replay it "
+        "(backend.model_graph); Inductor's own CUDA graphs are then off",
+    )
     proposals: list[str] = Field(default_factory=list)
     extra_passes: dict[str, str] = Field(
         default_factory=dict,
@@ -323,7 +328,8 @@ class DroppedProposal(Model):
 
 
 class BackendSelection(Artifact):
-    SCHEMA_VERSION: ClassVar[str] = "1.1"  # 1.1: plan.extra_passes (user passes)
+    # 1.1: plan.extra_passes (user passes); 1.2: plan.cuda_graph_model
+    SCHEMA_VERSION: ClassVar[str] = "1.2"
 
     workload: str
     reference: str

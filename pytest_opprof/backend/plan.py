@@ -51,6 +51,13 @@ def add_proposal(plan: BackendPlan, proposal: Proposal) -> BackendPlan:
         update["pad_batch_to"] = int(params.get("multiple", 8))
     elif kind == "pretranspose_weights":
         update["config_patches"] = {**plan.config_patches, "freezing": True}
+    elif kind == "cuda_graphs" and params.get("scope") == "model":
+        # One graph of the whole call replaces Inductor's per-graph recording (which cannot
+        # run inside another capture).
+        update["config_patches"] = {
+            k: v for k, v in plan.config_patches.items() if k != "triton.cudagraphs"
+        }
+        update["cuda_graph_model"] = True
     elif kind == "cuda_graphs":
         update["config_patches"] = {**plan.config_patches, "triton.cudagraphs": True}
     elif kind == "algorithm_selection":

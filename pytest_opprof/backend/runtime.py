@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 import pytest_opprof.backend.compiler as compiler
+from pytest_opprof.backend.model_graph import ModelGraph
 from pytest_opprof.workload import cpu_remap, import_workload
 
 register_backend = compiler.register_backend
@@ -85,10 +86,25 @@ def apply_non_graph(
     return new_model
 
 
+def optimize(
+    model: torch.nn.Module, backend: str, *, compile: bool = True, cuda_graph: bool = False
+) -> Any:
+    """The model compiled with ``backend`` (or itself where ``compile`` is false: nothing beat
+    eager, so the baseline is shipped), recorded as one CUDA graph where ``cuda_graph`` and
+    CUDA is present (``backend.model_graph``)."""
+    fn: Any = torch.compile(model, backend=backend) if compile else model
+    if cuda_graph and torch.cuda.is_available():
+        fn = ModelGraph(fn)
+    return fn
+
+
 def optimized_callable(module: ModuleType, model: torch.nn.Module) -> Any:
-    """What the pipeline times and validates for a generated file: the model compiled with the
-    file's backend, or the model itself where the file says ``COMPILE = False`` (nothing beat
-    eager, so the baseline itself is shipped)."""
-    if getattr(module, "COMPILE", True):
-        return torch.compile(model, backend=module.BACKEND)
-    return model
+    """What the pipeline times and validates for a generated file: ``optimize`` as the file's
+    ``BACKEND``, ``COMPILE`` and ``CUDA_GRAPH`` say (files written before ``CUDA_GRAPH``
+    existed record none)."""
+    return optimize(
+        model,
+        module.BACKEND,
+        compile=getattr(module, "COMPILE", True),
+        cuda_graph=getattr(module, "CUDA_GRAPH", False),
+    )

@@ -13,7 +13,11 @@ counted in a debug figure and left out. Each activity in the window is then:
   or the exact name of the record function around the launch (Inductor's Triton launcher opens
   one named after the kernel), is a key of the provenance map; the operator is named after the
   kernel and lists the fused ATen ops. Kernels replayed by a CUDA graph have no launch of their
-  own, so only this rule can place them.
+  own: Triton's are placed by this rule; the others (cuBLAS, cuDNN) by the *twin*, a timeline of
+  the same compiled code run without the graph: the k-th replayed kernel of a name in an
+  iteration is the k-th kernel of that name in the twin's iteration, and takes the operator
+  that launched it there (``medium``). A name whose count differs between the two is not joined
+  but flagged, never shifted.
 - otherwise ``unattributed_kernels``, with its time.
 
 The operator records describe one iteration: per-name ``call_index`` within the iteration, times
@@ -79,6 +83,47 @@ _OPS = frozenset({"cpu_op", "user_annotation", "operator"})
 Attribution = Literal["high", "medium", "none"]
 
 
+@dataclass(frozen=True, slots=True)
+class TwinSite:
+    """Where the uncaptured twin launched one kernel: its operator (or, for a Triton kernel of
+    Inductor, the kernel itself) and the ATen ops it computes."""
+
+    operator: str
+    call_index: int
+    fused_ops: tuple[str, ...]
+
+
+Twin = Mapping[str, Sequence[TwinSite | None]]
+"""``twin_key`` of a kernel name → its occurrences in one iteration of the twin, in launch order
+(None where the twin could not place it either)."""
+
+
+# A memset or memcpy recorded into a CUDA graph may replay as a kernel of the driver's own
+# (H200, CUDA 13: "memset32", "memcpy128", "memcpy32_post"), where the uncaptured run shows
+# "Memset (Device)" / "Memcpy DtoD (Device -> Device)": they are joined as one class.
+_GRAPH_COPY = re.compile(r"^(?:(memset)\d+\w*|(memcpy)\d+\w*|(Memset) .*|(Memcpy) .*)$")
+
+
+def twin_key(name: str) -> str:
+    """The name a kernel is joined to the twin by: itself, or its memset/memcpy class."""
+    m = _GRAPH_COPY.match(name)
+    return next(g for g in m.groups() if g).lower() if m else name
+
+
+def replay_twin(twin: Timeline) -> dict[str, list[TwinSite | None]]:
+    """The ``Twin`` of an attributed timeline of the uncaptured code."""
+    seen: list[tuple[float, str, TwinSite | None]] = []
+    for op in twin.operators:
+        fused = tuple(op.fused_ops) or (op.name,)
+        for k in op.kernels:
+            seen.append((k.start_us, k.name, TwinSite(op.name, op.call_index, fused)))
+    seen += [(k.start_us, k.name, None) for k in twin.unattributed_kernels]
+    out: dict[str, list[TwinSite | None]] = defaultdict(list)
+    for _, name, site in sorted(seen, key=lambda item: item[0]):
+        out[twin_key(name)].append(site)
+    return dict(out)
+
+
 @dataclass(eq=False, slots=True)
 class _Event:
     name: str
@@ -123,7 +168,8 @@ class _Call:
 @dataclass(slots=True)
 class _Iteration:
     mark: _Event
-    calls: dict[int, _Call] = field(default_factory=dict)  # id(event) → call
+    # id(event) → call; ("twin", operator, call_index) for replays placed by the twin
+    calls: dict[Any, _Call] = field(default_factory=dict)
     unattributed: list[_Kernel] = field(default_factory=list)
     regions: list[str] = field(default_factory=list)  # compiled regions entered, by name
 
@@ -157,8 +203,10 @@ def build_timeline(
     device_type: Literal["cuda", "cpu"],
     provenance: Mapping[str, Sequence[str]] | None = None,
     trace_file: str | None = None,
+    twin: Twin | None = None,
 ) -> tuple[Timeline, list[EdgeCaseFlag]]:
-    """Attribute every GPU activity of the measured window (or, on the CPU, every operator)."""
+    """Attribute every GPU activity of the measured window (or, on the CPU, every operator).
+    ``twin``: see ``replay_twin``; it places CUDA-graph replays that provenance cannot."""
     provenance = provenance or {}
     ops, runtime, gpu = _read_events(trace)
     _link_stacks(ops + runtime)
@@ -175,13 +223,33 @@ def build_timeline(
 
     kernels: list[_Kernel] = []
     if device_type == "cuda":
-        kernels = _attribute_kernels(gpu, ops, runtime, window, iterations, provenance)
+        kernels, unjoined = _attribute_kernels(
+            gpu, ops, runtime, window, iterations, provenance, twin
+        )
     else:
         _add_graph_residuals(ops, window, iterations)
 
     flags = _structure_flags(iterations)
     operators, unattributed = _merge(iterations)
-    summary, summary_flags = _summarise(iterations, kernels, runtime, window, device_type)
+    summary, summary_flags = _summarise(
+        iterations, kernels, runtime, window, device_type, twin is not None
+    )
+    if device_type == "cuda" and unjoined:
+        names = ", ".join(
+            f"{name} ({got} replayed, {want} in the twin)" for name, got, want in unjoined
+        )
+        log.warning("CUDA-graph replays not joined to the uncaptured twin: %s", names)
+        summary_flags = [
+            f.model_copy(
+                update={
+                    "detail": f"{f.detail}; not joined to the twin (counts differ, so left "
+                    f"unattributed rather than shifted): {names}"
+                }
+            )
+            if f.name == "cuda_graph_replay"
+            else f
+            for f in summary_flags
+        ]
     flags += summary_flags
     aggregated = _aggregate(operators, summary.device_time_per_iter_us, device_type)
     timeline = Timeline(
@@ -338,7 +406,8 @@ def _attribute_kernels(
     window: _Window,
     iterations: list[_Iteration],
     provenance: Mapping[str, Sequence[str]],
-) -> list[_Kernel]:
+    twin: Twin | None = None,
+) -> tuple[list[_Kernel], list[tuple[str, int, int]]]:
     by_correlation: dict[Any, _Event] = {}
     for api in runtime:
         corr = api.args.get("correlation")
@@ -355,6 +424,7 @@ def _attribute_kernels(
             by_external.setdefault(ext, op)
 
     kernels: list[_Kernel] = []
+    pending: list[_Kernel] = []  # replays no provenance places, for the twin
     skipped = Counter[str]()
     for event in sorted(gpu, key=lambda e: e.ts):
         launch = by_correlation.get(event.args.get("correlation"))
@@ -381,7 +451,7 @@ def _attribute_kernels(
         enclosing = None if replayed else _enclosing_op(site)
         key = _provenance_key(event, enclosing, provenance)
         if key is None:
-            iteration.unattributed.append(kernel)
+            (pending if replayed and twin is not None else iteration.unattributed).append(kernel)
             continue
         kernel.attribution = "medium"
         kernel.fused_ops = list(provenance[key])
@@ -403,7 +473,42 @@ def _attribute_kernels(
         call.kernels.append(kernel)
     if skipped:
         log.debug("GPU activities left out of the timeline: %s", dict(skipped))
-    return kernels
+    unjoined = _join_twin(pending, iterations, twin or {})
+    return kernels, unjoined
+
+
+def _join_twin(
+    pending: list[_Kernel], iterations: list[_Iteration], twin: Twin
+) -> list[tuple[str, int, int]]:
+    """Place replayed kernels by exact name + ordinal in the twin's iteration; returns the
+    names not joined (name, replayed per iteration, in the twin) — each left unattributed."""
+    groups: dict[tuple[int, str], list[_Kernel]] = defaultdict(list)
+    for kernel in pending:  # already in time order
+        groups[(kernel.iteration, twin_key(kernel.event.name))].append(kernel)
+    unjoined: dict[str, tuple[str, int, int]] = {}
+    for (index, name), same in groups.items():
+        iteration = iterations[index]
+        sites = list(twin.get(name, ()))
+        if len(sites) != len(same):
+            unjoined[name] = (name, len(same), len(sites))
+            iteration.unattributed.extend(same)
+            continue
+        for kernel, site in zip(same, sites, strict=True):
+            if site is None:
+                iteration.unattributed.append(kernel)
+                continue
+            kernel.attribution = "medium"
+            kernel.fused_ops = list(site.fused_ops)
+            owner = ("twin", site.operator, site.call_index)
+            call = iteration.calls.get(owner)
+            if call is None:
+                event = kernel.event
+                call = _Call(site.operator, event.ts, event.end, event.ts, 0.0, [], "medium")
+                call.fused_ops = list(site.fused_ops)
+                iteration.calls[owner] = call
+            call.ts = min(call.ts, kernel.event.ts)
+            call.kernels.append(kernel)
+    return sorted(unjoined.values())
 
 
 def _launching_op(
@@ -523,6 +628,7 @@ def _summarise(
     runtime: list[_Event],
     window: _Window,
     device_type: str,
+    with_twin: bool = False,
 ) -> tuple[TimelineSummary, list[EdgeCaseFlag]]:
     """GPU mode sums kernel time; CPU mode sums the time of the operators themselves."""
     n = len(iterations)
@@ -557,7 +663,9 @@ def _summarise(
         attributed_share=_share(total - sum(lost.values()), total),
         high_share=_share(high, total),
     )
-    flags = _gpu_flags(kernels, runtime, window, n, total) if device_type == "cuda" else []
+    flags = (
+        _gpu_flags(kernels, runtime, window, n, total, with_twin) if device_type == "cuda" else []
+    )
     if total and sum(lost.values()) / total > UNATTRIBUTED_LIMIT:
         what = "kernel time" if device_type == "cuda" else "operator time"
         flags.append(_unattributed_flag(what, lost, total, n))
@@ -570,6 +678,7 @@ def _gpu_flags(
     window: _Window,
     n: int,
     total: float,
+    with_twin: bool = False,
 ) -> list[EdgeCaseFlag]:
     flags = []
     overlap = _multi_stream_overlap(kernels)
@@ -599,8 +708,9 @@ def _gpu_flags(
         detail = (
             f"{len(replays) / n:g} graph launches per iteration replay {len(replayed) / n:g} "
             f"kernels ({_share(time, total):.1%} of kernel time) that have no launch of their "
-            f"own: {placed / n:g} placed through Inductor provenance, "
-            f"{(len(replayed) - placed) / n:g} unattributed"
+            f"own: {placed / n:g} placed through Inductor provenance"
+            + (" or the uncaptured twin" if with_twin else "")
+            + f", {(len(replayed) - placed) / n:g} unattributed"
         )
         flags.append(EdgeCaseFlag(name="cuda_graph_replay", detail=detail))
     return flags

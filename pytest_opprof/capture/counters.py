@@ -10,15 +10,18 @@ target process (``counters_target_task``) wraps the one measured call in
 the range somehow matched more, the join below reports the surplus instead of ncu replaying
 kernels for an hour.
 
-Kernel names: ncu prints names with ``--print-kernel-base demangled`` (its default,
-``function``, would drop the namespace), the same demangled form the
-torch profiler (CUPTI) puts in the trace. Both sides then go through ``kernel_key``, which drops
-the return type, template arguments and parameter list and keeps the qualified function name,
-because the two demanglers format templates and parameters differently (spaces, ``(anonymous
-namespace)``). Different instantiations of one template share a key; the join is by key *and*
-ordinal among the kernels of that key in launch order, so they still pair up in order, and a
-count that differs for a key is a warning naming the kernels, never a shifted join. Keys compare
-exactly, so ``triton_poi_fused_add_1`` never matches ``triton_poi_fused_add_10``.
+Kernel names: ncu prints names with ``--print-kernel-base demangled``, the torch profiler
+(CUPTI) its own demangled form, and on the H200 (ncu 2025.3.1, torch 2.11) the two differ in
+more than spacing: ncu drops inner namespaces (CUPTI's ``at::native::(anonymous
+namespace)::max_pool_forward_nchw<float, int>(int, float const*, ...)`` is ncu's
+``at::<unnamed>::max_pool_forward_nchw<float, int>(T2, const T1 *, ...)``, and
+``cask_plugin__5x_cudnn::xmma__5x_cudnn::init_device_workspace_kernel`` is
+``cask_plugin__5x_cudnn::init_device_workspace_kernel``). ``kernel_key`` therefore keeps the
+function's own name only — no namespaces, return type, template arguments or parameters. The
+join is by key *and* ordinal among the kernels of that key in launch order, and each pair must
+agree on its launch geometry (grid and block) where both sides know it; a key whose counts or
+geometries differ is a warning naming the kernels, never a shifted join. Keys compare exactly,
+so ``triton_poi_fused_add_1`` never matches ``triton_poi_fused_add_10``.
 
 Everything here is data in, data out: failures come back as ``CountersResult.note`` and
 ``warnings``, never raised. No torch at module level (``counters_target_task`` imports it).
@@ -35,13 +38,14 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pytest_opprof.schema import KernelRecord, Timeline
+from pytest_opprof.schema import KernelRecord, Profile, Timeline
 
 NVTX_RANGE = "opprof_iteration"
 TARGET_TASK = "counters_target"
@@ -324,6 +328,14 @@ class NcuRow(BaseModel):
     id: int
     name: str
     values: dict[str, float | None]
+    grid: list[int] | None = None
+    block: list[int] | None = None
+
+
+def _dims(cell: str) -> list[int] | None:
+    """``"(256, 1, 1)"`` -> ``[256, 1, 1]``; None for anything else."""
+    numbers = re.findall(r"\d+", cell)
+    return [int(n) for n in numbers] if len(numbers) == 3 else None
 
 
 def parse_raw_csv(text: str) -> tuple[list[NcuRow], list[str]]:
@@ -342,6 +354,8 @@ def parse_raw_csv(text: str) -> tuple[list[NcuRow], list[str]]:
     if not has_units:
         units = [""] * len(header)
     name_col = header.index("Kernel Name")
+    grid_col = header.index("Grid Size") if "Grid Size" in header else None
+    block_col = header.index("Block Size") if "Block Size" in header else None
     metric_cols = [i for i, h in enumerate(header) if "__" in h]
     rows = []
     for cells in body:
@@ -352,6 +366,8 @@ def parse_raw_csv(text: str) -> tuple[list[NcuRow], list[str]]:
                 id=int(cells[0]),
                 name=cells[name_col],
                 values={header[i]: to_base(cells[i], units[i]) for i in metric_cols},
+                grid=_dims(cells[grid_col]) if grid_col is not None else None,
+                block=_dims(cells[block_col]) if block_col is not None else None,
             )
         )
     rows.sort(key=lambda r: r.id)
@@ -390,8 +406,8 @@ def logical_metrics(row: NcuRow, resolved: Mapping[str, str | None]) -> dict[str
 
 
 def kernel_key(name: str) -> str:
-    """The qualified function name of a demangled kernel name: no return type, template
-    arguments or parameters. ``void at::native::k<float, 4>(float*)`` -> ``at::native::k``."""
+    """The function's own name in a demangled kernel name: no namespaces, return type, template
+    arguments or parameters. ``void at::native::k<float, 4>(float*)`` -> ``k``."""
     out: list[str] = []
     depth = 0
     for ch in name.strip():
@@ -409,8 +425,8 @@ def kernel_key(name: str) -> str:
             if level == 0:
                 text = text[:i].rstrip()
                 break
-    text = re.sub(r"\(anonymous namespace\)", "(anonymous_namespace)", text)
-    return text.split()[-1] if text.split() else text
+    qualified = text.split()[-1] if text.split() else text
+    return qualified.rsplit("::", 1)[-1]
 
 
 def join(
@@ -433,6 +449,22 @@ def join(
                 f"{len(n)}x under ncu; its counters are left out rather than paired by guess"
             )
             continue
+        clash = next(
+            (
+                (timeline[i], row)
+                for i, row in zip(t, n, strict=True)
+                if _geometry_differs(timeline[i], row)
+            ),
+            None,
+        )
+        if clash is not None:
+            k, row = clash
+            warnings.append(
+                f"counters: kernel {key!r} launched with grid {k.grid} block {k.block} in the "
+                f"timeline but grid {row.grid} block {row.block} under ncu (row {row.id}); its "
+                "counters are left out rather than paired by guess"
+            )
+            continue
         for i, row in zip(t, n, strict=True):
             out.append(
                 KernelCounters(
@@ -444,6 +476,12 @@ def join(
             )
     out.sort(key=lambda c: c.index)
     return out, warnings
+
+
+def _geometry_differs(kernel: KernelRecord, row: NcuRow) -> bool:
+    grid_clash = None not in (kernel.grid, row.grid) and kernel.grid != row.grid
+    block_clash = None not in (kernel.block, row.block) and kernel.block != row.block
+    return grid_clash or block_clash
 
 
 # ------------------------------------------------------------------------ roofline, operators
@@ -728,8 +766,6 @@ def counters_for_capture(
     every ``eager``/``compiled`` timeline gets its counters; returns the timelines,
     ``Profile.counters`` (None when the pass did not run) and warnings for the profile.
     ``--opprof-ncu=auto`` without ncu is a one-line note; ``on`` without it, a warning."""
-    from pytest_opprof.knowledge import lookup_gpu
-
     if device != "cuda" or options.ncu == "off":
         return list(timelines), None, []
     ncu = find_ncu()
@@ -738,49 +774,104 @@ def counters_for_capture(
         if options.ncu == "on":
             return list(timelines), {"note": note}, [f"--opprof-ncu=on: {note}; no counters"]
         return list(timelines), {"note": note}, []
-    cc = str(info.get("compute_capability") or "")
-    major_minor = (int(cc.split(".")[0]), int(cc.split(".")[1])) if "." in cc else None
-    match = lookup_gpu(str(info.get("device_name", "")), info.get("sm_count"), major_minor)
-    gpu = match.spec if match is not None else None
+    gpu = gpu_of(info)
     work_dir = Path(spec["out_dir"]) / "profiler_output" / "ncu"
     out: list[Timeline] = []
     summary: dict[str, Any] = {"ncu": Path(ncu).name, "clock_control": options.ncu_clock_control}
     warnings: list[str] = []
+    done: dict[tuple[Any, ...], tuple[str, CountersResult]] = {}
     for timeline in timelines:
         kernels = timeline_kernels(timeline)
-        result = run_counters(
-            spec,
-            kernels,
-            label=timeline.label,
-            work_dir=work_dir,
-            sudo_mode=options.ncu_sudo,
-            clock_control=options.ncu_clock_control,
-            ncu=ncu,
-            # Both labels together stay well inside the capture stage's own timeout, so a slow
-            # replay costs the counters, never the profile.
-            timeout=min(300.0, float(options.timeout) / 4),
-        )
+        launches = tuple((k.name, tuple(k.grid or ()), tuple(k.block or ())) for k in kernels)
+        started = time.perf_counter()
+        if launches in done:
+            # The same kernels in the same order (a model Dynamo leaves to eager, as nn.LSTM):
+            # one replay serves both timelines.
+            same_as, result = done[launches]
+        else:
+            same_as = None
+            result = run_counters(
+                spec,
+                kernels,
+                label=timeline.label,
+                work_dir=work_dir,
+                sudo_mode=options.ncu_sudo,
+                clock_control=options.ncu_clock_control,
+                ncu=ncu,
+                # Both labels together stay well inside the capture stage's own timeout, so a
+                # slow replay costs the counters, never the profile.
+                timeout=min(300.0, float(options.timeout) / 4),
+            )
+            done[launches] = (timeline.label, result)
+        seconds = time.perf_counter() - started
         if result.note:
             warnings.append(f"{timeline.label} timeline: {result.note}")
             out.append(timeline)
         else:
             out.append(apply_to_timeline(timeline, result, gpu, dtype))
         warnings += [f"{timeline.label} timeline: {w}" for w in result.warnings]
-        total = sum(k.duration_us for k in kernels)
-        covered = {c.index for c in result.metrics}
         summary[timeline.label] = {
-            "note": result.note,
-            "resolved": result.resolved,
-            "kernels": len(kernels),
-            "kernels_with_counters": len(covered),
-            "time_coverage": (
-                sum(k.duration_us for i, k in enumerate(kernels) if i in covered) / total
-                if total
-                else None
-            ),
-            "warnings": result.warnings,
+            **_summary_entry(kernels, result),
+            "seconds": round(seconds, 1),
+            "reused_from": same_as,
         }
     return out, summary, warnings
+
+
+def _summary_entry(kernels: Sequence[KernelRecord], result: CountersResult) -> dict[str, Any]:
+    total = sum(k.duration_us for k in kernels)
+    covered = {c.index for c in result.metrics}
+    return {
+        "note": result.note,
+        "resolved": result.resolved,
+        "kernels": len(kernels),
+        "kernels_with_counters": len(covered),
+        "time_coverage": (
+            sum(k.duration_us for i, k in enumerate(kernels) if i in covered) / total
+            if total
+            else None
+        ),
+        "warnings": result.warnings,
+    }
+
+
+def gpu_of(meta: Mapping[str, Any] | Any) -> Any:
+    """The ``knowledge.GpuSpec`` of a device description — ``environment()``'s dict or a
+    profile's ``capture_metadata`` — or None where the table has no match."""
+    from pytest_opprof.knowledge import lookup_gpu
+
+    fields = meta if isinstance(meta, Mapping) else meta.model_dump()
+    cc = str(fields.get("compute_capability") or "")
+    major_minor = (int(cc.split(".")[0]), int(cc.split(".")[1])) if "." in cc else None
+    match = lookup_gpu(str(fields.get("device_name", "")), fields.get("sm_count"), major_minor)
+    return match.spec if match is not None else None
+
+
+def rejoin(profile: Profile, ncu_dir: Path) -> Profile:
+    """``profile`` with the ncu output a run saved in ``ncu_dir`` (``ncu.<label>.log``)
+    joined again to its timelines by this version's join — no GPU needed, nothing measured
+    anew. Timelines without a log keep what they have; ``counters`` records the new join."""
+    gpu = gpu_of(profile.capture_metadata)
+    counters = dict(profile.counters or {})
+    timelines = []
+    for timeline in profile.timelines:
+        log = ncu_dir / f"ncu.{timeline.label}.log"
+        if not log.exists():
+            timelines.append(timeline)
+            continue
+        kernels = timeline_kernels(timeline)
+        result = parse_run(0, log.read_text(encoding="utf-8", errors="replace"), "", kernels)
+        timelines.append(apply_to_timeline(timeline, result, gpu, profile.capture_metadata.dtype))
+        before = counters.get(timeline.label)
+        before = before if isinstance(before, dict) else {}
+        counters[timeline.label] = {
+            **before,
+            **_summary_entry(kernels, result),
+            "rejoined": True,
+            # What the run itself said (a replay that outlived its limit still wrote its log).
+            "note_at_capture": before.get("note_at_capture", before.get("note")),
+        }
+    return profile.model_copy(update={"timelines": timelines, "counters": counters})
 
 
 # ------------------------------------------------------------------------------ child side

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
-from pytest_opprof.capture.attribution import ITERATION_MARK, build_timeline, load_trace
+from pytest_opprof.capture.attribution import ITERATION_MARK, Twin, build_timeline, load_trace
 from pytest_opprof.capture.timing import synchronize
 from pytest_opprof.schema import EdgeCaseFlag, Timeline
 
@@ -30,7 +30,10 @@ def capture_timeline(
     iterations: int,
     trace_path: Path,
     provenance: dict[str, list[str]] | None = None,
+    twin: Twin | None = None,
 ) -> tuple[Timeline, list[EdgeCaseFlag]]:
+    """Profile ``iterations`` calls of ``fn`` and attribute them; ``twin`` places the kernels
+    of CUDA-graph replays (``attribution.replay_twin``)."""
     activities = [ProfilerActivity.CPU]
     if device == "cuda":
         activities.append(ProfilerActivity.CUDA)
@@ -57,4 +60,5 @@ def capture_timeline(
         device_type="cuda" if device == "cuda" else "cpu",
         provenance=provenance,
         trace_file=trace_path.name,
+        twin=twin,
     )

@@ -266,6 +266,17 @@ def proposal_status(a: WorkloadArtifacts, p: Proposal) -> str:
             if d.id == p.id:
                 return f"dropped: {one_line(d.reason, 200)}"
     in_plan = a.selection is not None and p.id in a.selection.plan.proposals
+    if (
+        in_plan
+        and a.selection is not None
+        and a.selection.plan.cuda_graph_model
+        and p.type == "cuda_graphs"
+        and p.params.get("scope") != "model"
+    ):
+        return (
+            "superseded: its gain was kept, then one CUDA graph of the whole call "
+            "(cuda_graphs-model) replaced Inductor's per-graph CUDA graphs"
+        )
     if a.validation is not None:
         for ps in a.validation.passes:
             if ps.name in (p.id, p.type):
@@ -601,6 +612,15 @@ def section_optimizations(a: WorkloadArtifacts) -> list[str]:
         lines += table(
             ["id", "type", "IR level", "targets", "confidence", "estimated", "status"], rows
         )
+    added = _selection_additions(a)
+    if added:
+        lines += [
+            "",
+            "Added by measured selection (tried on every GPU workload, not proposed):",
+            "",
+        ]
+        lines += [f"- `{pid}`: {status}" for pid, status in added]
+        lines.append("")
     for p in opts.proposals:
         lines += [f"### {p.id} · {p.type}", ""]
         lines.append(f"- **Status:** {proposal_status(a, p)}")
@@ -632,6 +652,39 @@ def section_optimizations(a: WorkloadArtifacts) -> list[str]:
     return lines
 
 
+WHOLE_GRAPH = "whole-model CUDA graph"
+
+
+def _selection_additions(a: WorkloadArtifacts) -> list[tuple[str, str]]:
+    """Variants selection tried that no proposal asked for (CUDA graphs on a GPU), kept or
+    dropped, with what validation recorded for them."""
+    if a.selection is None or a.optimizations is None:
+        return []
+    proposed = {p.id for p in a.optimizations.proposals}
+    out: list[tuple[str, str]] = []
+    dropped = {d.id: d.reason for d in a.selection.dropped}
+    for pid in [*a.selection.plan.proposals, *dropped]:
+        if pid in proposed or pid in {x for x, _ in out}:
+            continue
+        if pid in dropped:
+            out.append((pid, f"dropped: {one_line(dropped[pid], 200)}"))
+            continue
+        record = next(
+            (
+                ps
+                for ps in (a.validation.passes if a.validation else [])
+                # Validation reports of 2026-11-30 named this record by its type.
+                if ps.name == pid or (ps.detail.startswith(WHOLE_GRAPH) and pid.endswith("-model"))
+            ),
+            None,
+        )
+        status = "in the chosen plan"
+        if record is not None:
+            status = record.status + (f" ({one_line(record.detail, 160)})" if record.detail else "")
+        out.append((pid, status))
+    return out
+
+
 def _plan_text(plan: BackendPlan) -> str:
     parts = []
     if plan.dtype:
@@ -649,6 +702,8 @@ def _plan_text(plan: BackendPlan) -> str:
             "Inductor config "
             + ", ".join(f"{k}={v}" for k, v in sorted(plan.config_patches.items()))
         )
+    if plan.cuda_graph_model:
+        parts.append("one CUDA graph of the whole call")
     return "; ".join(parts) or "no change (the reference itself)"
 
 

@@ -32,8 +32,10 @@ import pytest
 from pytest_opprof.capture.attribution import (
     COMPILED_GRAPH_OPERATOR,
     ITERATION_MARK,
+    TwinSite,
     build_timeline,
     load_trace,
+    replay_twin,
 )
 from pytest_opprof.errors import ArtifactError
 from pytest_opprof.schema import EdgeCaseFlag, OperatorRecord, Timeline
@@ -182,6 +184,68 @@ def test_cuda_graph_replay_uses_provenance_and_is_flagged() -> None:
     detail = flag(flags, "cuda_graph_replay").detail
     assert "1 graph launches per iteration replay 2 kernels" in detail
     assert "1 placed through Inductor provenance, 1 unattributed" in detail
+
+
+def _cutlass_name(timeline: Timeline) -> str:
+    return next(k.name for k in timeline.unattributed_kernels if k.name.startswith(CUTLASS_PREFIX))
+
+
+def test_cuda_graph_replay_placed_by_the_uncaptured_twin() -> None:
+    plain, _ = synthetic()
+    gemm = _cutlass_name(plain)
+    twin = {gemm: [TwinSite("aten::mm", 1, ("aten::mm",))]}
+    timeline, flags = build_timeline(
+        load_trace(SYNTHETIC),
+        label="optimized",
+        compile_mode="graphs",
+        device_type="cuda",
+        provenance=PROVENANCE,
+        twin=twin,
+    )
+    # Only the launch with no provenance (not a replay) stays unattributed.
+    assert [k.name for k in timeline.unattributed_kernels] == ["triton_poi_fused_mul_3"]
+    placed = [o for o in timeline.operators if o.kernels and o.kernels[0].name == gemm]
+    assert len(placed) == 1 and placed[0].name == "aten::mm"
+    assert placed[0].kernels[0].attribution == "medium" and placed[0].fused_ops == ["aten::mm"]
+    assert placed[0].cpu_time_us == 0.0 and placed[0].gpu_time_us == 15.0
+    assert timeline.summary.attributed_share > plain.summary.attributed_share
+    detail = flag(flags, "cuda_graph_replay").detail
+    assert "2 placed through Inductor provenance or the uncaptured twin, 0 unattributed" in detail
+
+
+def test_twin_with_a_different_count_is_not_joined_but_flagged(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    plain, _ = synthetic()
+    gemm = _cutlass_name(plain)
+    site = TwinSite("aten::mm", 0, ("aten::mm",))
+    with caplog.at_level(logging.WARNING):
+        timeline, flags = build_timeline(
+            load_trace(SYNTHETIC),
+            label="optimized",
+            compile_mode="graphs",
+            device_type="cuda",
+            provenance=PROVENANCE,
+            twin={gemm: [site, site]},
+        )
+    assert gemm in [k.name for k in timeline.unattributed_kernels]
+    detail = flag(flags, "cuda_graph_replay").detail
+    assert "not joined to the twin" in detail and "(1 replayed, 2 in the twin)" in detail
+    assert "not joined to the uncaptured twin" in caplog.text
+
+
+def test_replay_twin_lists_each_name_in_launch_order() -> None:
+    timeline, _ = synthetic()
+    twin = replay_twin(timeline)
+    gemms = [n for n in twin if n.startswith(GEMM_PREFIX)]
+    assert gemms
+    sites = twin[gemms[0]]
+    assert [s.operator if s else None for s in sites] == ["aten::linear"] * len(sites)
+    assert [s.call_index for s in sites if s] == list(range(len(sites)))
+    # The unattributed replay keeps its place, as None, so later ordinals do not shift.
+    assert twin[_cutlass_name(timeline)] == [None]
+    triton = twin["triton_poi_fused_add_10"]
+    assert triton[0] is not None and triton[0].fused_ops == ("aten::add", "aten::relu")
 
 
 def test_memcpy_and_memset_are_attributed_like_kernels() -> None:
@@ -422,25 +486,47 @@ def _h200_params() -> list[Any]:
     return [pytest.param(path, id=path.name) for path in H200]
 
 
-@pytest.mark.parametrize("path", _h200_params())
-def test_real_h200_trace(path: Path) -> None:
+def _real(path: Path, twin: Any = None) -> tuple[Timeline, list[EdgeCaseFlag], Any]:
+    """A real trace attributed as the pipeline does: its label's provenance (the uncaptured
+    twin's is its optimized run's), and the twin's timeline for a CUDA-graph run."""
     stem = path.name.split(".trace.json")[0]
-    sibling = path.with_name(f"{stem}.provenance.json")
+    sibling = path.with_name(f"{stem.removesuffix('_uncaptured')}.provenance.json")
     provenance = json.loads(sibling.read_text()) if sibling.exists() else None
     trace = load_trace(path)
     timeline, flags = build_timeline(
-        trace, label=stem, compile_mode=stem, device_type="cuda", provenance=provenance
+        trace,
+        label=stem,
+        compile_mode=stem,
+        device_type="cuda",
+        provenance=provenance,
+        twin=twin,
     )
+    return timeline, flags, trace
+
+
+@pytest.mark.parametrize("path", _h200_params())
+def test_real_h200_trace(path: Path) -> None:
+    stem = path.name.split(".trace.json")[0]
+    uncaptured = path.with_name(f"{stem}_uncaptured.trace.json.gz")
+    twin = replay_twin(_real(uncaptured)[0]) if uncaptured.exists() else None
+    timeline, flags, trace = _real(path, twin)
     summary = timeline.summary
     assert summary.kernels_per_iter * summary.iterations == _kernels_launched_in_marks(trace)
     every = [k for o in timeline.operators for k in o.kernels] + timeline.unattributed_kernels
     accounted = sum(k.duration_us for k in every)
     assert accounted == pytest.approx(summary.device_time_per_iter_us, rel=0.02)
-    if "eager" in stem:
+    replayed = [f for f in flags if f.name == "cuda_graph_replay"]
+    if "." not in stem:  # the eager timeline
         assert summary.attributed_share >= 0.99
         assert summary.high_share >= 0.95
-    elif provenance is not None and not [f for f in flags if f.name == "cuda_graph_replay"]:
+    elif twin is not None or not replayed:
         assert summary.attributed_share >= 0.99
+    if twin is not None:  # this run's optimized timeline: a whole-model CUDA graph
+        assert replayed and "0 unattributed" in replayed[0].detail
+    for op in timeline.operators:  # every Triton kernel tied to the ATen ops it fuses
+        for k in op.kernels:
+            if k.name.startswith("triton_"):
+                assert k.attribution == "medium" and k.fused_ops, (k.name, op.name)
 
 
 def _kernels_launched_in_marks(trace: dict[str, Any]) -> int:

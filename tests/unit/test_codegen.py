@@ -50,3 +50,29 @@ def test_optimized_callable_follows_the_flag() -> None:
     )
     assert compiled is not model
     torch.testing.assert_close(compiled(torch.ones(1, 2)), model(torch.ones(1, 2)))
+
+
+def test_whole_model_cuda_graph_plan_is_written_as_a_flag(tmp_path: Path) -> None:
+    plan = BackendPlan(cuda_graph_model=True, proposals=["cuda_graphs-model"])
+    text = _render(tmp_path, "cuda_graphs-model", plan)
+    assert "CUDA_GRAPH = True" in text and "triton.cudagraphs" not in text
+    assert "def optimize(model" in text
+    compile(text, "w_optimized.py", "exec")
+    assert "CUDA_GRAPH = False" in _render(tmp_path, "b-1", BackendPlan(proposals=["b-1"]))
+
+
+def test_whole_model_cuda_graph_replaces_inductor_graphs_in_the_plan() -> None:
+    from pytest_opprof.backend.plan import add_proposal
+    from pytest_opprof.runner import _auto_cuda_graphs
+
+    plan = add_proposal(BackendPlan(), _auto_cuda_graphs())
+    assert plan.config_patches == {"triton.cudagraphs": True} and not plan.cuda_graph_model
+    plan = add_proposal(plan, _auto_cuda_graphs(scope="model"))
+    assert plan.config_patches == {} and plan.cuda_graph_model
+    assert plan.proposals == ["cuda_graphs-selection", "cuda_graphs-model"]
+
+
+def test_optimize_records_no_graph_without_cuda() -> None:
+    model = torch.nn.Linear(2, 2).eval()
+    fn = runtime.optimize(model, "eager", compile=False, cuda_graph=True)
+    assert fn is model or torch.cuda.is_available()

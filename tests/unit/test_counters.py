@@ -20,7 +20,8 @@ from pytest_opprof.schema import (
     TimelineSummary,
 )
 
-DATA = Path(__file__).parents[1] / "data" / "ncu"
+ROOT = Path(__file__).parents[2]
+DATA = ROOT / "tests" / "data" / "ncu"
 GEMM = "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64_warpgroupsize1x1_execute_"
 GEMM += "segment_k_off_kernel__5x_cublas"
 ATEN = (
@@ -247,11 +248,18 @@ def test_missing_metric_is_none_and_fallback_is_used() -> None:
     ("name", "key"),
     [
         ("triton_poi_fused_add_10", "triton_poi_fused_add_10"),
-        (ATEN, "at::native::vectorized_elementwise_kernel"),
+        (ATEN, "vectorized_elementwise_kernel"),
         ("void (anonymous namespace)::softmax_warp_forward<float, 4>(float*, int)",
-         "(anonymous_namespace)::softmax_warp_forward"),
+         "softmax_warp_forward"),
         ("at::native::vectorized_elementwise_kernel<4, X<(int)1> >",
-         "at::native::vectorized_elementwise_kernel"),
+         "vectorized_elementwise_kernel"),
+        # The same kernel as CUPTI and as ncu 2025.3.1 named it on the H200.
+        ("void at::native::(anonymous namespace)::max_pool_forward_nchw<float, int>(int, float "
+         "const*, long, long, long, int, int, int, int, int, int, int, int, int, int, float*, "
+         "long*)", "max_pool_forward_nchw"),
+        ("void at::<unnamed>::max_pool_forward_nchw<float, int>(T2, const T1 *, long, long, long, "
+         "int, int, int, int, int, int, int, int, int, int, T1 *, long *)",
+         "max_pool_forward_nchw"),
     ],
 )  # fmt: skip
 def test_kernel_key(name: str, key: str) -> None:
@@ -616,6 +624,62 @@ def test_counters_for_capture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     mm = next(a for a in timelines[0].aggregated if a.name == "aten::mm")
     assert mm.metrics["pct_of_roofline"] is not None
     assert (tmp_path / "out" / "profiler_output" / "ncu" / "ncu.compiled.log").exists()
+
+
+def test_one_replay_serves_timelines_with_the_same_kernels(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pytest_opprof.options import OpprofOptions
+
+    fake = _fake_ncu(tmp_path)
+    runs: list[str] = []
+    real = c.run_counters
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        runs.append(kwargs["label"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(c, "run_counters", counting)
+    monkeypatch.setattr(c, "find_ncu", lambda: str(fake))
+    eager = _full_timeline().model_copy(update={"label": "eager"})
+    opts = OpprofOptions(ncu="auto", ncu_sudo="false")
+    spec = {"out_dir": str(tmp_path / "out"), "workload": "w.py"}
+    timelines, summary, _ = c.counters_for_capture(
+        spec, [eager, _full_timeline()], {}, opts, "float32"
+    )
+    assert runs == ["eager"]
+    assert summary is not None and summary["compiled"]["reused_from"] == "eager"
+    assert summary["eager"]["reused_from"] is None and summary["eager"]["seconds"] >= 0
+    assert summary["compiled"]["kernels_with_counters"] == 5
+    assert timelines[1].operators[0].kernels[0].metrics == timelines[0].operators[0].kernels[0].metrics
+
+
+H200_NCU = sorted((DATA / "h200").glob("*.log"))
+
+
+@pytest.mark.parametrize("log", H200_NCU, ids=[p.stem for p in H200_NCU])
+def test_real_h200_ncu_output_joins_every_kernel(log: Path) -> None:
+    """ncu 2025.3.1 on the H200 against the timeline of the same run (examples/<name>/h200/):
+    every kernel of the iteration paired, by function name + ordinal + launch geometry, though
+    ncu names kernels with fewer namespaces than the profiler does."""
+    from pytest_opprof.schema import Profile, read_artifact
+
+    name, label = log.stem.rsplit(".", 1)
+    profile = read_artifact(ROOT / "examples" / name / "h200" / "profile.json", Profile)
+    timeline = next(t for t in profile.timelines if t.label == label)
+    kernels = c.timeline_kernels(timeline)
+    result = c.parse_run(0, log.read_text(encoding="utf-8"), "", kernels)
+    assert result.note is None and result.warnings == []
+    assert sorted(k.index for k in result.metrics) == list(range(len(kernels)))
+    for joined in result.metrics:
+        assert joined.metrics["gpu_time_ns"] is not None and joined.metrics["gpu_time_ns"] > 0
+        assert joined.metrics["dram_bytes_read"] is not None
+
+
+def test_real_h200_ncu_names_differ_from_the_profiler() -> None:
+    """Why the key drops namespaces: the same max-pool kernel as each side named it."""
+    ncu = (DATA / "h200" / "conv_block.eager.log").read_text(encoding="utf-8")
+    assert "void at::<unnamed>::max_pool_forward_nchw<float, int>(" in ncu
 
 
 @pytest.mark.parametrize(("mode", "warned"), [("auto", False), ("on", True)])
