@@ -448,6 +448,15 @@ def task_select(spec: dict[str, Any]) -> None:
                     id=p.id, type=p.type, reason=f"failed to build: {reason[:200]}"
                 )
             return False
+        unchanged = _applied_nowhere(rung.proposals, built.results)
+        if unchanged is not None:
+            # Timing an identical program only measures noise; a lucky CI must not keep it.
+            variants.append(VariantResult(name=name, plan=plan, error="applied nowhere"))
+            for p in rung.proposals:
+                dropped[p.id] = DroppedProposal(
+                    id=p.id, type=p.type, reason=f"applied nowhere: {unchanged[:200]}"
+                )
+            return False
         rtol, atol = tolerance_for(plan.dtype, spec.get("overrides"))
         numerics = compare(reference_out, got, dtype=plan.dtype, rtol=rtol, atol=atol)
         if not numerics.ok:
@@ -519,6 +528,21 @@ def task_select(spec: dict[str, Any]) -> None:
         waterfall=waterfall,
     )
     write_artifact(out_dir / "profiler_output" / "backend_selection.json", selection)
+
+
+def _applied_nowhere(proposals: Any, results: Any) -> str | None:
+    """What the passes said when every proposal of a rung has a pass record and none of them
+    applied (the program is unchanged); None when any applied or one has no record (Inductor
+    settings and CUDA graphs record none)."""
+    said = []
+    for p in proposals:
+        mine = [r for r in results if r.name == p.type]
+        if not mine:
+            return None
+        if any(r.status == "APPLIED" for r in mine):
+            return None
+        said.append(f"{p.id}: {mine[0].detail}")
+    return "; ".join(said) if said else None
 
 
 def _auto_cuda_graphs(scope: str = "graph") -> Any:

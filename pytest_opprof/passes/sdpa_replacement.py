@@ -5,9 +5,13 @@ kernel instead of materialising the L x S score matrix.
 
 Runs on the Dynamo graph, where the chain is still written in torch functions, operators and
 tensor methods. Accepted between the two matmuls: any number of scalings by a Python number
-(``*``, ``/``), one mask — additive (``+ mask``, same dtype as the scores) or
-``masked_fill(cond, -inf)`` — and an inactive dropout (``training=False`` or ``p == 0``). A
-mask that is a compile-time constant equal to the causal pattern becomes ``is_causal=True``.
+(``*``, ``/``), one mask — additive (``+ mask``, same dtype as the scores),
+``masked_fill(cond, -inf)``, or ``torch.where(keep, scores, fill)`` with ``fill`` -inf or a
+finite value at most float16's lowest (HF GPT-2 writes ``torch.finfo(dtype).min``) — and an
+inactive dropout (``training=False`` or ``p == 0``). A mask that is a compile-time constant
+equal to the causal pattern becomes ``is_causal=True``. A finite fill only matches the -inf of
+SDPA where no row is wholly masked, so it is replaced only when the mask is that causal
+constant (every row keeps its diagonal).
 Dropout in training mode, a softmax over another dim, or intermediate values read elsewhere
 leave the site alone.
 """
@@ -66,6 +70,8 @@ class _Site:
     key_t: torch.fx.Node | None = None
     additive_mask: torch.fx.Node | None = None
     fill_cond: torch.fx.Node | None = None
+    keep_cond: torch.fx.Node | None = None  # torch.where(keep, scores, fill)
+    finite_fill: bool = False
 
 
 def _rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[int, str]:
@@ -73,6 +79,10 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[i
     sites = [s for n in list(gm.graph.nodes) if (s := _match(n)) is not None]
     if not sites:
         return 0, "no softmax(q @ k^T) @ v chain"
+    # A finite fill equals SDPA's -inf only where every row keeps an entry: causal masks.
+    sites = [s for s in sites if not s.finite_fill or _is_causal(s, constants)]
+    if not sites:
+        return 0, "attention masked with a finite fill whose mask is not causal: left as is"
     notes = [_replace(gm, site, constants) for site in sites]
     detail = f"{len(sites)} attention block(s) -> scaled_dot_product_attention"
     return len(sites), f"{detail} ({', '.join(notes)})"
@@ -133,6 +143,8 @@ def _match(sm: torch.fx.Node) -> _Site | None:
         # mask too; after masked_fill(-inf) only a positive factor keeps -inf at -inf.
         if (kind == "add" and scaled_since) or any(f <= 0 for f in scaled_since):
             return None
+        if kind == "where" and scaled_since and _where_fill(node) != float("-inf"):
+            return None  # a scaling after a finite fill would move it
         mask_seen = kind
         chain.append(node)
         node = _chain_input(node)
@@ -151,6 +163,9 @@ def _match(sm: torch.fx.Node) -> _Site | None:
             site.additive_mask = _mask_operand(link)
         elif _mask_kind(link) == "fill":
             site.fill_cond = link.args[1]  # type: ignore[assignment]  # a Node: see _mask_kind
+        elif _mask_kind(link) == "where":
+            site.keep_cond = link.args[0]  # type: ignore[assignment]  # a Node: see _mask_kind
+            site.finite_fill = not math.isinf(_where_fill(link) or 0.0)
     if not _mask_fits(site, fake_value(scores)):
         return None
     return site
@@ -183,13 +198,31 @@ def _mask_kind(node: torch.fx.Node) -> str | None:
         value = scalar(node.args[2])
         if value is not None and math.isinf(value) and value < 0:
             return "fill"
+    if _where_fill(node) is not None:
+        return "where"
     return None
+
+
+LOWEST_FILL = float(torch.finfo(torch.float16).min)
+"""A fill at or below this underflows ``exp`` beside any real score, in every float dtype."""
+
+
+def _where_fill(node: torch.fx.Node) -> float | None:
+    """The fill of ``torch.where(keep, scores, fill)`` when it masks like -inf, else None."""
+    if not (node.op == "call_function" and node.target is torch.where) or node.kwargs:
+        return None
+    if len(node.args) != 3 or not all(isinstance(a, torch.fx.Node) for a in node.args[:2]):
+        return None
+    value = scalar(node.args[2])
+    return value if value is not None and value <= LOWEST_FILL else None
 
 
 def _chain_input(node: torch.fx.Node) -> Any:
     """The score operand of a mask op: for ``a + b`` the one that comes from a matmul chain."""
     if _mask_kind(node) == "fill":
         return node.args[0]
+    if _mask_kind(node) == "where":
+        return node.args[1]
     a, b = node.args
     return b if _from_scores(b) and not _from_scores(a) else a
 
@@ -250,14 +283,22 @@ def _shapes_fit(q: torch.fx.Node, k: torch.fx.Node, v: torch.fx.Node) -> bool:
     return bool(same_batch and qv.shape[-1] == kv.shape[-1] and kv.shape[-2] == vv.shape[-2])
 
 
+def _mask_of(site: _Site) -> torch.fx.Node | None:
+    for mask in (site.additive_mask, site.fill_cond, site.keep_cond):
+        if mask is not None:
+            return mask
+    return None
+
+
 def _mask_fits(site: _Site, scores_val: Any) -> bool:
-    mask = site.additive_mask if site.additive_mask is not None else site.fill_cond
+    mask = _mask_of(site)
     if mask is None:
         return True
     mask_val = fake_value(mask)
     if not isinstance(mask_val, torch.Tensor) or not isinstance(scores_val, torch.Tensor):
         return False
-    if site.fill_cond is not None and mask_val.dtype != torch.bool:
+    boolean = site.fill_cond is not None or site.keep_cond is not None
+    if boolean and mask_val.dtype != torch.bool:
         return False
     if site.additive_mask is not None and mask_val.dtype != scores_val.dtype:
         return False
@@ -271,7 +312,7 @@ def _mask_fits(site: _Site, scores_val: Any) -> bool:
 
 def _is_causal(site: _Site, constants: ConstantEvaluator) -> bool:
     """The mask is a compile-time constant equal to the causal pattern for a square L x S."""
-    mask = site.additive_mask if site.additive_mask is not None else site.fill_cond
+    mask = _mask_of(site)
     value = constants.value(mask) if mask is not None else None
     if not isinstance(value, torch.Tensor) or value.dim() < 2:
         return False
@@ -282,6 +323,8 @@ def _is_causal(site: _Site, constants: ConstantEvaluator) -> bool:
     above = torch.ones(size_l, size_s, dtype=torch.bool, device=grid.device).triu(1)
     if site.fill_cond is not None:
         return bool(torch.equal(grid, above))
+    if site.keep_cond is not None:
+        return grid.dtype == torch.bool and bool(torch.equal(grid, ~above))
     if not grid.dtype.is_floating_point:
         return False
     expected = torch.zeros_like(grid).masked_fill(above, float("-inf"))
@@ -299,6 +342,8 @@ def _replace(gm: torch.fx.GraphModule, site: _Site, constants: ConstantEvaluator
         elif not causal and site.fill_cond is not None:
             attn_mask = graph.call_function(torch.logical_not, (site.fill_cond,))
             set_fake_value(attn_mask, key)
+        elif not causal and site.keep_cond is not None:
+            attn_mask = site.keep_cond  # True takes part, as SDPA's boolean mask
         sdpa = graph.call_function(
             F.scaled_dot_product_attention,
             (site.q, site.k, site.v),

@@ -39,6 +39,10 @@ class Attention(torch.nn.Module):
             scores = scores.masked_fill(tril[:, :, :T, :T] == 0, float("-inf"))
         elif self.mask == "runtime additive":
             scores = scores + extra
+        elif self.mask.startswith("where"):  # HF GPT-2's form: keep where the mask is True
+            keep = self.tril[:, :, :T, :T].bool() if "causal" in self.mask else extra > 0
+            fill = float("-inf") if "-inf" in self.mask else torch.finfo(scores.dtype).min
+            scores = torch.where(keep, scores, fill)
         probs = F.dropout(F.softmax(scores, dim=-1), p=0.1, training=False)
         return (probs @ v).transpose(1, 2).reshape(B, T, H * D)
 
@@ -51,6 +55,8 @@ class Attention(torch.nn.Module):
         ("additive causal", "causal, scale=0.353553"),
         ("masked_fill causal", "causal, scale=0.353553"),
         ("runtime additive", "masked, scale=0.353553"),
+        ("where finfo.min causal", "causal, scale=0.353553"),
+        ("where -inf runtime", "masked, scale=0.353553"),
     ],
 )
 def test_replaces_attention(dynamo_graph: DynamoCapture, mask: str, how: str) -> None:
@@ -112,3 +118,14 @@ def test_leaves_graph_alone_without_the_pattern(dynamo_graph: DynamoCapture, fn:
     result = sdpa_replacement.apply(gm, inputs)
     assert (result.status, result.matches) == ("NOT_APPLIED", 0)
     assert gm.code == code
+
+
+def test_finite_fill_with_a_runtime_mask_is_left_alone(dynamo_graph: DynamoCapture) -> None:
+    """A row the mask drops entirely is uniform with a finite fill but NaN in SDPA."""
+    model = Attention("where finfo.min runtime").eval()
+    x, extra = torch.randn(B, T, H * D), torch.randn(B, H, T, T)
+    gm, inputs = dynamo_graph(model, x, extra)
+    result = sdpa_replacement.apply(gm, inputs)
+    assert (result.status, result.matches) == ("NOT_APPLIED", 0)
+    assert "finite fill" in result.detail
+    assert count(gm, F.scaled_dot_product_attention) == 0

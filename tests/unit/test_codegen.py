@@ -76,3 +76,22 @@ def test_optimize_records_no_graph_without_cuda() -> None:
     model = torch.nn.Linear(2, 2).eval()
     fn = runtime.optimize(model, "eager", compile=False, cuda_graph=True)
     assert fn is model or torch.cuda.is_available()
+
+
+def test_a_rung_that_applied_nowhere_is_recognised() -> None:
+    from types import SimpleNamespace
+
+    from pytest_opprof.passes.base import PassResult
+    from pytest_opprof.runner import _applied_nowhere
+
+    sdpa = SimpleNamespace(id="sdpa_replacement-1", type="sdpa_replacement")
+    gelu = SimpleNamespace(id="activation_substitution-1", type="activation_substitution")
+    missed = PassResult("sdpa_replacement", "NOT_APPLIED", "no softmax(q @ k^T) @ v chain")
+    kept = PassResult("activation_substitution", "NOT_APPLIED", "left as is")
+    said = _applied_nowhere([sdpa, gelu], [missed, kept])
+    assert said is not None and "sdpa_replacement-1: no softmax" in said and "left as is" in said
+    hit = PassResult("sdpa_replacement", "APPLIED", "1 attention block(s)", 1)
+    assert _applied_nowhere([sdpa, gelu], [hit, kept]) is None
+    # A type that records nothing (Inductor settings, CUDA graphs) cannot be judged.
+    graphs = SimpleNamespace(id="cuda_graphs-selection", type="cuda_graphs")
+    assert _applied_nowhere([graphs], []) is None
