@@ -54,6 +54,29 @@ def stage_seconds(junit_files: list[Path]) -> dict[str, dict[str, float]]:
     return out
 
 
+LABELS = {"eager": "eager", "compiled": "compile", "optimized": "optimized"}
+
+
+def _gpu_time(where: Path) -> dict[str, dict[str, float | None]]:
+    """Per timeline: the timing pass's median per call beside the timeline's kernel time
+    (sum) and busy time (union of kernel intervals) per iteration, all in ms."""
+    out: dict[str, dict[str, float | None]] = {}
+    for name in ("profile.json", "profile_optimized.json"):
+        profile = read_artifact(where / name, Profile)
+        for t in profile.timelines:
+            stats = profile.timing.variants.get(LABELS.get(t.label, t.label))
+            if stats is None:
+                continue
+            busy = t.summary.busy_time_per_iter_us
+            out[t.label] = {
+                "timing_ms": stats.median_ms,
+                "kernel_ms": t.summary.device_time_per_iter_us / 1000.0,
+                "busy_ms": busy / 1000.0 if busy is not None else None,
+                "idle_ms": t.summary.idle_time_per_iter_us / 1000.0,
+            }
+    return out
+
+
 def summarize(folders: list[Path], junit_files: list[Path] | None = None) -> dict[str, Any]:
     stages = stage_seconds(junit_files or [])
     rows: dict[str, Any] = {}
@@ -94,6 +117,7 @@ def summarize(folders: list[Path], junit_files: list[Path] | None = None) -> dic
                 if isinstance(entry, dict)
             },
             "source": str(where),
+            "gpu_time": _gpu_time(where),
         }
         rows[name] = row
     ratios = [r["speedup_vs_compile"] for r in rows.values() if "speedup_vs_compile" in r]
@@ -128,6 +152,26 @@ def markdown(result: dict[str, Any]) -> str:
     gm = result["geomean_speedup_vs_compile"]
     lines.append("")
     lines.append(f"Geometric mean over torch.compile: {gm:.2f}×" if gm else "")
+    agree = {n: r["gpu_time"] for n, r in result["workloads"].items() if r.get("gpu_time")}
+    if agree:
+        lines += [
+            "",
+            "GPU time per call (ms): the timing pass (CUDA events, no profiler) beside the "
+            "timeline's kernel time (sum) and busy time (union of kernel intervals) per "
+            "iteration; busy/timing near 1 means the GPU never idled:",
+            "",
+            "| workload | timeline | timing | kernel sum | busy | busy / timing |",
+            "|---|---|---|---|---|---|",
+        ]
+        for name, per in agree.items():
+            for label, g in per.items():
+                busy = g["busy_ms"]
+                ratio = f"{busy / g['timing_ms']:.2f}" if busy is not None else "—"
+                shown = f"{busy:.3f}" if busy is not None else "—"
+                lines.append(
+                    f"| {name} | {label} | {g['timing_ms']:.3f} | {g['kernel_ms']:.3f} | "
+                    f"{shown} | {ratio} |"
+                )
     if timed:
         names = ["capture", "propose", "backend", "validate", "recapture", "speedup"]
         lines += ["", "Pipeline wall time per stage (s, from the stage JUnit):", ""]

@@ -541,6 +541,7 @@ def validate_file(run: WorkloadRun, generated: Path) -> ValidationReport:
                 extra.update({k: v for k, v in data.items() if k != "steps"})
             if any(s.status == "fail" for s in steps.values()):
                 break
+    llm_passes = _validate_llm_passes(run, dtype) if steps["syntax"].status == "pass" else []
     failed = next((n for n in VALIDATION_STEPS if n in steps and steps[n].status == "fail"), None)
     blocked_after(failed or "nothing")
     ordered = {n: steps[n] for n in VALIDATION_STEPS}
@@ -557,7 +558,36 @@ def validate_file(run: WorkloadRun, generated: Path) -> ValidationReport:
         checks={k: StepResult(**v) for k, v in extra.get("checks", {}).items()},
         overall="BLOCKED" if failed else "READY_FOR_PROFILING",
         message=message,
+        llm_passes=llm_passes,
     )
+
+
+def _validate_llm_passes(run: WorkloadRun, dtype: str | None) -> list[PassStatus]:
+    """Stage 3 for LLM-written pass code (``optimizations.json`` proposals with a
+    ``pass_file``): each runs in a child process on the baseline's Dynamo graph and is checked
+    against eager like the backend. It never enters the backend; the report says what it did."""
+    opt_path = run.out_dir / "optimizations.json"
+    if not opt_path.exists():
+        return []
+    proposals = read_artifact(opt_path, Optimizations).proposals
+    files = [
+        {"id": p.id, "file": str((run.out_dir / str(p.params["pass_file"])).resolve())}
+        for p in proposals
+        if p.params.get("pass_file") and p.params.get("implemented") is False
+    ]
+    if not files:
+        return []
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        try:
+            run.run_child(
+                "validate_llm_passes", "validate", passes=files, result=str(result), dtype=dtype
+            )
+            data = json.loads(result.read_text())
+        except (OpprofError, OSError, ValueError) as exc:
+            detail = f"the check itself did not finish: {str(exc).splitlines()[0][:300]}"
+            return [PassStatus(name=f["id"], status="FAILED", detail=detail) for f in files]
+    return [PassStatus(**p) for p in data["llm_passes"]]
 
 
 def _run_generated_tests(run: WorkloadRun, generated: Path) -> StepResult:

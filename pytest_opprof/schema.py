@@ -143,6 +143,12 @@ class TimelineSummary(Model):
     launch_overhead_per_call_us: float | None = None
     attributed_share: float
     high_share: float
+    busy_time_per_iter_us: float | None = Field(
+        default=None,
+        description="time at least one kernel runs (the union of kernel intervals): below "
+        "device_time_per_iter_us when streams overlap; comparable with the timing pass's "
+        "per-call latency when the GPU never idles",
+    )
 
 
 class Timeline(Model):
@@ -375,6 +381,11 @@ class ValidationReport(Artifact):
     checks: dict[str, StepResult] = Field(default_factory=dict)
     overall: Literal["READY_FOR_PROFILING", "BLOCKED"]
     message: str = ""
+    llm_passes: list[PassStatus] = Field(
+        default_factory=list,
+        description="LLM-written passes of types the library lacks (named by proposal id), run "
+        "apart from the backend on the baseline's Dynamo graph and checked against eager",
+    )
 
 
 # --------------------------------------------------------------------------------- session

@@ -637,9 +637,11 @@ def _summarise(
             (c.cpu_time, c.attribution, c.name) for it in iterations for c in it.calls.values()
         ]
         idle = sum(_cpu_idle(it) for it in iterations) / n
+        busy = 0.0
     else:
         items = [(k.event.dur, k.attribution, k.event.name) for k in kernels]
         idle = sum(_gpu_idle(kernels, i) for i in range(n)) / n
+        busy = sum(_gpu_busy(kernels, i) for i in range(n)) / n
     total = sum(time for time, _, _ in items)
     high = sum(time for time, attribution, _ in items if attribution == "high")
     lost: dict[str, float] = defaultdict(float)
@@ -662,6 +664,7 @@ def _summarise(
         launch_overhead_per_call_us=_round(sum(launches) / len(launches)) if launches else None,
         attributed_share=_share(total - sum(lost.values()), total),
         high_share=_share(high, total),
+        busy_time_per_iter_us=_round(busy) if device_type == "cuda" else None,
     )
     flags = (
         _gpu_flags(kernels, runtime, window, n, total, with_twin) if device_type == "cuda" else []
@@ -797,6 +800,11 @@ def _multi_stream_overlap(kernels: list[_Kernel]) -> float:
 def _gpu_idle(kernels: list[_Kernel], iteration: int) -> float:
     spans = sorted((k.event.ts, k.event.end) for k in kernels if k.iteration == iteration)
     return _gaps(spans)
+
+
+def _gpu_busy(kernels: list[_Kernel], iteration: int) -> float:
+    spans = sorted((k.event.ts, k.event.end) for k in kernels if k.iteration == iteration)
+    return sum(e - s for s, e in _union(spans))
 
 
 def _cpu_idle(iteration: _Iteration) -> float:

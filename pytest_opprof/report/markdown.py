@@ -261,6 +261,14 @@ def step_proposals(step: WaterfallStep, proposals: Sequence[Proposal]) -> list[P
 
 def proposal_status(a: WorkloadArtifacts, p: Proposal) -> str:
     """APPLIED / NOT_APPLIED / FAILED from validation, or why selection left it out."""
+    checked = next(
+        (c for c in (a.validation.llm_passes if a.validation else []) if c.name == p.id), None
+    )
+    if checked is not None:
+        return (
+            f"LLM-written code, not in the backend; stage 3 ran it apart: {checked.status} "
+            f"({one_line(checked.detail, 200)})"
+        )
     if a.selection is not None:
         for d in a.selection.dropped:
             if d.id == p.id:

@@ -122,6 +122,7 @@ def test_propose_from_a_real_h200_profile(tmp_path: Path) -> None:
     assert "memory_layout" in result.stdout
 
 
+@pytest.mark.reliability
 def test_usage_errors_name_the_accepted_values(tmp_path: Path) -> None:
     result = _opprof("optimize", "x.py", "--baseline=fastest", cwd=tmp_path)
     assert result.returncode == 2

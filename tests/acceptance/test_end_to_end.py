@@ -62,6 +62,7 @@ def get_model_and_input():
 """
 
 
+@pytest.mark.reliability
 def test_all_stages_on_a_tiny_workload(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(
         **{

@@ -549,3 +549,16 @@ def _kernels_launched_in_marks(trace: dict[str, Any]) -> int:
         ts = launches.get(e.get("args", {}).get("correlation"))
         count += ts is not None and any(start <= ts < end for start, end in marks)
     return count
+
+
+def test_busy_time_counts_overlapping_streams_once() -> None:
+    timeline, flags = synthetic()
+    summary = timeline.summary
+    assert flag(flags, "multi_stream_overlap")
+    assert summary.busy_time_per_iter_us is not None
+    assert 0 < summary.busy_time_per_iter_us < summary.device_time_per_iter_us
+
+
+def test_cpu_timelines_have_no_busy_time() -> None:
+    timeline, _ = cpu_trace("eager")
+    assert timeline.summary.busy_time_per_iter_us is None

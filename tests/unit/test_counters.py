@@ -8,6 +8,7 @@ import stat
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -78,6 +79,7 @@ def test_find_ncu_none(tmp_path: Path) -> None:
     assert c.find_ncu(str(tmp_path), (str(tmp_path / "nothing" / "ncu"),)) is None
 
 
+@pytest.mark.reliability
 def test_run_counters_without_ncu_is_a_note(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -105,6 +107,7 @@ def test_sudo_auto_reads_params(tmp_path: Path, text: str, euid: int, expected: 
     assert c.needs_sudo("auto", params, euid=euid) is expected
 
 
+@pytest.mark.reliability
 def test_sudo_explicit_and_unreadable(tmp_path: Path) -> None:
     assert c.needs_sudo("true", tmp_path / "missing", euid=0) is True
     assert c.needs_sudo("false", tmp_path / "missing", euid=1000) is False
@@ -306,6 +309,7 @@ def test_timeline_kernel_absent_under_ncu_warns() -> None:
 # ----------------------------------------------------------------------------------- errors
 
 
+@pytest.mark.reliability
 def test_permission_error_gives_the_fixes() -> None:
     output = (
         "==PROF== Connected to process 77\n"
@@ -319,6 +323,7 @@ def test_permission_error_gives_the_fixes() -> None:
     assert "NVreg_RestrictProfilingToAdminUsers=0" in result.note
 
 
+@pytest.mark.reliability
 def test_other_failure_keeps_the_last_lines() -> None:
     output = "\n".join(f"line {i}" for i in range(20)) + "\n==ERROR== Failed to profile kernel\n"
     note = c.classify_failure(9, output)
@@ -333,6 +338,7 @@ def test_no_kernels_in_range_is_a_note() -> None:
     assert result.note is not None and "opprof_iteration" in result.note
 
 
+@pytest.mark.reliability
 def test_sudo_password_prompt_is_a_note() -> None:
     note = c.classify_failure(1, "sudo: a password is required\n")
     assert note is not None and "password" in note
@@ -391,6 +397,7 @@ def test_unknown_metric_is_dropped_and_retried(
     assert len(result.metrics) == 5
 
 
+@pytest.mark.reliability
 def test_run_counters_timeout_is_a_note(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def slow(*args: object, **kwargs: object) -> None:
         raise subprocess.TimeoutExpired("ncu", 1)
@@ -651,7 +658,8 @@ def test_one_replay_serves_timelines_with_the_same_kernels(
     assert summary is not None and summary["compiled"]["reused_from"] == "eager"
     assert summary["eager"]["reused_from"] is None and summary["eager"]["seconds"] >= 0
     assert summary["compiled"]["kernels_with_counters"] == 5
-    assert timelines[1].operators[0].kernels[0].metrics == timelines[0].operators[0].kernels[0].metrics
+    first, second = (t.operators[0].kernels[0].metrics for t in timelines)
+    assert first == second
 
 
 H200_NCU = sorted((DATA / "h200").glob("*.log"))
@@ -682,7 +690,37 @@ def test_real_h200_ncu_names_differ_from_the_profiler() -> None:
     assert "void at::<unnamed>::max_pool_forward_nchw<float, int>(" in ncu
 
 
+@pytest.mark.reliability
+def test_counters_permission_denied_keeps_the_profile_and_gives_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A stand-in ncu that answers as ncu does for a user without counter access."""
+    from pytest_opprof.options import OpprofOptions
+
+    fake = tmp_path / "bin" / "ncu"
+    fake.parent.mkdir(parents=True)
+    fake.write_text(
+        f"#!{sys.executable}\n"
+        "import sys\n"
+        "print('==ERROR== ERR_NVGPUCTRPERM - The user does not have permission to access NVIDIA "
+        "GPU Performance Counters on the target device 0.')\n"
+        "sys.exit(1)\n",
+        encoding="utf-8",
+    )
+    fake.chmod(0o755)
+    monkeypatch.setattr(c, "find_ncu", lambda: str(fake))
+    timeline = _full_timeline()
+    opts = OpprofOptions(ncu="auto", ncu_sudo="false")
+    spec = {"out_dir": str(tmp_path / "out"), "workload": "w.py"}
+    out, summary, warnings = c.counters_for_capture(spec, [timeline], {}, opts, "float32")
+    assert out == [timeline]  # the profile is kept, without counters
+    assert summary is not None and summary["compiled"]["note"] == c.PERMISSION_FIX
+    assert len(warnings) == 1 and "NVreg_RestrictProfilingToAdminUsers=0" in warnings[0]
+    assert "--opprof-ncu-sudo=true" in warnings[0]
+
+
 @pytest.mark.parametrize(("mode", "warned"), [("auto", False), ("on", True)])
+@pytest.mark.reliability
 def test_counters_for_capture_without_ncu(
     mode: str, warned: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -712,6 +750,7 @@ def test_counters_for_capture_skipped(
     assert got == ([_full_timeline()], None, [])
 
 
+@pytest.mark.reliability
 def test_errors_beside_profiled_kernels_are_warnings() -> None:
     log = (DATA / "synthetic_base_units.csv").read_text()
     output = "==ERROR== Failed to profile kernel 'x' in process 4242\n"

@@ -100,6 +100,7 @@ def test_h100_pcie_does_not_match_the_sxm_entry_and_vice_versa() -> None:
     assert sxm.spec.sm_count == 132
 
 
+@pytest.mark.reliability
 def test_unknown_gpu_falls_back_by_compute_capability_and_sm_count_with_scaling() -> None:
     match = lookup_gpu("NVIDIA GeForce RTX 4090 D", sm_count=114, compute_capability=(8, 9))
     assert match is not None
@@ -114,6 +115,7 @@ def test_unknown_gpu_falls_back_by_compute_capability_and_sm_count_with_scaling(
     assert match.spec.memory_bandwidth_bytes_per_s == 1008e9
 
 
+@pytest.mark.reliability
 def test_unknown_gpu_of_a_newer_minor_uses_the_same_major() -> None:
     match = lookup_gpu("NVIDIA B300 SXM6 AC", sm_count=148, compute_capability=(10, 3))
     assert match is not None
@@ -121,6 +123,7 @@ def test_unknown_gpu_of_a_newer_minor_uses_the_same_major() -> None:
     assert "same major compute capability 10.x" in match.note
 
 
+@pytest.mark.reliability
 def test_unknown_gpu_of_an_unknown_architecture_uses_the_nearest_compute_capability() -> None:
     match = lookup_gpu("NVIDIA T4", sm_count=40, compute_capability=(7, 5))
     assert match is not None

@@ -68,6 +68,7 @@ def test_accepted_values(field: str, value: str, expected: object) -> None:
         ("strict_gate", "perhaps", "boolean"),
     ],
 )
+@pytest.mark.reliability
 def test_rejected_values_name_the_accepted_form(field: str, value: str, accepted: str) -> None:
     with pytest.raises(pytest.UsageError, match=accepted):
         OpprofOptions.from_values({field: value})

@@ -57,6 +57,7 @@ def test_cpu_remap_loads_a_cuda_workload(tmp_path: Path) -> None:
         ("OPPROF = dict(a=1)\ndef get_model_and_input(): pass\n", "literal dict"),
     ],
 )
+@pytest.mark.reliability
 def test_errors_found_at_discovery(tmp_path: Path, body: str, message: str) -> None:
     spec = discover(_write(tmp_path, body))
     assert spec is not None and spec.override_error is not None
@@ -110,6 +111,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.reliability
 def test_contract_violations(tmp_path: Path, case: str) -> None:
     body, message = CASES[case]
     with pytest.raises(WorkloadError) as info:
@@ -117,18 +119,21 @@ def test_contract_violations(tmp_path: Path, case: str) -> None:
     assert message in str(info.value)
 
 
+@pytest.mark.reliability
 def test_model_on_the_wrong_device(tmp_path: Path) -> None:
     model = torch.nn.Linear(2, 2).eval()
     with pytest.raises(WorkloadError, match="'weight' is on cpu, but the pipeline runs on cuda"):
         check_contract(Path("w.py"), (model, torch.ones(1, 2)), "cuda")
 
 
+@pytest.mark.reliability
 def test_input_on_the_wrong_device() -> None:
     model = torch.nn.Identity().eval()
     with pytest.raises(WorkloadError, match="input 0 is on cpu, but the model runs on cuda"):
         check_contract(Path("w.py"), (model, torch.ones(1, 2)), "cuda")
 
 
+@pytest.mark.reliability
 def test_nan_in_the_baseline_output() -> None:
     with pytest.raises(WorkloadError, match="NaN or Inf"):
         check_output(Path("w.py"), torch.tensor([1.0, float("nan")]))
