@@ -154,6 +154,8 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Fil
         return None
     spec = discover(file_path)
     if spec is None:
+        if _named_file_without_entry(file_path, config):
+            return NotAWorkload.from_parent(parent, path=file_path)
         return None
     session = config.stash[SESSION_KEY]
     shard = session.options.shard
@@ -162,6 +164,44 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Fil
     item = WorkloadFile.from_parent(parent, path=file_path)
     item.spec = spec
     return item
+
+
+def _named_file_without_entry(path: Path, config: pytest.Config) -> bool:
+    """A .py file the user named on the command line that is no workload and no test module:
+    they meant it as a workload, so it gets an item that says what it lacks."""
+    name = path.name
+    if name.startswith("test_") or name.endswith("_test.py") or name == "conftest.py":
+        return False
+    if is_generated(path):
+        return False
+    named = {Path(config.invocation_params.dir, a.split("::")[0]).resolve() for a in config.args}
+    return path.resolve() in named
+
+
+class NotAWorkload(pytest.File):
+    """A file named as a workload that defines no top-level ``get_model_and_input``."""
+
+    def collect(self) -> Iterator[pytest.Item]:
+        yield NotAWorkloadItem.from_parent(self, name=STAGES[0])
+
+
+class NotAWorkloadItem(pytest.Item):
+    def runtest(self) -> None:
+        raise StageFailure(
+            f"{self.path.name}: no top-level `def get_model_and_input()`, so it is not a "
+            "workload; define it to return (model, input) with the model in eval mode on CUDA "
+            "(the README's 'A workload'), or leave the file off the command line"
+        )
+
+    def repr_failure(
+        self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None
+    ) -> str | Any:
+        if isinstance(excinfo.value, StageFailure):
+            return str(excinfo.value)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self) -> tuple[Path, int | None, str]:
+        return self.path, None, self.name
 
 
 def _in_shard(path: Path, config: pytest.Config, shard: tuple[int, int]) -> bool:

@@ -194,7 +194,8 @@ class Profile(Artifact):
     """``profile.json`` and ``profile_optimized.json``; ``timelines[0]`` is the primary one
     (eager for the baseline, the optimized backend for the recapture)."""
 
-    SCHEMA_VERSION: ClassVar[str] = "2.0"
+    # 2.1: summary.busy_time_per_iter_us
+    SCHEMA_VERSION: ClassVar[str] = "2.1"
     capture_metadata: CaptureMetadata
     timing: Timing
     timelines: list[Timeline]
@@ -373,6 +374,8 @@ VALIDATION_STEPS: tuple[str, ...] = (
 
 
 class ValidationReport(Artifact):
+    SCHEMA_VERSION: ClassVar[str] = "1.1"  # 1.1: llm_passes
+
     file: str
     backend: str
     steps: dict[str, StepResult]

@@ -206,3 +206,13 @@ def test_invalid_option_is_a_usage_error(tmp_path: Path, option: str, accepted: 
     assert result.returncode == 4
     assert accepted in result.stderr
     _no_traceback(result)
+
+
+def test_a_named_file_without_the_entry_point_says_so(tmp_path: Path) -> None:
+    (tmp_path / "tiny.py").write_text(textwrap.dedent(TINY))
+    (tmp_path / "helper.py").write_text("import torch\n\ndef make_model():\n    return None\n")
+    result = pytest_run(tmp_path, "helper.py", "tiny.py", "--opprof-stage=capture", "-v")
+    assert result.returncode == 1, result.stdout
+    assert "helper.py: no top-level `def get_model_and_input()`" in result.stdout
+    assert "tiny.py::capture PASSED" in result.stdout
+    _no_traceback(result)

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
@@ -66,6 +67,9 @@ def test_accepted_values(field: str, value: str, expected: object) -> None:
         ("shard", "3/2", "K/N"),
         ("timeout", "-5", "> 0"),
         ("strict_gate", "perhaps", "boolean"),
+        ("gate_on_cpu", "perhaps", "boolean"),
+        ("llm", "perhaps", "boolean"),
+        ("measure_iters", "0", "≥ 1"),
     ],
 )
 @pytest.mark.reliability
@@ -92,3 +96,20 @@ def test_workload_overrides() -> None:
 def test_child_round_trip() -> None:
     opts = OpprofOptions.from_values({"out": "x", "junit": "j.xml", "shard": "1/2"})
     assert OpprofOptions.from_child(opts.to_child()) == opts
+
+
+FREE_FORM = {"out", "junit"}  # any path is accepted
+
+
+def test_every_option_has_a_rejected_value_above() -> None:
+    """Issue #13: every option that can be given a wrong value has a case in the table."""
+    import inspect
+
+    source = inspect.getsource(test_rejected_values_name_the_accepted_form)
+    table = inspect.getsource(sys.modules[__name__])
+    cases = table[table.index("def test_accepted_values") :]
+    missing = [
+        o.field for o in OPTIONS if o.field not in FREE_FORM and f'("{o.field}", ' not in cases
+    ]
+    assert missing == [], missing
+    assert "pytest.UsageError" in source
