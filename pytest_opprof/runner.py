@@ -708,81 +708,19 @@ def task_validate_llm_passes(spec: dict[str, Any]) -> None:
     checks at the baseline dtype. None of them enters the generated backend."""
     from pytest_opprof.capture.system import resolve_device
     from pytest_opprof.schema import write_text_atomic
+    from pytest_opprof.validate import check_llm_pass
 
     _setup_torch()
     device = resolve_device(_options(spec).device)
-    checked = [_check_llm_pass(spec, entry, device).model_dump() for entry in spec["passes"]]
+
+    def load() -> Any:
+        return _load_baseline(spec, device)
+
+    checked = [
+        check_llm_pass(e["id"], Path(e["file"]), load, spec.get("overrides")).model_dump()
+        for e in spec["passes"]
+    ]
     write_text_atomic(Path(spec["result"]), json.dumps({"llm_passes": checked}, indent=2))
-
-
-def _check_llm_pass(spec: dict[str, Any], entry: dict[str, str], device: str) -> Any:
-    import torch
-
-    from pytest_opprof.schema import PassStatus
-    from pytest_opprof.tolerances import tolerance_for
-    from pytest_opprof.validate import anti_cheat_checks
-
-    pid, path = entry["id"], Path(entry["file"])
-    shown = f"{path.parent.name}/{path.name}"
-
-    def failed(why: str) -> Any:
-        return PassStatus(name=pid, status="FAILED", detail=f"{why[:400]}; {shown} not run further")
-
-    try:
-        mod_spec = importlib.util.spec_from_file_location(f"opprof_llm_{abs(hash(pid))}", path)
-        if mod_spec is None or mod_spec.loader is None:
-            return failed("cannot be imported")
-        module = importlib.util.module_from_spec(mod_spec)
-        mod_spec.loader.exec_module(module)
-    except BaseException as exc:  # the code is untrusted: any failure is its verdict
-        return failed(f"import failed: {type(exc).__name__}: {exc}")
-    apply = getattr(module, "apply", None)
-    if not callable(apply):
-        return failed("defines no apply(gm, example_inputs)")
-    counts: list[int] = []
-    errors: list[str] = []
-
-    def backend(gm: Any, example_inputs: list[Any]) -> Any:
-        try:
-            found = apply(gm, example_inputs)
-            gm.graph.lint()
-            gm.recompile()
-            counts.append(int(getattr(found, "matches", found) or 0))
-        except Exception as exc:
-            errors.append(f"{type(exc).__name__}: {exc}")
-        return gm.forward
-
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = _load_baseline(spec, device).model
-    torch.manual_seed(0)
-    base = _load_baseline(spec, device)
-    fn = torch.compile(model, backend=backend)
-    try:
-        with torch.no_grad():
-            fn(*base.inputs)
-    except Exception as exc:
-        errors.append(f"{type(exc).__name__}: {exc}")
-    if errors:
-        return failed(f"apply() failed: {errors[0].splitlines()[0]}")
-    if not sum(counts):
-        return PassStatus(
-            name=pid, status="NOT_APPLIED", detail=f"apply() changed no site ({shown})"
-        )
-    rtol, atol = tolerance_for(None, spec.get("overrides"))
-    _, checks = anti_cheat_checks(base.model, fn, base.inputs, dtype=None, rtol=rtol, atol=atol)
-    bad = [f"{k}: {v.detail}" for k, v in checks.items() if v.status == "fail"]
-    if bad:
-        return PassStatus(
-            name=pid, status="FAILED", detail="; ".join(bad)[:500], matches=sum(counts)
-        )
-    return PassStatus(
-        name=pid,
-        status="APPLIED",
-        matches=sum(counts),
-        detail=f"applied at {sum(counts)} site(s), {checks['equivalent'].detail}, and passed "
-        f"every check; not part of the backend: review {shown} before adding it as a pass",
-    )
 
 
 def task_recapture(spec: dict[str, Any]) -> None:

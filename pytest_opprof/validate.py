@@ -4,17 +4,22 @@ The first steps (syntax, import, registration, the generated tests) are cheap an
 the last one compares the optimized workload with the baseline on fresh inputs of several seeds
 and checks that the output is finite, not constant, depends on the input, and carries no state
 from one call to the next (a cached or memoised output fails it).
+
+LLM-written passes of types the library lacks get the same checks on their own
+(``check_llm_pass``), outside the backend.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from pytest_opprof.schema import Numerics, StepResult
+from pytest_opprof.schema import Numerics, PassStatus, StepResult
 from pytest_opprof.workload import flatten_tensors, fresh_inputs
 
 SEEDS: tuple[int, ...] = (0, 1, 2)
@@ -121,3 +126,77 @@ def anti_cheat_checks(
         f"tolerance {worst.rtol:.1e} for {worst.dtype}",
     )
     return worst, checks
+
+
+def check_llm_pass(
+    pid: str,
+    path: Path,
+    load_baseline: Callable[[], Any],
+    overrides: Mapping[str, Any] | None = None,
+) -> PassStatus:
+    """Stage 3 for one LLM-written pass (``apply(gm, example_inputs) -> int``) of a type the
+    library lacks: import it, run it on the baseline's Dynamo graph alone (no Inductor, no
+    other pass) and check the result against a separate eager copy (``load_baseline()`` builds
+    each, seeded) with ``anti_cheat_checks`` at the baseline dtype. The code is untrusted: any
+    failure of its own is its verdict, never an error of the stage."""
+    from pytest_opprof.tolerances import tolerance_for
+
+    shown = f"{path.parent.name}/{path.name}"
+
+    def failed(why: str) -> PassStatus:
+        return PassStatus(name=pid, status="FAILED", detail=f"{why[:400]}; {shown} not run further")
+
+    try:
+        spec = importlib.util.spec_from_file_location(f"opprof_llm_{abs(hash(pid))}", path)
+        if spec is None or spec.loader is None:
+            return failed("cannot be imported")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    except (Exception, SystemExit) as exc:
+        return failed(f"import failed: {type(exc).__name__}: {exc}")
+    apply = getattr(module, "apply", None)
+    if not callable(apply):
+        return failed("defines no apply(gm, example_inputs)")
+    counts: list[int] = []
+    errors: list[str] = []
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        try:
+            found = apply(gm, example_inputs)
+            gm.graph.lint()
+            gm.recompile()
+            counts.append(int(getattr(found, "matches", found) or 0))
+        except (Exception, SystemExit) as exc:
+            errors.append(f"{type(exc).__name__}: {exc}")
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = load_baseline().model
+    torch.manual_seed(0)
+    base = load_baseline()
+    fn = torch.compile(model, backend=backend)
+    try:
+        with torch.no_grad():
+            fn(*base.inputs)
+    except (Exception, SystemExit) as exc:
+        errors.append(f"{type(exc).__name__}: {exc}")
+    if errors:
+        return failed(f"apply() failed: {errors[0].splitlines()[0]}")
+    applied = sum(counts)
+    if not applied:
+        return PassStatus(
+            name=pid, status="NOT_APPLIED", detail=f"apply() changed no site ({shown})"
+        )
+    rtol, atol = tolerance_for(None, dict(overrides or {}))
+    _, checks = anti_cheat_checks(base.model, fn, base.inputs, dtype=None, rtol=rtol, atol=atol)
+    bad = [f"{k}: {c.detail}" for k, c in checks.items() if c.status == "fail"]
+    if bad:
+        return PassStatus(name=pid, status="FAILED", detail="; ".join(bad)[:500], matches=applied)
+    return PassStatus(
+        name=pid,
+        status="APPLIED",
+        matches=applied,
+        detail=f"applied at {applied} site(s), {checks['equivalent'].detail}, and passed "
+        f"every check; not part of the backend: review {shown} before adding it as a pass",
+    )
