@@ -1,0 +1,52 @@
+"""benchmarks/refresh_artifacts.py re-derives a run's timelines and counters from its raw files:
+here the committed H200 run of conv_block (traces in tests/data/h200, ncu logs in
+tests/data/ncu/h200), which must come back exactly as committed."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from pathlib import Path
+
+from pytest_opprof.schema import Profile, read_artifact
+
+ROOT = Path(__file__).resolve().parents[2]
+H200 = ROOT / "tests" / "data" / "h200"
+
+
+def _tool() -> object:
+    spec = importlib.util.spec_from_file_location(
+        "refresh_artifacts", ROOT / "benchmarks" / "refresh_artifacts.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_refresh_reproduces_the_committed_profiles(tmp_path: Path) -> None:
+    name = "conv_block"
+    folder = tmp_path / name
+    out = folder / "profiler_output"
+    (out / "ncu").mkdir(parents=True)
+    for f in ("profile.json", "profile_optimized.json"):
+        shutil.copy(ROOT / "examples" / name / "h200" / f, folder / f)
+    for trace in H200.glob(f"{name}*.trace.json.gz"):  # read by content: gzip is fine
+        shutil.copy(trace, out / trace.name.removesuffix(".gz"))
+    for prov in H200.glob(f"{name}.*.provenance.json"):
+        shutil.copy(prov, out / prov.name)
+    for label in ("eager", "compiled"):
+        shutil.copy(
+            ROOT / "tests" / "data" / "ncu" / "h200" / f"{name}.{label}.log",
+            out / "ncu" / f"ncu.{label}.log",
+        )
+
+    tool = _tool()
+    for f in ("profile.json", "profile_optimized.json"):
+        assert tool.refresh_profile(folder / f, name)  # type: ignore[attr-defined]
+        got = read_artifact(folder / f, Profile)
+        want = read_artifact(ROOT / "examples" / name / "h200" / f, Profile)
+        assert got.timelines == want.timelines
+        assert got.timing == want.timing
+    optimized = read_artifact(folder / "profile_optimized.json", Profile).timelines[0]
+    assert optimized.summary.attributed_share == 1.0 and not optimized.unattributed_kernels
