@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine (see the device tool): run `pytest --opprof` on the given
-# examples and pack every artifact into $OUT, so traces and reports come back in one file.
+# The benchmark entry point, one call on a GPU machine: run `pytest --opprof` on the given
+# examples, write the results table ($OUT/summary.json and summary.md, by summarize.py) and pack
+# every artifact into $OUT/results.tar.xz, so traces and reports come back in one file.
 #   bash benchmarks/gpu_session.sh conv_block mlp_activations [-- extra pytest args]
 # Needs the pure-Python wheels in .whl/ (../shared/gpu/wheels.sh .whl) where the machine has no
 # package index.
@@ -38,6 +39,10 @@ timeout --signal=INT "${OPPROF_CALL_BUDGET:-540}" python3 -m pytest -p no:benchm
   --junitxml="$work/junit.xml" "${extra[@]}" 2>&1 | tee "$OUT/pytest.log"
 status=${PIPESTATUS[0]}
 echo "pytest exit $status after $(( $(date +%s) - start )) s" | tee -a "$OUT/pytest.log"
+# The benchmark table of what is there so far (benchmarks/summarize.py), beside the log.
+python3 benchmarks/summarize.py "$work" --junit "$work/opprof-junit.xml" \
+  --json "$OUT/summary.json" --md "$OUT/summary.md" > /dev/null 2>&1 \
+  || echo "summarize failed: see the artifacts" | tee -a "$OUT/pytest.log"
 # This call's workloads and the session files only (a file that comes back is at most 16 MiB).
 packed=(); for n in "${names[@]}"; do [ -e "$work/$n" ] && packed+=("opprof-results/$n"); done
 for f in "$work"/*; do [ -f "$f" ] && packed+=("opprof-results/$(basename "$f")"); done

@@ -95,6 +95,8 @@ def summarize(folders: list[Path], junit_files: list[Path] | None = None) -> dic
             "eager_ms": v["eager"].median_ms,
             "compile_ms": v["compile"].median_ms,
             "optimized_ms": v["optimized"].median_ms,
+            "eager_ci_ms": [v["eager"].ci_low_ms, v["eager"].ci_high_ms],
+            "compile_ci_ms": [v["compile"].ci_low_ms, v["compile"].ci_high_ms],
             "optimized_ci_ms": [v["optimized"].ci_low_ms, v["optimized"].ci_high_ms],
             "speedup_vs_compile": vs_compile.ratio,
             "speedup_vs_compile_ci": [vs_compile.ci_low, vs_compile.ci_high],
