@@ -158,6 +158,49 @@ def test_interrupted_capture_leaves_no_half_written_artifact(tmp_path: Path) -> 
     assert (out / "profile.json").exists()
 
 
+def test_interrupted_backend_leaves_no_artifact_and_only_it_reruns(tmp_path: Path) -> None:
+    """Killed while measured selection runs: no selection, no generated file; the next run
+    takes capture and propose from the cache and recomputes the backend only."""
+    (tmp_path / "slow.py").write_text(
+        textwrap.dedent(TINY).replace(
+            "def get_model_and_input():",
+            "import os, time\n\ndef get_model_and_input():\n"
+            "    if os.path.exists('slow-now'):\n        time.sleep(3)",
+        )
+    )
+    first = pytest_run(tmp_path, "slow.py", "--opprof-stage=capture")
+    assert first.returncode == 0, first.stdout
+    second = pytest_run(tmp_path, "slow.py", "--opprof-stage=propose")
+    assert second.returncode == 0, second.stdout
+    out = tmp_path / "opprof-results" / "slow"
+    before = {f: (out / f).stat().st_mtime_ns for f in ("profile.json", "optimizations.json")}
+    (tmp_path / "slow-now").touch()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "--opprof", *FAST, "slow.py", "--opprof-stage=backend"],
+        cwd=tmp_path,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.time() + 60
+    while not (out / "profiler_output" / "select.log").exists() and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.communicate(timeout=60)
+    time.sleep(4)  # a runaway child would write the selection by now
+    assert not (out / "profiler_output" / "backend_selection.json").exists()
+    assert not (out / "slow_optimized.py").exists()
+    assert not list(out.rglob("*.tmp"))
+    (tmp_path / "slow-now").unlink()
+    again = pytest_run(tmp_path, "slow.py", "-v")
+    assert again.returncode == 0, again.stdout
+    assert (out / "slow_optimized.py").exists()
+    after = {f: (out / f).stat().st_mtime_ns for f in before}
+    assert after == before  # capture and propose came from the cache
+
+
 def test_unwritable_output_folder(tmp_path: Path) -> None:
     (tmp_path / "tiny.py").write_text(textwrap.dedent(TINY))
     (tmp_path / "blocker").write_text("a file where the output folder should be")
