@@ -17,21 +17,21 @@ import argparse
 import json
 from pathlib import Path
 
-from pytest_opprof.capture.attribution import build_timeline, load_trace, replay_twin
+from pytest_opprof.capture.attribution import (
+    build_timeline,
+    load_trace,
+    provenance_file,
+    replay_twin,
+    trace_file,
+)
 from pytest_opprof.capture.counters import rejoin
 from pytest_opprof.schema import Profile, Timeline, read_artifact, write_artifact
 
 NOTE = "timelines and counters re-derived from the saved traces and ncu output by {tool}"
 
 
-def _provenance(folder: Path, stem: str, labels: str) -> dict[str, list[str]]:
-    path = folder / f"{stem}.{labels}.provenance.json"
+def _provenance(path: Path) -> dict[str, list[str]]:
     return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-
-
-def _trace(folder: Path, stem: str, label: str) -> Path:
-    suffix = "" if label == "eager" else f".{label}"
-    return folder / f"{stem}{suffix}.trace.json"
 
 
 def refresh_profile(path: Path, stem: str) -> bool:
@@ -40,17 +40,16 @@ def refresh_profile(path: Path, stem: str) -> bool:
         return False
     profile = read_artifact(path, Profile)
     out = path.parent / "profiler_output"
-    labels = "-".join(t.label for t in profile.timelines if t.label != "eager") or "eager"
-    provenance = _provenance(out, stem, labels)
+    provenance = _provenance(provenance_file(out, stem, (t.label for t in profile.timelines)))
     device = profile.capture_metadata.device_type
     timelines: list[Timeline] = []
     flags = []
     for old in profile.timelines:
-        trace = _trace(out, stem, old.label)
+        trace = trace_file(out, stem, old.label)
         if not trace.exists():
             return False
         twin = None
-        uncaptured = _trace(out, stem, f"{old.label}_uncaptured")
+        uncaptured = trace_file(out, stem, f"{old.label}_uncaptured")
         if uncaptured.exists():
             twin_timeline, _ = build_timeline(
                 load_trace(uncaptured),

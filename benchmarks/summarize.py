@@ -15,6 +15,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from pytest_opprof.backend.plan import replaced_by_model_graph
 from pytest_opprof.schema import (
     BackendSelection,
     Optimizations,
@@ -72,10 +73,10 @@ def _in_effect(where: Path, sel: BackendSelection, val: ValidationReport) -> lis
     kept = []
     for pid in sel.plan.proposals:
         p = types.get(pid)
+        # Selection's own proposals (CUDA graphs) are not in optimizations.json.
         kind = p.type if p is not None else pid.split("-")[0]
-        if kind in idle or pid in idle:
-            continue
-        if sel.plan.cuda_graph_model and kind == "cuda_graphs" and not pid.endswith("-model"):
+        scope = p.params.get("scope") if p is not None else pid.rpartition("-")[2]
+        if kind in idle or pid in idle or replaced_by_model_graph(sel.plan, kind, scope):
             continue
         kept.append(pid)
     return kept

@@ -178,20 +178,12 @@ def _named_file_without_entry(path: Path, config: pytest.Config) -> bool:
     return path.resolve() in named
 
 
-class NotAWorkload(pytest.File):
-    """A file named as a workload that defines no top-level ``get_model_and_input``."""
-
-    def collect(self) -> Iterator[pytest.Item]:
-        yield NotAWorkloadItem.from_parent(self, name=STAGES[0])
+class StageFailure(Exception):
+    """A stage's user-facing message; shown without a traceback."""
 
 
-class NotAWorkloadItem(pytest.Item):
-    def runtest(self) -> None:
-        raise StageFailure(
-            f"{self.path.name}: no top-level `def get_model_and_input()`, so it is not a "
-            "workload; define it to return (model, input) with the model in eval mode on CUDA "
-            "(the README's 'A workload'), or leave the file off the command line"
-        )
+class OpprofItem(pytest.Item):
+    """An item of a workload file: a ``StageFailure`` is shown as its message alone."""
 
     def repr_failure(
         self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None
@@ -202,6 +194,22 @@ class NotAWorkloadItem(pytest.Item):
 
     def reportinfo(self) -> tuple[Path, int | None, str]:
         return self.path, None, self.name
+
+
+class NotAWorkload(pytest.File):
+    """A file named as a workload that defines no top-level ``get_model_and_input``."""
+
+    def collect(self) -> Iterator[pytest.Item]:
+        yield NotAWorkloadItem.from_parent(self, name=STAGES[0])
+
+
+class NotAWorkloadItem(OpprofItem):
+    def runtest(self) -> None:
+        raise StageFailure(
+            f"{self.path.name}: no top-level `def get_model_and_input()`, so it is not a "
+            "workload; define it to return (model, input) with the model in eval mode on CUDA "
+            "(the README's 'A workload'), or leave the file off the command line"
+        )
 
 
 def _in_shard(path: Path, config: pytest.Config, shard: tuple[int, int]) -> bool:
@@ -228,11 +236,7 @@ class WorkloadFile(pytest.File):
                 yield StageItem.from_parent(self, name=ITEM_NAMES[stage], stage=stage)
 
 
-class StageFailure(Exception):
-    """A stage's user-facing message; shown without a traceback."""
-
-
-class StageItem(pytest.Item):
+class StageItem(OpprofItem):
     def __init__(self, *, stage: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.stage = stage
@@ -264,16 +268,6 @@ class StageItem(pytest.Item):
             pytest.skip(outcome.message)
         if outcome.status in ("failed", "error"):
             raise StageFailure(outcome.message)
-
-    def repr_failure(
-        self, excinfo: pytest.ExceptionInfo[BaseException], style: Any = None
-    ) -> str | Any:
-        if isinstance(excinfo.value, StageFailure):
-            return str(excinfo.value)
-        return super().repr_failure(excinfo)
-
-    def reportinfo(self) -> tuple[Path, int | None, str]:
-        return self.path, None, self.name
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

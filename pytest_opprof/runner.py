@@ -206,23 +206,21 @@ def _timelines(
 ) -> tuple[list[Any], list[Any]]:
     """Profile each call; a label in ``twins`` (a CUDA-graph variant) is first profiled as its
     uncaptured twin, whose trace places the replayed kernels (``attribution.replay_twin``)."""
-    from pytest_opprof.capture.attribution import replay_twin
+    from pytest_opprof.capture.attribution import provenance_file, replay_twin, trace_file
     from pytest_opprof.capture.provenance import collect_inductor_provenance
     from pytest_opprof.capture.timeline import capture_timeline
     from pytest_opprof.schema import write_text_atomic
 
     stem = Path(spec["workload"]).stem
+    folder = out_dir / "profiler_output"
     provenance = collect_inductor_provenance()
-    labels = "-".join(label for label in calls if label != "eager") or "eager"
     write_text_atomic(
-        out_dir / "profiler_output" / f"{stem}.{labels}.provenance.json",
-        json.dumps(provenance, indent=1, sort_keys=True),
+        provenance_file(folder, stem, calls), json.dumps(provenance, indent=1, sort_keys=True)
     )
     timelines: list[Any] = []
     flags: list[Any] = []
 
     def profile(fn: Any, label: str, mode: str, twin: Any = None) -> tuple[Any, list[Any]]:
-        suffix = "" if label == "eager" else f".{label}"
         return capture_timeline(
             fn,
             inputs,
@@ -231,7 +229,7 @@ def _timelines(
             compile_mode=mode,
             warmup=3,
             iterations=spec.get("timeline_iters", 3),
-            trace_path=out_dir / "profiler_output" / f"{stem}{suffix}.trace.json",
+            trace_path=trace_file(folder, stem, label),
             provenance=provenance,
             twin=twin,
         )
@@ -729,7 +727,7 @@ def task_recapture(spec: dict[str, Any]) -> None:
     import torch
 
     from pytest_opprof.backend.build import build
-    from pytest_opprof.backend.model_graph import ModelGraph
+    from pytest_opprof.backend.model_graph import ModelGraph, uncaptured
     from pytest_opprof.capture.system import environment, resolve_device
     from pytest_opprof.capture.timing import time_interleaved
     from pytest_opprof.schema import BackendSelection, Profile, read_artifact, write_artifact
@@ -755,7 +753,7 @@ def task_recapture(spec: dict[str, Any]) -> None:
         with torch.no_grad():
             optimized(*w.inputs)  # warmup and recording
         compile_s["cuda_graph_capture"] = time.perf_counter() - t0
-        twins["optimized"] = optimized.fn
+        twins["optimized"] = uncaptured(optimized)
     calls: dict[str, Any] = {"eager": w.model, "compile": compiled, "optimized": optimized}
     pairs = [("eager", "compile"), ("eager", "optimized"), ("compile", "optimized")]
     selection_path = out_dir / "profiler_output" / "backend_selection.json"
@@ -765,8 +763,8 @@ def task_recapture(spec: dict[str, Any]) -> None:
             # Inductor's graphs: the same plan compiled without them is the twin.
             torch.manual_seed(0)
             patches = {k: v for k, v in plan.config_patches.items() if k != "triton.cudagraphs"}
-            uncaptured = plan.model_copy(update={"config_patches": patches})
-            twins["optimized"] = build(_load_baseline(spec, device).model, w.inputs, uncaptured).fn
+            without = plan.model_copy(update={"config_patches": patches})
+            twins["optimized"] = build(_load_baseline(spec, device).model, w.inputs, without).fn
         if plan.dtype not in (None, "float32"):
             torch.manual_seed(0)
             same = build(_load_baseline(spec, device).model, w.inputs, plan.without_dtype())

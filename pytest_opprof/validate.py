@@ -28,27 +28,21 @@ SEEDS: tuple[int, ...] = (0, 1, 2)
 def compare(want: Any, got: Any, *, dtype: str | None, rtol: float, atol: float) -> Numerics:
     """Relative L2 error over all output tensors (and the largest absolute error)."""
     w_list, g_list = flatten_tensors(want), flatten_tensors(got)
+    mismatch = Numerics(
+        max_abs_err=float("inf"),
+        rel_err=float("inf"),
+        rtol=rtol,
+        atol=atol,
+        dtype=dtype or "float32",
+        ok=False,
+    )
     if len(w_list) != len(g_list):
-        return Numerics(
-            max_abs_err=float("inf"),
-            rel_err=float("inf"),
-            rtol=rtol,
-            atol=atol,
-            dtype=dtype or "float32",
-            ok=False,
-        )
+        return mismatch
     max_abs = 0.0
     num = den = 0.0
     for w, g in zip(w_list, g_list, strict=True):
         if w.shape != g.shape:
-            return Numerics(
-                max_abs_err=float("inf"),
-                rel_err=float("inf"),
-                rtol=rtol,
-                atol=atol,
-                dtype=dtype or "float32",
-                ok=False,
-            )
+            return mismatch
         wd, gd = w.detach().double(), g.detach().double()
         diff = gd - wd
         max_abs = max(max_abs, float(diff.abs().max()) if diff.numel() else 0.0)

@@ -10,6 +10,19 @@ import pytest
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
+@pytest.fixture
+def fast_opprof_args() -> list[str]:
+    """``pytest --opprof`` arguments for a quick run on the CPU fallback."""
+    return [
+        "--opprof-warmup-iters=1",
+        "--opprof-measure-iters=2",
+        "--opprof-rounds=3",
+        "--opprof-device=cpu",
+        "-p",
+        "no:cacheprovider",
+    ]
+
+
 def cuda_available() -> bool:
     try:
         import torch

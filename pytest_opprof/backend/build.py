@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 import pytest_opprof.backend.compiler as compiler
-from pytest_opprof.backend.model_graph import ModelGraph
+from pytest_opprof.backend import runtime
 from pytest_opprof.passes.base import PassResult
 from pytest_opprof.schema import BackendPlan
 
@@ -61,7 +61,5 @@ def build(
         backend: Any = backend_name
     else:
         backend = compiler.make_backend(results=results, **backend_kwargs(plan))
-    fn: Callable[..., Any] = torch.compile(new_model, backend=backend)
-    if plan.cuda_graph_model and torch.cuda.is_available():
-        fn = ModelGraph(fn)
+    fn = runtime.optimize(new_model, backend, cuda_graph=plan.cuda_graph_model)
     return BuiltVariant(fn=fn, model=new_model, results=results)

@@ -72,6 +72,12 @@ def add_proposal(plan: BackendPlan, proposal: Proposal) -> BackendPlan:
     return plan.model_copy(update=update)
 
 
+def replaced_by_model_graph(plan: BackendPlan, kind: str, scope: Any) -> bool:
+    """A kept proposal of Inductor's per-graph CUDA graphs that the plan's one graph of the
+    whole call (``cuda_graph_model``) replaced: its gain was measured, its setting is gone."""
+    return plan.cuda_graph_model and kind == "cuda_graphs" and scope != "model"
+
+
 def rung_of(proposal: Proposal) -> str:
     return proposal.type if proposal.type in LADDER_ORDER else "graph"
 

@@ -7,6 +7,7 @@ in ``pytest_opprof.backend.compiler``; a generated file reads as the plan, not a
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -87,7 +88,11 @@ def apply_non_graph(
 
 
 def optimize(
-    model: torch.nn.Module, backend: str, *, compile: bool = True, cuda_graph: bool = False
+    model: torch.nn.Module,
+    backend: str | Callable[..., Any],
+    *,
+    compile: bool = True,
+    cuda_graph: bool = False,
 ) -> Any:
     """The model compiled with ``backend`` (or itself where ``compile`` is false: nothing beat
     eager, so the baseline is shipped), recorded as one CUDA graph where ``cuda_graph`` and

@@ -177,6 +177,18 @@ class _Iteration:
         return sum(1 for name in self.regions if name.startswith(kind))
 
 
+def trace_file(folder: Path, stem: str, label: str) -> Path:
+    """Where the timeline pass saves the Chrome trace of ``label`` (``eager`` unsuffixed)."""
+    suffix = "" if label == "eager" else f".{label}"
+    return Path(folder) / f"{stem}{suffix}.trace.json"
+
+
+def provenance_file(folder: Path, stem: str, labels: Iterable[str]) -> Path:
+    """Where the provenance map of one capture of ``labels`` (its timelines) is saved."""
+    named = "-".join(label for label in labels if label != "eager") or "eager"
+    return Path(folder) / f"{stem}.{named}.provenance.json"
+
+
 def load_trace(path: Path) -> dict[str, Any]:
     """Read a Chrome trace, ``.json`` or gzip-compressed ``.json.gz``."""
     path = Path(path)

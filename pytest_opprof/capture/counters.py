@@ -487,6 +487,17 @@ def _geometry_differs(kernel: KernelRecord, row: NcuRow) -> bool:
 # ------------------------------------------------------------------------ roofline, operators
 
 
+ROOFLINE_KEYS = (
+    "achieved_flops_per_s",
+    "achieved_bytes_per_s",
+    "arithmetic_intensity",
+    "pct_of_peak_flops",
+    "pct_of_peak_bw",
+    "pct_of_roofline",
+)
+"""What ``add_roofline`` writes (None where a counter it needs is missing)."""
+
+
 def add_roofline(
     metrics: dict[str, float | None], spec: Any, dtype: str
 ) -> Literal["memory", "compute"] | None:
@@ -496,15 +507,7 @@ def add_roofline(
     from pytest_opprof.knowledge import roofline
 
     flops, nbytes, ns = metrics.get("flops"), metrics.get("dram_bytes"), metrics.get("gpu_time_ns")
-    keys = (
-        "achieved_flops_per_s",
-        "achieved_bytes_per_s",
-        "arithmetic_intensity",
-        "pct_of_peak_flops",
-        "pct_of_peak_bw",
-        "pct_of_roofline",
-    )
-    for k in keys:
+    for k in ROOFLINE_KEYS:
         metrics.setdefault(k, None)
     if flops is None or nbytes is None or not ns:
         return None
@@ -554,16 +557,7 @@ def aggregate(kernels: Sequence[KernelRecord]) -> dict[str, float | None]:
 
 
 # Recomputed from the sums by ``add_roofline``, never averaged.
-_DERIVED_RATES = frozenset(
-    {
-        "achieved_flops_per_s",
-        "achieved_bytes_per_s",
-        "arithmetic_intensity",
-        "pct_of_peak_flops",
-        "pct_of_peak_bw",
-        "pct_of_roofline",
-    }
-)
+_DERIVED_RATES = frozenset(ROOFLINE_KEYS)
 
 
 def _duration_ns(k: KernelRecord) -> float:

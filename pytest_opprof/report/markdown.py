@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from tabulate import tabulate
 
 from pytest_opprof import ITEM_NAMES, STAGES
+from pytest_opprof.backend.plan import replaced_by_model_graph
 from pytest_opprof.report import plots as _plots
 from pytest_opprof.schema import (
     VALIDATION_STEPS,
@@ -259,6 +260,13 @@ def step_proposals(step: WaterfallStep, proposals: Sequence[Proposal]) -> list[P
     return [by_id[i] for i in dict.fromkeys(ids) if i in by_id]
 
 
+WHOLE_GRAPH = "whole-model CUDA graph"
+SUPERSEDED = (
+    "superseded: its gain was kept, then one CUDA graph of the whole call (cuda_graphs-model) "
+    "replaced Inductor's per-graph CUDA graphs"
+)
+
+
 def proposal_status(a: WorkloadArtifacts, p: Proposal) -> str:
     """APPLIED / NOT_APPLIED / FAILED from validation, or why selection left it out."""
     checked = next(
@@ -277,14 +285,9 @@ def proposal_status(a: WorkloadArtifacts, p: Proposal) -> str:
     if (
         in_plan
         and a.selection is not None
-        and a.selection.plan.cuda_graph_model
-        and p.type == "cuda_graphs"
-        and p.params.get("scope") != "model"
+        and replaced_by_model_graph(a.selection.plan, p.type, p.params.get("scope"))
     ):
-        return (
-            "superseded: its gain was kept, then one CUDA graph of the whole call "
-            "(cuda_graphs-model) replaced Inductor's per-graph CUDA graphs"
-        )
+        return SUPERSEDED
     if a.validation is not None:
         for ps in a.validation.passes:
             if ps.name in (p.id, p.type):
@@ -660,9 +663,6 @@ def section_optimizations(a: WorkloadArtifacts) -> list[str]:
     return lines
 
 
-WHOLE_GRAPH = "whole-model CUDA graph"
-
-
 def _selection_additions(a: WorkloadArtifacts) -> list[tuple[str, str]]:
     """Variants selection tried that no proposal asked for (CUDA graphs on a GPU), kept or
     dropped, with what validation recorded for them."""
@@ -687,7 +687,10 @@ def _selection_additions(a: WorkloadArtifacts) -> list[tuple[str, str]]:
             None,
         )
         status = "in the chosen plan"
-        if record is not None:
+        kind, _, scope = pid.rpartition("-")
+        if replaced_by_model_graph(a.selection.plan, kind, scope):
+            status = SUPERSEDED
+        elif record is not None:
             status = record.status + (f" ({one_line(record.detail, 160)})" if record.detail else "")
         out.append((pid, status))
     return out

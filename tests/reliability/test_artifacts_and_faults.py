@@ -128,6 +128,25 @@ def test_generated_backend_deleted_between_stages(work: Path) -> None:
     assert fixed.returncode == 0, fixed.stdout
 
 
+def interrupt(cwd: Path, started: Path, *args: str) -> None:
+    """Run ``pytest --opprof slow.py`` and press Ctrl-C a second after ``started`` (the stage
+    child's log) appears."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "--opprof", *FAST, "slow.py", *args],
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
+    deadline = time.time() + 60
+    while not started.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)
+    proc.communicate(timeout=60)
+
+
 def test_interrupted_capture_leaves_no_half_written_artifact(tmp_path: Path) -> None:
     (tmp_path / "slow.py").write_text(
         textwrap.dedent(TINY).replace(
@@ -135,21 +154,8 @@ def test_interrupted_capture_leaves_no_half_written_artifact(tmp_path: Path) -> 
             "import time\n\ndef get_model_and_input():\n    time.sleep(3)",
         )
     )
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "--opprof", *FAST, "slow.py"],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
     out = tmp_path / "opprof-results" / "slow"
-    deadline = time.time() + 60
-    while not (out / "profiler_output" / "capture.log").exists() and time.time() < deadline:
-        time.sleep(0.2)
-    time.sleep(1.0)
-    os.killpg(proc.pid, signal.SIGINT)
-    proc.communicate(timeout=60)
+    interrupt(tmp_path, out / "profiler_output" / "capture.log")
     time.sleep(4)  # a runaway child would write profile.json by now
     assert not (out / "profile.json").exists()
     assert not list(out.rglob("*.tmp"))
@@ -175,20 +181,7 @@ def test_interrupted_backend_leaves_no_artifact_and_only_it_reruns(tmp_path: Pat
     out = tmp_path / "opprof-results" / "slow"
     before = {f: (out / f).stat().st_mtime_ns for f in ("profile.json", "optimizations.json")}
     (tmp_path / "slow-now").touch()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "--opprof", *FAST, "slow.py", "--opprof-stage=backend"],
-        cwd=tmp_path,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        start_new_session=True,
-    )
-    deadline = time.time() + 60
-    while not (out / "profiler_output" / "select.log").exists() and time.time() < deadline:
-        time.sleep(0.2)
-    time.sleep(1.0)
-    os.killpg(proc.pid, signal.SIGINT)
-    proc.communicate(timeout=60)
+    interrupt(tmp_path, out / "profiler_output" / "select.log", "--opprof-stage=backend")
     time.sleep(4)  # a runaway child would write the selection by now
     assert not (out / "profiler_output" / "backend_selection.json").exists()
     assert not (out / "slow_optimized.py").exists()

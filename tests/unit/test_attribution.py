@@ -55,7 +55,9 @@ CUTLASS_PREFIX = "void cutlass::device_kernel"
 
 
 def synthetic(
-    provenance: dict[str, list[str]] | None = None, trace: dict[str, Any] | None = None
+    provenance: dict[str, list[str]] | None = None,
+    trace: dict[str, Any] | None = None,
+    twin: Any = None,
 ) -> tuple[Timeline, list[EdgeCaseFlag]]:
     return build_timeline(
         trace if trace is not None else load_trace(SYNTHETIC),
@@ -64,6 +66,7 @@ def synthetic(
         device_type="cuda",
         provenance=PROVENANCE if provenance is None else provenance,
         trace_file=SYNTHETIC.name,
+        twin=twin,
     )
 
 
@@ -193,15 +196,7 @@ def _cutlass_name(timeline: Timeline) -> str:
 def test_cuda_graph_replay_placed_by_the_uncaptured_twin() -> None:
     plain, _ = synthetic()
     gemm = _cutlass_name(plain)
-    twin = {gemm: [TwinSite("aten::mm", 1, ("aten::mm",))]}
-    timeline, flags = build_timeline(
-        load_trace(SYNTHETIC),
-        label="optimized",
-        compile_mode="graphs",
-        device_type="cuda",
-        provenance=PROVENANCE,
-        twin=twin,
-    )
+    timeline, flags = synthetic(twin={gemm: [TwinSite("aten::mm", 1, ("aten::mm",))]})
     # Only the launch with no provenance (not a replay) stays unattributed.
     assert [k.name for k in timeline.unattributed_kernels] == ["triton_poi_fused_mul_3"]
     placed = [o for o in timeline.operators if o.kernels and o.kernels[0].name == gemm]
@@ -220,14 +215,7 @@ def test_twin_with_a_different_count_is_not_joined_but_flagged(
     gemm = _cutlass_name(plain)
     site = TwinSite("aten::mm", 0, ("aten::mm",))
     with caplog.at_level(logging.WARNING):
-        timeline, flags = build_timeline(
-            load_trace(SYNTHETIC),
-            label="optimized",
-            compile_mode="graphs",
-            device_type="cuda",
-            provenance=PROVENANCE,
-            twin={gemm: [site, site]},
-        )
+        timeline, flags = synthetic(twin={gemm: [site, site]})
     assert gemm in [k.name for k in timeline.unattributed_kernels]
     detail = flag(flags, "cuda_graph_replay").detail
     assert "not joined to the twin" in detail and "(1 replayed, 2 in the twin)" in detail

@@ -1,9 +1,12 @@
 """LLM-written pass code for a type the library lacks: stage 3 runs it apart from the backend,
-on the baseline's Dynamo graph, and checks it against eager (issue #12)."""
+on the baseline's Dynamo graph, and checks it against eager (issue #12) — as a task, and
+through the real stages, where selection never runs it."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import textwrap
 from pathlib import Path
 
@@ -133,3 +136,53 @@ def test_the_report_says_it_ran_apart(tmp_path: Path) -> None:
     artifacts = SimpleNamespace(selection=None, validation=report)
     status = proposal_status(artifacts, proposal)  # type: ignore[arg-type]
     assert status.startswith("LLM-written code, not in the backend; stage 3 ran it apart: APPLIED")
+
+
+@pytest.mark.slow
+def test_llm_pass_code_runs_only_in_stage_3(tmp_path: Path, fast_opprof_args: list[str]) -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "pytest", "--opprof", *fast_opprof_args, "w.py", *args]
+        return subprocess.run(
+            command, cwd=tmp_path, capture_output=True, text=True, timeout=900, check=False
+        )
+
+    (tmp_path / "w.py").write_text(WORKLOAD)
+    for stage in ("capture", "propose"):
+        first = run(f"--opprof-stage={stage}")
+        assert first.returncode == 0, first.stdout + first.stderr
+    out = tmp_path / "opprof-results" / "w"
+    (out / "llm_passes").mkdir()
+    (out / "llm_passes" / "llm-relu_as_clamp-1.py").write_text(PASSES["good"])
+    opt = json.loads((out / "optimizations.json").read_text())
+    opt["proposals"].append(
+        {
+            "id": "llm-relu_as_clamp-1",
+            "type": "relu_as_clamp",
+            "ir_level": "functional",
+            "source": "llm",
+            "targets": ["relu"],
+            "evidence": [],
+            "fx_steps": ["relu(x) -> clamp_min(x, 0)"],
+            "confidence": "low",
+            "impact": {"estimated_saving_us": 0.0, "estimated_speedup": 1.0, "basis": "none"},
+            "params": {"implemented": False, "pass_file": "llm_passes/llm-relu_as_clamp-1.py"},
+        }
+    )
+    (out / "optimizations.json").write_text(json.dumps(opt))
+
+    done = run("--opprof-from=backend", "--opprof-stage=validate")
+    assert done.returncode == 0, done.stdout + done.stderr
+    selection = json.loads((out / "profiler_output" / "backend_selection.json").read_text())
+    reason = next(d["reason"] for d in selection["dropped"] if d["id"] == "llm-relu_as_clamp-1")
+    assert "selection does not run LLM-written code" in reason and "stage 3 checks" in reason
+    report = json.loads((out / "profiler_output" / "validation_report.json").read_text())
+    (checked,) = report["llm_passes"]
+    assert (checked["name"], checked["status"], checked["matches"]) == (
+        "llm-relu_as_clamp-1",
+        "APPLIED",
+        1,
+    )
+    generated = (out / "w_optimized.py").read_text()
+    # Never part of the backend: named only in the docstring's list of dropped proposals.
+    assert "'relu_as_clamp'" not in generated and "import llm" not in generated
+    assert "llm-relu_as_clamp-1: no pass implements this type" in generated
