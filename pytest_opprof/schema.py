@@ -458,6 +458,13 @@ def write_text_atomic(path: Path, text: str) -> None:
         raise
 
 
+def first_error(exc: ValidationError) -> tuple[str, str, int]:
+    """The first problem pydantic found: its dotted location, its message, and how many more."""
+    first = exc.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "(top level)"
+    return where, first["msg"], exc.error_count() - 1
+
+
 def read_artifact(path: Path, model: type[A]) -> A:
     """Read and validate; any problem is an ``ArtifactError`` naming the file and the field."""
     path = Path(path)
@@ -479,10 +486,9 @@ def read_artifact(path: Path, model: type[A]) -> A:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        more = f" (and {exc.error_count() - 1} more)" if exc.error_count() > 1 else ""
+        where, msg, others = first_error(exc)
+        more = f" (and {others} more)" if others else ""
         raise ArtifactError(
-            f"{path}: field '{where}': {first['msg']}{more}; delete the file and re-run the "
+            f"{path}: field '{where}': {msg}{more}; delete the file and re-run the "
             "stage that writes it"
         ) from None

@@ -52,6 +52,7 @@ from pytest_opprof.schema import (
     Optimizations,
     Profile,
     Proposal,
+    first_error,
     write_text_atomic,
 )
 
@@ -234,10 +235,9 @@ def _validate(answer: dict[str, Any]) -> _Answer:
     try:
         return _Answer.model_validate(answer)
     except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "(top level)"
-        more = f"; and {exc.error_count() - 1} more" if exc.error_count() > 1 else ""
-        raise _Failed(f"the answer did not validate ({where}: {first['msg']}{more})") from None
+        where, msg, others = first_error(exc)
+        more = f"; and {others} more" if others else ""
+        raise _Failed(f"the answer did not validate ({where}: {msg}{more})") from None
 
 
 def _reason(anthropic: Any, exc: BaseException, settings: LlmSettings | None) -> str:
