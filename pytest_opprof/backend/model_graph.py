@@ -77,7 +77,9 @@ class ModelGraph:
                     else "its inputs differ in shape, dtype, stride or value from the recorded call"
                 )
                 warnings.warn(
-                    f"whole-model CUDA graph: a call ran uncaptured because {why}",
+                    f"whole-model CUDA graph: a call ran uncaptured because {why}; the result "
+                    "is the same, only slower: call under torch.no_grad() with CUDA inputs shaped "
+                    "as the first call's, or make another optimize(model) for other shapes",
                     ModelGraphWarning,
                     stacklevel=2,
                 )

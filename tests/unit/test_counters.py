@@ -770,3 +770,19 @@ def test_tensor_kernel_without_tensor_op_count_has_no_flops() -> None:
     metric = "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
     idle.values[metric] = 0.0
     assert c.logical_metrics(idle, resolved)["flops"] == 524288.0
+
+
+def test_real_h200_ncu_row_with_another_geometry_is_left_out() -> None:
+    """Same name and count but a different launch grid: a warning, never a guessed pair."""
+    from pytest_opprof.schema import Profile, read_artifact
+
+    profile = read_artifact(ROOT / "examples" / "conv_block" / "h200" / "profile.json", Profile)
+    kernels = c.timeline_kernels(profile.timelines[0])
+    first = kernels[0].model_copy(update={"grid": [9999, 1, 1]})
+    log = (DATA / "h200" / "conv_block.eager.log").read_text(encoding="utf-8")
+    result = c.parse_run(0, log, "", [first, *kernels[1:]])
+    key = c.kernel_key(first.name)
+    assert any(f"kernel {key!r} launched with grid [9999, 1, 1]" in w for w in result.warnings)
+    paired = {k.index for k in result.metrics}
+    same_key = [i for i, k in enumerate(kernels) if c.kernel_key(k.name) == key]
+    assert not paired & set(same_key) and len(paired) == len(kernels) - len(same_key)
