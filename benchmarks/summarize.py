@@ -102,6 +102,75 @@ def _gpu_time(where: Path) -> dict[str, dict[str, float | None]]:
     return out
 
 
+GEMM_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm")
+
+
+def gemm_bytes(shapes: list[Any], op: str, itemsize: int) -> int | None:
+    """The DRAM bytes a GEMM's shapes imply: each operand read once, the output written once
+    (the floor a kernel with perfect reuse reaches). ``linear``'s weight is (N, K)."""
+    dims = [s for s in shapes if isinstance(s, list) and s]
+    bias: list[int] = []
+    if op == "aten::addmm" and len(dims) > 2:  # addmm(bias, a, b)
+        bias, dims = dims[0], dims[1:]
+    elif op == "aten::linear" and len(dims) > 2:  # linear(a, weight, bias)
+        bias = dims[2]
+    if len(dims) < 2 or len(dims[0]) < 2:
+        return None
+    a, b = dims[0], dims[1]
+    n = b[0] if op == "aten::linear" else b[-1]
+    elements = math.prod(a) + math.prod(b) + math.prod(a[:-1]) * n
+    return (elements + (math.prod(bias) if bias else 0)) * itemsize
+
+
+def largest_gemm_bytes(profile: Profile, label: str = "eager") -> dict[str, Any] | None:
+    """The longest GEMM of ``label``'s timeline: its DRAM bytes as ncu counted them beside the
+    bytes its shapes imply (fp32 at capture)."""
+    timeline = next((t for t in profile.timelines if t.label == label), None)
+    if timeline is None:
+        return None
+    gemms = [op for op in timeline.operators if op.name in GEMM_OPS]
+    if not gemms:
+        return None
+    op = max(gemms, key=lambda o: o.gpu_time_us)
+    itemsize = 2 if profile.capture_metadata.dtype in ("bfloat16", "float16") else 4
+    implied = gemm_bytes(op.input_shapes, op.name, itemsize)
+    counted = [k.metrics.get("dram_bytes") for k in op.kernels]
+    measured = sum(float(v) for v in counted if v is not None) if counted else None
+    if not counted or any(v is None for v in counted):
+        measured = None
+    return {
+        "operator": f"{op.name}#{op.call_index}",
+        "shapes": op.input_shapes,
+        "gpu_time_us": op.gpu_time_us,
+        "implied_bytes": implied,
+        "dram_bytes": measured,
+        "ratio": measured / implied if measured is not None and implied else None,
+    }
+
+
+def _counters(profile: Profile) -> dict[str, Any]:
+    """The counters pass of the capture: seconds, replay mode, coverage per timeline."""
+    c = profile.counters or {}
+    out: dict[str, Any] = {"seconds": c.get("seconds"), "replay": c.get("replay")}
+    for label in ("eager", "compiled"):
+        entry = c.get(label)
+        if isinstance(entry, dict):
+            out[label] = {
+                k: entry.get(k)
+                for k in (
+                    "kernels",
+                    "kernels_with_counters",
+                    "kernels_replayed",
+                    "time_coverage",
+                    "time_coverage_replayed",
+                    "note",
+                    "seconds",
+                )
+            }
+    out["largest_gemm"] = largest_gemm_bytes(profile)
+    return out
+
+
 def summarize(folders: list[Path], junit_files: list[Path] | None = None) -> dict[str, Any]:
     stages = stage_seconds(junit_files or [])
     rows: dict[str, Any] = {}
@@ -137,13 +206,7 @@ def summarize(folders: list[Path], junit_files: list[Path] | None = None) -> dic
             or vs_compile.ratio >= target_ratio,
             "compile_seconds": opt.timing.compile_seconds,
             "stage_seconds": stages.get(name),
-            "counters_seconds": {
-                label: entry.get("seconds")
-                for label, entry in (
-                    read_artifact(where / "profile.json", Profile).counters or {}
-                ).items()
-                if isinstance(entry, dict)
-            },
+            "counters": _counters(read_artifact(where / "profile.json", Profile)),
             "source": str(where),
             "gpu_time": _gpu_time(where),
         }
@@ -200,6 +263,37 @@ def markdown(result: dict[str, Any]) -> str:
                     f"| {name} | {label} | {g['timing_ms']:.3f} | {g['kernel_ms']:.3f} | "
                     f"{shown} | {ratio} |"
                 )
+    counted = {n: r["counters"] for n, r in result["workloads"].items() if r.get("counters")}
+    if counted:
+        lines += [
+            "",
+            "Counters (Nsight Compute, one process per workload): seconds, replay mode, share of "
+            "kernel time with counters (replayed launches + launches of the same configuration), "
+            "and the longest eager GEMM's DRAM bytes against the bytes its shapes imply:",
+            "",
+            "| workload | ncu s | replay | eager coverage (replayed) | compiled coverage "
+            "(replayed) | longest GEMM | DRAM / implied |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for name, ct in counted.items():
+            cells = []
+            for label in ("eager", "compiled"):
+                e = ct.get(label) or {}
+                cov, rep = e.get("time_coverage"), e.get("time_coverage_replayed")
+                shown = f"{cov:.1%}" if cov is not None else "—"
+                cells.append(f"{shown} ({rep:.1%})" if rep is not None else shown)
+            g = ct.get("largest_gemm") or {}
+            ratio = g.get("ratio")
+            dram = (
+                f"{g['dram_bytes'] / 1e6:.3g} / {g['implied_bytes'] / 1e6:.3g} MB = {ratio:.2f}"
+                if ratio is not None
+                else "—"
+            )
+            secs = ct.get("seconds")
+            lines.append(
+                f"| {name} | {secs if secs is not None else '—'} | {ct.get('replay') or '—'} | "
+                f"{cells[0]} | {cells[1]} | {g.get('operator', '—')} | {dram} |"
+            )
     if timed:
         names = ["capture", "propose", "backend", "validate", "recapture", "speedup"]
         lines += ["", "Pipeline wall time per stage (s, from the stage JUnit):", ""]

@@ -205,6 +205,15 @@ OPTIONS: tuple[OptionSpec, ...] = (
         metavar="MODE",
     ),
     _opt(
+        "ncu-replay",
+        _choice("--opprof-ncu-replay", ("auto", "all", "unique")),
+        "auto",
+        "ncu replays every kernel launch (all), the first launch of each launch configuration "
+        "(unique: repeated layers and time steps share its counters), or unique above 96 "
+        "kernels (auto)",
+        metavar="MODE",
+    ),
+    _opt(
         "min-confidence",
         _choice("--opprof-min-confidence", ("low", "medium", "high")),
         "low",
@@ -288,6 +297,7 @@ class OpprofOptions:
     ncu: str = "auto"
     ncu_sudo: str = "auto"
     ncu_clock_control: str = "none"
+    ncu_replay: str = "auto"
     min_confidence: str = "low"
     max_opts: int | None = None
     warmup_iters: int = 10

@@ -107,9 +107,17 @@ class KernelRecord(Model):
     stream: int | None = None
     device: int | None = None
     correlation: int | None = None
+    shared_memory: int | None = Field(
+        default=None, description="static + dynamic shared memory per block, bytes"
+    )
     attribution: Attribution = "none"
     fused_ops: list[str] = Field(default_factory=list)
     metrics: dict[str, float | None] = Field(default_factory=dict)
+    counters_source: Literal["measured", "same_launch_config"] | None = Field(
+        default=None,
+        description="measured: ncu replayed this launch; same_launch_config: copied from the "
+        "replayed launch of the same kernel, grid, block and shared memory",
+    )
 
 
 class OperatorRecord(Model):
@@ -194,8 +202,8 @@ class Profile(Artifact):
     """``profile.json`` and ``profile_optimized.json``; ``timelines[0]`` is the primary one
     (eager for the baseline, the optimized backend for the recapture)."""
 
-    # 2.1: summary.busy_time_per_iter_us
-    SCHEMA_VERSION: ClassVar[str] = "2.1"
+    # 2.1: summary.busy_time_per_iter_us; 2.2: kernels' shared_memory and counters_source
+    SCHEMA_VERSION: ClassVar[str] = "2.2"
     capture_metadata: CaptureMetadata
     timing: Timing
     timelines: list[Timeline]

@@ -626,6 +626,7 @@ def _kernel_record(same: list[_Kernel], starts: list[float]) -> KernelRecord:
         stream=_int(args.get("stream")),
         device=_int(args.get("device")),
         correlation=_int(args.get("correlation")),
+        shared_memory=_int(args.get("shared memory")),
         attribution=first.attribution,
         fused_ops=first.fused_ops,
     )

@@ -8,7 +8,18 @@ target process (``counters_target_task``) wraps the one measured call in
 ``--nvtx --nvtx-include "opprof_iteration/"`` (the trailing ``/`` names a push/pop range).
 ``--launch-count`` is only a safety bound (twice the timeline's kernel count, at least +16): if
 the range somehow matched more, the join below reports the surplus instead of ncu replaying
-kernels for an hour.
+kernels for an hour. One ncu process serves every timeline of a capture: each label's
+iteration runs in its own range (``opprof_iteration_eager``, ``opprof_iteration_compiled``)
+and each CSV row names its range, so rows go back to their timeline exactly; the process start,
+model set-up and compile under ncu are paid once.
+
+Replay ``unique`` (``--opprof-ncu-replay``; ``auto`` picks it above ``UNIQUE_ABOVE`` kernels):
+``--filter-mode per-launch-config --launch-count 1`` replays the first launch of each launch
+configuration only — GPT-2's twelve identical layers, an LSTM's 128 time steps — and the other
+launches of the same kernel with the same grid, block and shared memory carry its counters,
+marked ``counters_source="same_launch_config"`` (``measured`` for the replayed one). Each
+replay pass costs ~25 ms per kernel launch on the H200 (12 passes for this metric list), which
+is what made the full replay of gpt2 and the LSTM take over three minutes.
 
 Kernel names: ncu prints names with ``--print-kernel-base demangled``, the torch profiler
 (CUPTI) its own demangled form, and on the H200 (ncu 2025.3.1, torch 2.11) the two differ in
@@ -48,7 +59,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from pytest_opprof.schema import KernelRecord, Profile, Timeline
 
 NVTX_RANGE = "opprof_iteration"
+REPLAY_MODES = ("auto", "all", "unique")
+UNIQUE_ABOVE = 96
+"""``--opprof-ncu-replay=auto``: replay every launch up to this many kernels (all labels)."""
 TARGET_TASK = "counters_target"
+LOG_NAME = "ncu.log"
 PARAMS_FILE = Path("/proc/driver/nvidia/params")
 NCU_LOCATIONS = (
     "/usr/local/cuda/bin/ncu",
@@ -132,6 +147,7 @@ class KernelCounters(BaseModel):
     ncu_id: int
     metrics: dict[str, float | None]
     bound: Literal["memory", "compute"] | None = None
+    source: Literal["measured", "same_launch_config"] = "measured"
 
 
 class CountersResult(BaseModel):
@@ -193,6 +209,11 @@ def launch_bound(kernels_per_iteration: int) -> int:
     return max(2 * kernels_per_iteration, kernels_per_iteration + 16)
 
 
+def range_name(label: str) -> str:
+    """The NVTX push/pop range around ``label``'s measured iteration."""
+    return f"{NVTX_RANGE}_{label}"
+
+
 def build_command(
     ncu: str,
     spec_path: Path,
@@ -204,8 +225,12 @@ def build_command(
     sudo: bool = False,
     python: str = sys.executable,
     env: Mapping[str, str] | None = None,
+    labels: Sequence[str] = ("eager",),
+    unique: bool = False,
 ) -> list[str]:
-    """The ncu command line over ``python -m pytest_opprof.runner SPEC`` for one iteration.
+    """The ncu command line over ``python -m pytest_opprof.runner SPEC``: one iteration of
+    each label, ``kernels_per_iteration`` counting all of them. ``unique``: the first launch
+    of each launch configuration only.
 
     ncu's own output (the raw CSV included) goes to ``log_file`` so the workload's prints
     cannot interleave with it. Kernel replay (the default) replays each kernel in place, not
@@ -214,13 +239,14 @@ def build_command(
     """
     if clock_control not in ("none", "base"):
         raise ValueError(f"clock control must be none or base, got {clock_control!r}")
-    cmd = [
-        ncu,
-        "--nvtx",
-        "--nvtx-include",
-        f"{NVTX_RANGE}/",
-        "--launch-count",
-        str(launch_bound(kernels_per_iteration)),
+    cmd = [ncu, "--nvtx"]
+    for label in labels:  # include statements are alternatives: a kernel in any range
+        cmd += ["--nvtx-include", f"{range_name(label)}/"]
+    if unique:
+        cmd += ["--filter-mode", "per-launch-config", "--launch-count", "1"]
+    else:
+        cmd += ["--launch-count", str(launch_bound(kernels_per_iteration))]
+    cmd += [
         "--replay-mode",
         "kernel",
         "--target-processes",
@@ -330,6 +356,10 @@ class NcuRow(BaseModel):
     values: dict[str, float | None]
     grid: list[int] | None = None
     block: list[int] | None = None
+    shared_memory: int | None = None
+    label: str | None = Field(
+        default=None, description="the timeline label its NVTX range names (None: one range)"
+    )
 
 
 def _dims(cell: str) -> list[int] | None:
@@ -356,22 +386,41 @@ def parse_raw_csv(text: str) -> tuple[list[NcuRow], list[str]]:
     name_col = header.index("Kernel Name")
     grid_col = header.index("Grid Size") if "Grid Size" in header else None
     block_col = header.index("Block Size") if "Block Size" in header else None
+    nvtx_col = next((i for i, h in enumerate(header) if "Push/Pop_Range" in h), None)
     metric_cols = [i for i, h in enumerate(header) if "__" in h]
     rows = []
     for cells in body:
         if len(cells) != len(header) or not cells[0].strip().isdigit():
             continue
+        values = {header[i]: to_base(cells[i], units[i]) for i in metric_cols}
         rows.append(
             NcuRow(
                 id=int(cells[0]),
                 name=cells[name_col],
-                values={header[i]: to_base(cells[i], units[i]) for i in metric_cols},
+                values=values,
                 grid=_dims(cells[grid_col]) if grid_col is not None else None,
                 block=_dims(cells[block_col]) if block_col is not None else None,
+                shared_memory=_shared_memory(values),
+                label=_range_label(cells[nvtx_col]) if nvtx_col is not None else None,
             )
         )
     rows.sort(key=lambda r: r.id)
     return rows, [header[i] for i in metric_cols]
+
+
+def _shared_memory(values: Mapping[str, float | None]) -> int | None:
+    """Static + dynamic shared memory per block, what the profiler's "shared memory" holds."""
+    static = values.get("launch__shared_mem_per_block_static")
+    dynamic = values.get("launch__shared_mem_per_block_dynamic")
+    return None if static is None or dynamic is None else int(static + dynamic)
+
+
+_RANGE_LABEL = re.compile(rf"(?<![\w]){NVTX_RANGE}_([A-Za-z0-9]+)(?![\w])")
+
+
+def _range_label(cell: str) -> str | None:
+    match = _RANGE_LABEL.search(cell)
+    return match.group(1) if match else None
 
 
 def resolve(header: Sequence[str]) -> dict[str, str | None]:
@@ -484,6 +533,95 @@ def _geometry_differs(kernel: KernelRecord, row: NcuRow) -> bool:
     return grid_clash or block_clash
 
 
+def _same_config(kernel: KernelRecord, row: NcuRow) -> bool:
+    """Same function, grid, block and shared memory (where both sides know them)."""
+    if kernel_key(kernel.name) != kernel_key(row.name) or _geometry_differs(kernel, row):
+        return False
+    return None in (kernel.shared_memory, row.shared_memory) or (
+        kernel.shared_memory == row.shared_memory
+    )
+
+
+def join_unique(
+    timeline: Sequence[KernelRecord],
+    rows: Sequence[NcuRow],
+    resolved: Mapping[str, str | None],
+    label: str | None = None,
+) -> tuple[list[KernelCounters], list[str]]:
+    """Pair timeline kernels with the rows of a ``unique`` replay (the first launch of each
+    launch configuration). The launches of one configuration in this iteration take the rows of
+    this label's range in order; where ncu replayed fewer (it had met the configuration before,
+    here or in another label's range), the rest carry the counters of the last row, marked
+    ``same_launch_config``. A launch no row of its configuration exists for is a warning."""
+    own = [r for r in rows if r.label in (label, None)]
+    others = [r for r in rows if r.label not in (label, None)]
+    families: list[tuple[KernelRecord, list[int]]] = []
+    for i, k in enumerate(timeline):
+        family = next((f for f in families if _same_launch(f[0], k)), None)
+        if family is None:
+            families.append((k, [i]))
+        else:
+            family[1].append(i)
+    used: set[int] = set()
+    out: list[KernelCounters] = []
+    warnings: list[str] = []
+    for first, members in families:
+        mine = [r for r in own if r.id not in used and _same_config(first, r)]
+        mine = mine[: len(members)]
+        used.update(r.id for r in mine)
+        if len(mine) == len(members):  # every launch replayed: the exact join
+            pairs = [(i, row, True) for i, row in zip(members, mine, strict=True)]
+        elif mine:
+            # The first launch is the first row; which launches later rows belong to ncu does
+            # not say (it told configurations apart by more than we see), so they are not
+            # paired: every later launch carries the first row's counters.
+            if len(mine) > 1:
+                warnings.append(
+                    f"counters: ncu replayed {len(mine)} of {len(members)} launches of "
+                    f"{kernel_key(first.name)!r} as distinct configurations; launches after "
+                    "the first carry the first one's counters"
+                )
+            pairs = [(i, mine[0], n == 0) for n, i in enumerate(members)]
+        else:
+            seen = [r for r in others if _same_config(first, r)]
+            if not seen:
+                warnings.append(
+                    f"counters: kernel {kernel_key(first.name)!r} (grid {first.grid}, block "
+                    f"{first.block}) ran {len(members)}x in the timeline iteration but ncu "
+                    "replayed no launch of that configuration; its counters are left out"
+                )
+                continue
+            pairs = [(i, seen[0], False) for i in members]  # replayed in another label's range
+        out += [
+            KernelCounters(
+                index=i,
+                name=timeline[i].name,
+                ncu_id=row.id,
+                metrics=logical_metrics(row, resolved),
+                source="measured" if measured else "same_launch_config",
+            )
+            for i, row, measured in pairs
+        ]
+    stray = [r for r in own if r.id not in used]
+    if stray:
+        names = sorted({kernel_key(r.name) for r in stray})
+        warnings.append(
+            f"counters: ncu replayed {len(stray)} launch(es) the timeline iteration does not "
+            f"have ({', '.join(names[:5])}); left out"
+        )
+    out.sort(key=lambda c: c.index)
+    return out, warnings
+
+
+def _same_launch(a: KernelRecord, b: KernelRecord) -> bool:
+    return (
+        kernel_key(a.name) == kernel_key(b.name)
+        and a.grid == b.grid
+        and a.block == b.block
+        and a.shared_memory == b.shared_memory
+    )
+
+
 # ------------------------------------------------------------------------ roofline, operators
 
 
@@ -579,7 +717,8 @@ def attach(
         metrics = dict(c.metrics)
         if spec is not None:
             c.bound = add_roofline(metrics, spec, dtype)
-        out.append(k.model_copy(update={"metrics": {**k.metrics, **metrics}}, deep=True))
+        update = {"metrics": {**k.metrics, **metrics}, "counters_source": c.source}
+        out.append(k.model_copy(update=update, deep=True))
     return out
 
 
@@ -604,6 +743,7 @@ def apply_to_timeline(
     kernels = timeline_kernels(out)
     for kernel, filled in zip(kernels, attach(kernels, result, spec, dtype), strict=True):
         kernel.metrics = filled.metrics
+        kernel.counters_source = filled.counters_source
     for agg in out.aggregated:
         members = [k for op in out.operators if op.name == agg.name for k in op.kernels]
         members = [k for k in members if not k.name.startswith(("Memcpy", "Memset"))]
@@ -653,47 +793,69 @@ def run_counters(
     *,
     label: str,
     work_dir: Path,
-    mode: str = "auto",
+    **kwargs: Any,
+) -> CountersResult:
+    """``run_counters_many`` for one timeline."""
+    return run_counters_many(spec, {label: timeline_kernels}, work_dir=work_dir, **kwargs)[label]
+
+
+def run_counters_many(
+    spec: Mapping[str, Any],
+    kernels_by_label: Mapping[str, Sequence[KernelRecord]],
+    *,
+    work_dir: Path,
+    replay: str = "all",
     sudo_mode: str = "auto",
     clock_control: str = "none",
     timeout: float = 600.0,
     ncu: str | None = None,
-) -> CountersResult:
-    """Replay one iteration of the ``label`` call (``eager`` or ``compiled``) under ncu and
-    join its rows to ``timeline_kernels`` (one iteration of that timeline, launch order)."""
-    if label not in ("eager", "compiled"):
-        return CountersResult(note=f"counters: no target for the {label!r} timeline")
+) -> dict[str, CountersResult]:
+    """Replay one iteration of each labelled call (``eager``, ``compiled``) in ONE process
+    under ncu and join each range's rows to that label's kernels (one iteration of its
+    timeline, launch order). ``replay``: ``all`` launches, or ``unique`` configurations."""
+    labels = list(kernels_by_label)
+    bad = [x for x in labels if x not in ("eager", "compiled")]
+    if bad:
+        note = f"counters: no target for the {bad[0]!r} timeline"
+        return {x: CountersResult(note=note) for x in labels}
     ncu = ncu or find_ncu()
     if ncu is None:
         note = "counters: ncu (Nsight Compute) not found on PATH or in the usual places; skipped"
-        return CountersResult(note=note)
-    if not timeline_kernels:
-        return CountersResult(note="counters: the timeline iteration launched no kernels")
+        return {x: CountersResult(note=note) for x in labels}
+    no_kernels = "counters: the timeline iteration launched no kernels"
+    empty = {x: CountersResult(note=no_kernels) for x in labels if not kernels_by_label[x]}
+    labels = [x for x in labels if x not in empty]
+    if not labels:
+        return empty
     work_dir.mkdir(parents=True, exist_ok=True)
-    target = dict(spec, task=TARGET_TASK, counters_label=label)
-    spec_path = work_dir / f"counters_target.{label}.json"
+    target = dict(spec, task=TARGET_TASK, counters_labels=labels)
+    spec_path = work_dir / "counters_target.json"
     spec_path.write_text(json.dumps(target, indent=1, default=str), encoding="utf-8")
-    log_file = work_dir / f"ncu.{label}.log"
+    log_file = work_dir / LOG_NAME
     log_file.unlink(missing_ok=True)
     sudo = needs_sudo(sudo_mode)
     metrics = requested_metrics(query_available(ncu, sudo=sudo))
+    total = sum(len(kernels_by_label[x]) for x in labels)
     cmd = build_command(
         ncu,
         spec_path,
-        kernels_per_iteration=len(timeline_kernels),
+        kernels_per_iteration=total,
         log_file=log_file,
         metrics=metrics,
         clock_control=clock_control,
         sudo=sudo,
+        labels=labels,
+        unique=replay == "unique",
     )
     for attempt in range(2):
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
         except subprocess.TimeoutExpired:
             note = f"counters: ncu took over {timeout:.0f} s; skipped"
-            return CountersResult(note=note, command=cmd)
+            return {**empty, **{x: CountersResult(note=note, command=cmd) for x in labels}}
         except OSError as exc:
-            return CountersResult(note=f"counters: could not start ncu: {exc}", command=cmd)
+            note = f"counters: could not start ncu: {exc}"
+            return {**empty, **{x: CountersResult(note=note, command=cmd) for x in labels}}
         log = log_file.read_text(encoding="utf-8", errors="replace") if log_file.exists() else ""
         output = proc.stdout + proc.stderr
         unknown = unknown_metrics(log + "\n" + output, metrics)
@@ -703,7 +865,16 @@ def run_counters(
         metrics = [m for m in metrics if m not in unknown]
         cmd[cmd.index("--metrics") + 1] = ",".join(metrics)
         log_file.unlink(missing_ok=True)
-    return parse_run(proc.returncode, log, output, timeline_kernels, cmd)
+    unique = replay == "unique"
+    bound = None if unique else launch_bound(total)
+    results = {
+        x: parse_run(
+            proc.returncode, log, output, kernels_by_label[x], cmd, label=x, unique=unique,
+            bound=bound,
+        )
+        for x in labels
+    }  # fmt: skip
+    return {**empty, **results}
 
 
 def unknown_metrics(output: str, requested: Sequence[str]) -> set[str]:
@@ -723,25 +894,37 @@ def parse_run(
     output: str,
     timeline_kernels: Sequence[KernelRecord],
     command: Sequence[str] = (),
+    *,
+    label: str | None = None,
+    unique: bool = False,
+    bound: int | None = None,
 ) -> CountersResult:
-    """Turn one ncu run's log (the CSV) and console output into a ``CountersResult``."""
+    """Turn one ncu run's log (the CSV) and console output into ``label``'s
+    ``CountersResult``: the rows of its NVTX range (a log of one unnamed range is all its)."""
     note = classify_failure(returncode, log + "\n" + output)
-    rows, header = parse_raw_csv(log)
+    all_rows, header = parse_raw_csv(log)
+    rows = [r for r in all_rows if r.label in (label, None)]
     if note and (not rows or note == PERMISSION_FIX):
         return CountersResult(note=note, command=list(command))
-    if not rows:
+    if not rows and not (unique and all_rows):
+        where = range_name(label) if label else NVTX_RANGE
         return CountersResult(
-            note="counters: ncu profiled no kernels inside the NVTX range "
-            f"{NVTX_RANGE!r}: " + " | ".join(log.splitlines()[-4:]),
+            note=f"counters: ncu profiled no kernels inside the NVTX range {where!r}: "
+            + " | ".join(log.splitlines()[-4:]),
             command=list(command),
         )
     resolved = resolve(header)
-    joined, warnings = join(timeline_kernels, rows, resolved)
+    if unique:
+        joined, warnings = join_unique(timeline_kernels, all_rows, resolved, label)
+    else:
+        joined, warnings = join(timeline_kernels, rows, resolved)
     if note:  # ncu reported an error but profiled kernels: keep them, say what it said
         warnings.insert(0, f"counters: {note}")
-    if len(rows) >= launch_bound(len(timeline_kernels)):
+    if bound is None and not unique and label is None:  # a log of this timeline alone
+        bound = launch_bound(len(timeline_kernels))
+    if bound is not None and len(all_rows) >= bound:
         warnings.append(
-            f"counters: ncu stopped at its bound of {len(rows)} kernels; the range held more"
+            f"counters: ncu stopped at its bound of {len(all_rows)} kernels; the range held more"
         )
     return CountersResult(
         metrics=joined, warnings=warnings, resolved=resolved, command=list(command)
@@ -770,34 +953,42 @@ def counters_for_capture(
         return list(timelines), {"note": note}, []
     gpu = gpu_of(info)
     work_dir = Path(spec["out_dir"]) / "profiler_output" / "ncu"
-    out: list[Timeline] = []
     summary: dict[str, Any] = {"ncu": Path(ncu).name, "clock_control": options.ncu_clock_control}
     warnings: list[str] = []
-    done: dict[tuple[Any, ...], tuple[str, CountersResult]] = {}
+    # The same kernels in the same order (a model Dynamo leaves to eager, as nn.LSTM): one
+    # range serves both timelines.
+    kernels = {t.label: timeline_kernels(t) for t in timelines}
+    first_with: dict[tuple[Any, ...], str] = {}
+    same_as: dict[str, str | None] = {}
+    for t in timelines:
+        launches = tuple(
+            (k.name, tuple(k.grid or ()), tuple(k.block or ())) for k in kernels[t.label]
+        )
+        same_as[t.label] = first_with.get(launches)
+        first_with.setdefault(launches, t.label)
+    replayed = {x: kernels[x] for x in kernels if same_as[x] is None}
+    replay = options.ncu_replay
+    if replay == "auto":
+        replay = "unique" if sum(map(len, replayed.values())) > UNIQUE_ABOVE else "all"
+    started = time.perf_counter()
+    results = run_counters_many(
+        spec,
+        replayed,
+        work_dir=work_dir,
+        replay=replay,
+        sudo_mode=options.ncu_sudo,
+        clock_control=options.ncu_clock_control,
+        ncu=ncu,
+        # Inside the capture stage's own timeout, so a slow replay costs the counters, never
+        # the profile.
+        timeout=min(600.0, float(options.timeout) / 2),
+    )
+    summary["seconds"] = round(time.perf_counter() - started, 1)
+    summary["replay"] = replay
+    out: list[Timeline] = []
     for timeline in timelines:
-        kernels = timeline_kernels(timeline)
-        launches = tuple((k.name, tuple(k.grid or ()), tuple(k.block or ())) for k in kernels)
-        started = time.perf_counter()
-        if launches in done:
-            # The same kernels in the same order (a model Dynamo leaves to eager, as nn.LSTM):
-            # one replay serves both timelines.
-            same_as, result = done[launches]
-        else:
-            same_as = None
-            result = run_counters(
-                spec,
-                kernels,
-                label=timeline.label,
-                work_dir=work_dir,
-                sudo_mode=options.ncu_sudo,
-                clock_control=options.ncu_clock_control,
-                ncu=ncu,
-                # Both labels together stay well inside the capture stage's own timeout, so a
-                # slow replay costs the counters, never the profile.
-                timeout=min(300.0, float(options.timeout) / 4),
-            )
-            done[launches] = (timeline.label, result)
-        seconds = time.perf_counter() - started
+        source = same_as[timeline.label] or timeline.label
+        result = results[source]
         if result.note:
             warnings.append(f"{timeline.label} timeline: {result.note}")
             out.append(timeline)
@@ -805,9 +996,8 @@ def counters_for_capture(
             out.append(apply_to_timeline(timeline, result, gpu, dtype))
         warnings += [f"{timeline.label} timeline: {w}" for w in result.warnings]
         summary[timeline.label] = {
-            **_summary_entry(kernels, result),
-            "seconds": round(seconds, 1),
-            "reused_from": same_as,
+            **_summary_entry(kernels[timeline.label], result),
+            "reused_from": same_as[timeline.label],
         }
     return out, summary, warnings
 
@@ -815,16 +1005,21 @@ def counters_for_capture(
 def _summary_entry(kernels: Sequence[KernelRecord], result: CountersResult) -> dict[str, Any]:
     total = sum(k.duration_us for k in kernels)
     covered = {c.index for c in result.metrics}
+    measured = {c.index for c in result.metrics if c.source == "measured"}
+
+    def share(indices: set[int]) -> float | None:
+        if not total:
+            return None
+        return sum(k.duration_us for i, k in enumerate(kernels) if i in indices) / total
+
     return {
         "note": result.note,
         "resolved": result.resolved,
         "kernels": len(kernels),
         "kernels_with_counters": len(covered),
-        "time_coverage": (
-            sum(k.duration_us for i, k in enumerate(kernels) if i in covered) / total
-            if total
-            else None
-        ),
+        "kernels_replayed": len(measured),
+        "time_coverage": share(covered),
+        "time_coverage_replayed": share(measured),
         "warnings": result.warnings,
     }
 
@@ -849,15 +1044,24 @@ def rejoin(profile: Profile, ncu_dir: Path) -> Profile:
     counters = dict(profile.counters or {})
     timelines = []
     for timeline in profile.timelines:
-        log = ncu_dir / f"ncu.{timeline.label}.log"
+        before = counters.get(timeline.label)
+        before = before if isinstance(before, dict) else {}
+        source = before.get("reused_from") or timeline.label
+        one_log = ncu_dir / LOG_NAME  # every label's range in one log, else one log per label
+        log = one_log if one_log.exists() else ncu_dir / f"ncu.{source}.log"
         if not log.exists():
             timelines.append(timeline)
             continue
         kernels = timeline_kernels(timeline)
-        result = parse_run(0, log.read_text(encoding="utf-8", errors="replace"), "", kernels)
+        result = parse_run(
+            0,
+            log.read_text(encoding="utf-8", errors="replace"),
+            "",
+            kernels,
+            label=source,
+            unique=counters.get("replay") == "unique",
+        )
         timelines.append(apply_to_timeline(timeline, result, gpu, profile.capture_metadata.dtype))
-        before = counters.get(timeline.label)
-        before = before if isinstance(before, dict) else {}
         counters[timeline.label] = {
             **before,
             **_summary_entry(kernels, result),
@@ -872,8 +1076,9 @@ def rejoin(profile: Profile, ncu_dir: Path) -> Profile:
 
 
 def counters_target_task(spec: dict[str, Any]) -> None:
-    """The process ncu profiles: load, compile as the timeline did (``counters_label``
-    ``compiled``) or not (``eager``), warm up, one call inside the NVTX range, synchronize."""
+    """The process ncu profiles: for each of ``counters_labels`` in turn, compile as the
+    timeline did (``compiled``) or not (``eager``), warm up, one call inside that label's NVTX
+    range, synchronize."""
     import torch
 
     from pytest_opprof.options import OpprofOptions
@@ -883,16 +1088,17 @@ def counters_target_task(spec: dict[str, Any]) -> None:
     _setup_torch()
     opts = OpprofOptions.from_child(spec["options"])
     w = load(Path(spec["workload"]), "cuda")
-    fn: Any = w.model
-    if spec.get("counters_label", "eager") != "eager":
-        fn = torch.compile(w.model, backend=opts.compile_backend)
-    with torch.no_grad():
-        for _ in range(int(spec.get("counters_warmup", 3))):
-            fn(*w.inputs)
-        torch.cuda.synchronize()
-        with torch.cuda.nvtx.range(NVTX_RANGE):
-            fn(*w.inputs)
-        torch.cuda.synchronize()
+    for label in spec.get("counters_labels") or [spec.get("counters_label", "eager")]:
+        fn: Any = w.model
+        if label != "eager":
+            fn = torch.compile(w.model, backend=opts.compile_backend)
+        with torch.no_grad():
+            for _ in range(int(spec.get("counters_warmup", 3))):
+                fn(*w.inputs)
+            torch.cuda.synchronize()
+            with torch.cuda.nvtx.range(range_name(label)):
+                fn(*w.inputs)
+            torch.cuda.synchronize()
 
 
 def counters_target_main(spec_path: str | Path) -> None:

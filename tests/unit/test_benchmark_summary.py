@@ -7,6 +7,8 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "benchmarks" / "results" / "h200-2026-11-30b"
 
@@ -48,3 +50,30 @@ def test_the_committed_table_is_what_the_tool_writes() -> None:
     junit = sorted(RESULTS.glob("call*-opprof-junit.xml"))
     written = (RESULTS / "summary.md").read_text(encoding="utf-8")
     assert tool.markdown(tool.summarize([ROOT / "examples"], junit)) == written
+
+
+def test_gemm_bytes_from_shapes() -> None:
+    tool = _summarize()
+    # embedding_projection's logits: linear((64, 128, 512), weight (32000, 512)), fp32
+    want = (64 * 128 * 512 + 32000 * 512 + 64 * 128 * 32000) * 4
+    assert tool.gemm_bytes([[64, 128, 512], [32000, 512], []], "aten::linear", 4) == want
+    assert tool.gemm_bytes([[8192, 512], [512, 32000]], "aten::mm", 2) == want // 2
+    bias = tool.gemm_bytes([[2048], [8192, 512], [512, 2048]], "aten::addmm", 4)
+    assert bias == (2048 + 8192 * 512 + 512 * 2048 + 8192 * 2048) * 4
+    assert tool.gemm_bytes([[], []], "aten::mm", 4) is None
+
+
+def test_largest_gemm_of_a_committed_profile() -> None:
+    from pytest_opprof.schema import Profile, read_artifact
+
+    tool = _summarize()
+    profile = read_artifact(ROOT / "examples" / "conv_block" / "h200" / "profile.json", Profile)
+    head = tool.largest_gemm_bytes(profile)  # its classifier head, (16, 256) x (10, 256)^T
+    assert head["implied_bytes"] == (16 * 256 + 10 * 256 + 16 * 10 + 10) * 4
+    assert head["dram_bytes"] is not None and head["ratio"] == pytest.approx(
+        head["dram_bytes"] / head["implied_bytes"]
+    )
+    emb = ROOT / "examples" / "embedding_projection" / "h200" / "profile.json"
+    got = tool.largest_gemm_bytes(read_artifact(emb, Profile))
+    assert got["operator"] == "aten::linear#2"
+    assert got["implied_bytes"] == (64 * 128 * 512 + 32000 * 512 + 64 * 128 * 32000) * 4

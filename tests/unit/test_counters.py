@@ -126,15 +126,18 @@ def test_command_replays_one_iteration(tmp_path: Path) -> None:
         metrics=["gpu__time_duration.sum", "dram__bytes_read.sum"],
         clock_control="base",
         python="/venv/bin/python",
+        labels=("eager", "compiled"),
     )
     assert cmd[0] == "/opt/ncu"
 
     def arg(flag: str) -> str:
         return cmd[cmd.index(flag) + 1]
 
-    assert "--nvtx" in cmd and arg("--nvtx-include") == "opprof_iteration/"
+    # one range per label, both included, in one process
+    includes = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--nvtx-include"]
+    assert "--nvtx" in cmd and includes == ["opprof_iteration_eager/", "opprof_iteration_compiled/"]
     assert arg("--launch-count") == "80"
-    assert "--launch-skip" not in cmd
+    assert "--launch-skip" not in cmd and "--filter-mode" not in cmd
     assert arg("--clock-control") == "base"
     assert arg("--print-units") == "base"
     assert "--csv" in cmd and arg("--page") == "raw"
@@ -147,6 +150,15 @@ def test_command_replays_one_iteration(tmp_path: Path) -> None:
         "pytest_opprof.runner",
         str(tmp_path / "spec.json"),
     ]
+
+
+def test_command_unique_replays_each_launch_configuration_once(tmp_path: Path) -> None:
+    cmd = c.build_command(
+        "ncu", tmp_path, kernels_per_iteration=500, log_file=tmp_path, metrics=[], unique=True
+    )
+    i = cmd.index("--filter-mode")
+    assert cmd[i : i + 4] == ["--filter-mode", "per-launch-config", "--launch-count", "1"]
+    assert cmd.count("--launch-count") == 1
 
 
 def test_command_bound_small_iteration_and_bad_clock(tmp_path: Path) -> None:
@@ -366,8 +378,8 @@ def test_run_counters_with_a_fake_ncu(tmp_path: Path, monkeypatch: pytest.Monkey
     )
     assert result.note is None, result.note
     assert len(result.metrics) == 5
-    spec = (tmp_path / "work" / "counters_target.compiled.json").read_text()
-    assert '"task": "counters_target"' in spec and '"counters_label": "compiled"' in spec
+    spec = (tmp_path / "work" / "counters_target.json").read_text()
+    assert '"task": "counters_target"' in spec and '"compiled"' in spec
 
 
 def test_unknown_metric_is_dropped_and_retried(
@@ -590,10 +602,17 @@ def test_target_runs_one_call_inside_the_range(
         "call",
         "call",
         "sync",
-        "push opprof_iteration",
+        f"push opprof_iteration_{label}",
         "call",
         "pop",
         "sync",
+    ]
+    events.clear()
+    c.counters_target_task({**spec, "counters_labels": ["eager", "compiled"]})
+    assert [e for e in events if e.startswith("push") or e == "inductor"] == [
+        "push opprof_iteration_eager",
+        "inductor",
+        "push opprof_iteration_compiled",
     ]
 
 
@@ -630,7 +649,8 @@ def test_counters_for_capture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert summary["compiled"]["resolved"]["warp_cycles_per_issued"] is None
     mm = next(a for a in timelines[0].aggregated if a.name == "aten::mm")
     assert mm.metrics["pct_of_roofline"] is not None
-    assert (tmp_path / "out" / "profiler_output" / "ncu" / "ncu.compiled.log").exists()
+    assert (tmp_path / "out" / "profiler_output" / "ncu" / "ncu.log").exists()
+    assert summary["replay"] == "all" and summary["seconds"] >= 0
 
 
 def test_one_replay_serves_timelines_with_the_same_kernels(
@@ -639,14 +659,14 @@ def test_one_replay_serves_timelines_with_the_same_kernels(
     from pytest_opprof.options import OpprofOptions
 
     fake = _fake_ncu(tmp_path)
-    runs: list[str] = []
-    real = c.run_counters
+    runs: list[list[str]] = []
+    real = c.run_counters_many
 
-    def counting(*args: Any, **kwargs: Any) -> Any:
-        runs.append(kwargs["label"])
-        return real(*args, **kwargs)
+    def counting(spec: Any, kernels_by_label: Any, **kwargs: Any) -> Any:
+        runs.append(list(kernels_by_label))
+        return real(spec, kernels_by_label, **kwargs)
 
-    monkeypatch.setattr(c, "run_counters", counting)
+    monkeypatch.setattr(c, "run_counters_many", counting)
     monkeypatch.setattr(c, "find_ncu", lambda: str(fake))
     eager = _full_timeline().model_copy(update={"label": "eager"})
     opts = OpprofOptions(ncu="auto", ncu_sudo="false")
@@ -654,9 +674,9 @@ def test_one_replay_serves_timelines_with_the_same_kernels(
     timelines, summary, _ = c.counters_for_capture(
         spec, [eager, _full_timeline()], {}, opts, "float32"
     )
-    assert runs == ["eager"]
+    assert runs == [["eager"]]
     assert summary is not None and summary["compiled"]["reused_from"] == "eager"
-    assert summary["eager"]["reused_from"] is None and summary["eager"]["seconds"] >= 0
+    assert summary["eager"]["reused_from"] is None and summary["seconds"] >= 0
     assert summary["compiled"]["kernels_with_counters"] == 5
     first, second = (t.operators[0].kernels[0].metrics for t in timelines)
     assert first == second
@@ -786,3 +806,154 @@ def test_real_h200_ncu_row_with_another_geometry_is_left_out() -> None:
     paired = {k.index for k in result.metrics}
     same_key = [i for i, k in enumerate(kernels) if c.kernel_key(k.name) == key]
     assert not paired & set(same_key) and len(paired) == len(kernels) - len(same_key)
+
+
+# ------------------------------------------------------- one process, ranges, unique replay
+
+
+def _log_rows(name: str) -> tuple[list[str], list[list[str]]]:
+    """A real H200 log's CSV: header + units lines, and the kernel rows as cells."""
+    import csv
+
+    lines = [x for x in (DATA / "h200" / name).read_text(encoding="utf-8").splitlines()]
+    start = next(i for i, x in enumerate(lines) if x.startswith('"ID"'))
+    table = list(csv.reader(lines[start:]))
+    return lines[start : start + 2], [r for r in table[2:] if r and r[0].isdigit()]
+
+
+def _write_log(head: list[str], rows: list[list[str]]) -> str:
+    import csv
+    import io
+
+    buf = io.StringIO()
+    writer = csv.writer(buf, quoting=csv.QUOTE_ALL, lineterminator="\n")
+    for n, row in enumerate(rows):
+        writer.writerow([str(n), *row[1:]])
+    return "\n".join(["==PROF== Connected to process 1", *head]) + "\n" + buf.getvalue()
+
+
+def _renamed(rows: list[list[str]], head: list[str], label: str) -> list[list[str]]:
+    import csv
+
+    header = next(csv.reader([head[0]]))
+    col = next(i for i, h in enumerate(header) if "Push/Pop_Range" in h)
+    out = []
+    for row in rows:
+        row = list(row)
+        row[col] = row[col].replace("opprof_iteration", f"opprof_iteration_{label}")
+        out.append(row)
+    return out
+
+
+def _h200_kernels(name: str, label: str) -> list[KernelRecord]:
+    from pytest_opprof.schema import Profile, read_artifact
+
+    profile = read_artifact(ROOT / "examples" / name / "h200" / "profile.json", Profile)
+    return c.timeline_kernels(next(t for t in profile.timelines if t.label == label))
+
+
+def test_one_log_with_two_ranges_joins_each_label_to_its_own_rows() -> None:
+    """The real eager and compiled logs of conv_block as one process writes them: rows of
+    ``opprof_iteration_eager`` then ``opprof_iteration_compiled``, numbered on."""
+    head, eager_rows = _log_rows("conv_block.eager.log")
+    _, compiled_rows = _log_rows("conv_block.compiled.log")
+    log = _write_log(
+        head, _renamed(eager_rows, head, "eager") + _renamed(compiled_rows, head, "compiled")
+    )
+    rows, _ = c.parse_raw_csv(log)
+    assert [r.label for r in rows] == ["eager"] * len(eager_rows) + ["compiled"] * len(
+        compiled_rows
+    )
+    for label in ("eager", "compiled"):
+        kernels = _h200_kernels("conv_block", label)
+        alone = c.parse_run(
+            0, (DATA / "h200" / f"conv_block.{label}.log").read_text(encoding="utf-8"), "", kernels
+        )
+        together = c.parse_run(0, log, "", kernels, label=label)
+        assert together.warnings == [] and together.note is None
+        assert [k.metrics for k in together.metrics] == [k.metrics for k in alone.metrics]
+        assert len(together.metrics) == len(kernels)
+
+
+def test_range_label_and_shared_memory_from_the_csv() -> None:
+    head, rows = _log_rows("conv_block.eager.log")
+    parsed, _ = c.parse_raw_csv(_write_log(head, _renamed(rows, head, "compiled")))
+    assert {r.label for r in parsed} == {"compiled"}
+    gemm = next(r for r in parsed if "fprop_implicit_gemm_f32f32_f32f32" in r.name)
+    assert gemm.shared_memory == 33280  # static 0 + dynamic 33,280: the profiler's value
+    legacy, _ = c.parse_raw_csv(_write_log(head, rows))
+    assert {r.label for r in legacy} == {None}
+
+
+def _first_of_each_config(rows: list[list[str]], head: list[str]) -> list[list[str]]:
+    """What ``--filter-mode per-launch-config --launch-count 1`` leaves of a full replay."""
+    import csv
+
+    header = next(csv.reader([head[0]]))
+    cols = [header.index(h) for h in ("Kernel Name", "Grid Size", "Block Size")]
+    cols += [header.index("launch__shared_mem_per_block_static")]
+    cols += [header.index("launch__shared_mem_per_block_dynamic")]
+    seen: set[tuple[str, ...]] = set()
+    out = []
+    for row in rows:
+        key = tuple(row[i] for i in cols)
+        if key not in seen:
+            seen.add(key)
+            out.append(row)
+    return out
+
+
+def test_unique_replay_fills_repeated_launches_from_the_replayed_one() -> None:
+    """conv_block's eager iteration replayed once per launch configuration: every kernel still
+    gets counters, the replayed ones marked measured and equal to the full replay's."""
+    head, rows = _log_rows("conv_block.eager.log")
+    firsts = _first_of_each_config(rows, head)
+    assert len(firsts) < len(rows)  # the iteration repeats configurations
+    kernels = _h200_kernels("conv_block", "eager")
+    full = c.parse_run(
+        0, (DATA / "h200" / "conv_block.eager.log").read_text(encoding="utf-8"), "", kernels
+    )
+    log = _write_log(head, _renamed(firsts, head, "eager"))
+    result = c.parse_run(0, log, "", kernels, label="eager", unique=True)
+    assert result.warnings == [] and result.note is None
+    assert sorted(k.index for k in result.metrics) == list(range(len(kernels)))
+    measured = [k for k in result.metrics if k.source == "measured"]
+    assert len(measured) == len(firsts)
+    by_index = {k.index: k for k in full.metrics}
+    for k in measured:
+        assert k.metrics == by_index[k.index].metrics
+    copied = [k for k in result.metrics if k.source == "same_launch_config"]
+    assert copied and all(kernels[k.index].name in {x.name for x in measured} for k in copied)
+    filled = c.attach(kernels, result, None, "float32")
+    assert {k.counters_source for k in filled} == {"measured", "same_launch_config"}
+
+
+def test_unique_replay_takes_a_configuration_from_the_other_range() -> None:
+    """A configuration first launched in the eager range is not replayed again in the
+    compiled one: the compiled launch carries the eager row's counters."""
+    head, rows = _log_rows("conv_block.eager.log")
+    k0 = _h200_kernels("conv_block", "eager")[:1]
+    log = _write_log(head, _renamed(rows[:1], head, "eager"))
+    result = c.parse_run(0, log, "", k0, label="compiled", unique=True)
+    assert [(k.index, k.source) for k in result.metrics] == [(0, "same_launch_config")]
+    nothing = c.parse_run(0, log, "", _h200_kernels("conv_block", "compiled")[-1:], label="x")
+    assert nothing.note is not None and "opprof_iteration_x" in nothing.note
+
+
+def test_unique_replay_never_guesses_which_launch_a_later_row_was() -> None:
+    """ncu told two launches of one (name, grid, block, smem) apart: the first launch gets the
+    first row, the others copy it, and a warning says so — no ordinal pairing by guess."""
+    head, rows = _log_rows("conv_block.eager.log")
+    kernels = _h200_kernels("conv_block", "eager")
+    key = c.kernel_key(kernels[0].name)
+    same = [k.model_copy(update={"start_us": float(i)}) for i, k in enumerate([kernels[0]] * 3)]
+    import csv
+
+    name_col = next(csv.reader([head[0]])).index("Kernel Name")
+    first = [r for r in rows if c.kernel_key(r[name_col]) == key]
+    assert first
+    log = _write_log(head, _renamed([first[0], first[0]], head, "eager"))
+    result = c.parse_run(0, log, "", same, label="eager", unique=True)
+    assert [k.source for k in result.metrics] == ["measured", *["same_launch_config"] * 2]
+    assert len({k.ncu_id for k in result.metrics}) == 1
+    assert any("as distinct configurations" in w for w in result.warnings)
