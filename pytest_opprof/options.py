@@ -20,6 +20,7 @@ from pytest_opprof import STAGES
 
 TRANSFORMATION_TYPES: tuple[str, ...] = (
     "dtype_promotion",
+    "gemm_out_dtype",
     "memory_layout",
     "bn_fold",
     "qkv_fusion",

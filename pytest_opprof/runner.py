@@ -19,6 +19,13 @@ from pathlib import Path
 from typing import Any
 
 EXIT_USER_ERROR = 3
+_STARTED = time.perf_counter()
+
+
+def phase(what: str) -> None:
+    """One line in the stage log: seconds since this process started, and what just ended —
+    where a stage's wall time goes."""
+    print(f"[opprof] +{time.perf_counter() - _STARTED:7.1f} s  {what}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,6 +41,7 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         TASKS[spec["task"]](spec)
+        phase(f"task {spec['task']} done")
     except OpprofError as exc:
         write_artifact(
             spec_path.with_name("failure.json"),
@@ -100,6 +108,7 @@ def _setup_torch() -> None:
             setattr(torch._dynamo.config, name, 64)
     if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
         torch._dynamo.config.accumulated_recompile_limit = 512
+    phase("torch imported")
 
 
 def _options(spec: dict[str, Any]) -> Any:
@@ -161,7 +170,9 @@ def _compile_timed(
             f"{type(exc).__name__}: {shown[:300]}; check that Inductor works here (a C++ "
             "compiler for the CPU, Triton for the GPU), or see the stage log"
         ) from None
-    return fn, time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    phase(f"compiled (backend={getattr(backend, '__name__', backend)!r}) in {seconds:.1f} s")
+    return fn, seconds
 
 
 def _metadata(spec: dict[str, Any], w: Any, device: str, info: dict[str, Any]) -> Any:
@@ -303,6 +314,7 @@ def task_capture(spec: dict[str, Any]) -> None:
         device,
         out_dir,
     )
+    phase("timed and profiled")
     timing = _timing(
         samples, device, calls_per_round, [("eager", "compile")], timelines, {"compile": compile_s}
     )
@@ -312,6 +324,7 @@ def task_capture(spec: dict[str, Any]) -> None:
     timelines, counters, notes = counters_for_capture(
         spec, timelines, info, opts, meta.dtype, device
     )
+    phase("counters pass")
     profile = Profile(
         capture_metadata=meta,
         counters=counters,
@@ -420,6 +433,16 @@ def task_select(spec: dict[str, Any]) -> None:
             )
     proposals = [p for p in opt.proposals if p.id not in dropped]
     rungs = ladder(proposals)
+    precision = next((i for i, r in enumerate(rungs) if r.name == "dtype_promotion"), None)
+    if (
+        device == "cuda"
+        and precision is not None
+        and "gemm_out_dtype" not in skip
+        and not any(r.name == "gemm_out_dtype" for r in rungs)
+    ):
+        # Right after bf16: a GEMM whose result is only cast back up can write fp32 itself,
+        # which the fp32 profile cannot show (it has no cast).
+        rungs.insert(precision + 1, Rung("gemm_out_dtype", (_auto_gemm_out_dtype(),)))
     if (
         device == "cuda"
         and not any(r.name == "cuda_graphs" for r in rungs)
@@ -450,6 +473,7 @@ def task_select(spec: dict[str, Any]) -> None:
                     id=p.id, type=p.type, reason=f"failed to build: {reason[:200]}"
                 )
             return False
+        phase(f"built {name}")
         unchanged = _applied_nowhere(rung.proposals, built.results)
         if unchanged is not None:
             # Timing an identical program only measures noise; a lucky CI must not keep it.
@@ -478,6 +502,7 @@ def task_select(spec: dict[str, Any]) -> None:
             return False
         s = time_interleaved({"current": state["fn"], "candidate": built.fn}, w.inputs, **brief)
         gain = speedup("current", s["current"], "candidate", s["candidate"])
+        phase(f"timed {name}: {gain.ratio:.3f}x")
         cand = latency_stats(s["candidate"], calls)
         new_ms = state["ms"] / gain.ratio
         variants.append(
@@ -545,6 +570,28 @@ def _applied_nowhere(proposals: Any, results: Any) -> str | None:
             return None
         said.append(f"{p.id}: {mine[0].detail}")
     return "; ".join(said) if said else None
+
+
+def _auto_gemm_out_dtype() -> Any:
+    """``gemm_out_dtype`` is tried after ``dtype_promotion`` on every GPU workload: the cast
+    it removes only exists once bf16 is in."""
+    from pytest_opprof.schema import Evidence, Impact, Proposal
+
+    return Proposal(
+        id="gemm_out_dtype-selection",
+        type="gemm_out_dtype",
+        ir_level="aten",
+        targets=["GEMMs whose bf16 result is only cast to float32"],
+        evidence=[Evidence(metric="tried_by", value="measured selection", source="backend")],
+        fx_steps=["convert(views(mm(a, b)), float32) -> views(mm.dtype(a, b, float32))"],
+        impact=Impact(
+            estimated_saving_us=0.0,
+            estimated_speedup=1.0,
+            basis="not estimated: tried because selection measures it",
+        ),
+        confidence="low",
+        rationale="tried by measured selection after dtype_promotion on every GPU workload",
+    )
 
 
 def _auto_cuda_graphs(scope: str = "graph") -> Any:

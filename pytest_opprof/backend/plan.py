@@ -24,6 +24,7 @@ from pytest_opprof.schema import BackendPlan, Proposal
 LADDER_ORDER: tuple[str, ...] = (
     "graph",
     "dtype_promotion",
+    "gemm_out_dtype",
     "memory_layout",
     "batch_padding",
     "pretranspose_weights",

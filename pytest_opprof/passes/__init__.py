@@ -30,6 +30,7 @@ from pytest_opprof.passes import (
     bn_fold,
     cuda_graphs,
     dtype_promotion,
+    gemm_out_dtype,
     memory_layout,
     pretranspose_weights,
     qkv_fusion,
@@ -64,6 +65,12 @@ REGISTRY: dict[str, PassSpec] = {
             "aten",
             dtype_promotion.apply,
             "fp32 matmul/conv computed in bf16, casts only around them",
+        ),
+        _spec(
+            "gemm_out_dtype",
+            "aten",
+            gemm_out_dtype.apply,
+            "bf16/fp16 GEMM whose result is only cast up writes fp32 itself (CUDA)",
         ),
         _spec(
             "memory_layout",

@@ -20,6 +20,7 @@ from pytest_opprof.passes.base import (
 
 ALL_TYPES = {
     "dtype_promotion": "aten",
+    "gemm_out_dtype": "aten",
     "memory_layout": "aten",
     "bn_fold": "aten",
     "qkv_fusion": "functional",

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Checks run on the GPU machine before a benchmark session (results under $OUT/checks/):
+# the GPU-marked tests, what this torch's Inductor lowers, and how ncu's NVTX include
+# statements and per-launch-config filter behave on a toy script (two named ranges).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+  export PYTHONPATH=/tmp/site:$PWD
+fi
+OUT=${OUT:-$PWD/gpu-out}/checks
+mkdir -p "$OUT"
+python3 - > "$OUT/inductor.txt" 2>&1 <<'PY'
+import inspect, torch
+from torch._inductor.kernel.mm import tuned_mm
+from torch._inductor.kernel.bmm import tuned_bmm
+print(torch.__version__, inspect.signature(tuned_mm), inspect.signature(tuned_bmm))
+print("mm overloads", torch.ops.aten.mm.overloads())
+PY
+timeout 180 python3 -m pytest -p pytest_opprof.plugin -m gpu tests/unit/test_model_graph.py \
+  tests/passes/test_pass_gemm_out_dtype.py -q -p no:cacheprovider -rA > "$OUT/gpu-tests.log" 2>&1
+echo "gpu tests exit $?" >> "$OUT/gpu-tests.log"
+cat > /tmp/toy.py <<'PY'
+import torch
+a = torch.randn(256, 256, device="cuda"); b = torch.randn(64, 64, device="cuda")
+torch.cuda.synchronize()
+with torch.cuda.nvtx.range("opprof_iteration_eager"):
+    for _ in range(3):
+        a.mul_(1.0)
+    b.add_(1.0)
+torch.cuda.synchronize()
+with torch.cuda.nvtx.range("opprof_iteration_compiled"):
+    for _ in range(2):
+        a.mul_(1.0)
+    a.add_(1.0)
+torch.cuda.synchronize()
+PY
+for mode in all unique; do
+  extra=(--launch-count 40)
+  [ "$mode" = unique ] && extra=(--filter-mode per-launch-config --launch-count 1)
+  timeout 120 ncu --nvtx --nvtx-include "opprof_iteration_eager/" \
+    --nvtx-include "opprof_iteration_compiled/" "${extra[@]}" --metrics gpu__time_duration.sum \
+    --csv --page raw --print-units base --log-file "$OUT/toy-$mode.csv" python3 /tmp/toy.py \
+    > "$OUT/toy-$mode.out" 2>&1
+  echo "exit $?" >> "$OUT/toy-$mode.out"
+done
+ls -la "$OUT"
