@@ -8,6 +8,7 @@ visible.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import subprocess
@@ -52,6 +53,30 @@ def nvidia_smi_query(field: str) -> str | None:
     try:
         out = subprocess.run(
             [exe, f"--query-gpu={field}", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+            check=False,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = out.stdout.strip().splitlines()
+    return lines[0].strip() if out.returncode == 0 and lines else None
+
+
+@functools.lru_cache(maxsize=8)
+def gpu_kind(visible: str | None) -> str | None:
+    """The model name of the first GPU a ``CUDA_VISIBLE_DEVICES`` value selects (``None``: the
+    first GPU), by nvidia-smi; None where it cannot tell. Cached results key on this, not on the
+    index: under pytest-xdist a workload lands on whichever worker's GPU is free, and two
+    identical GPUs of one host give interchangeable results."""
+    exe = shutil.which("nvidia-smi")
+    first = (visible or "0").split(",")[0].strip()
+    if not exe or not first or first == "-1":
+        return None
+    try:
+        out = subprocess.run(
+            [exe, "-i", first, "--query-gpu=name", "--format=csv,noheader"],
             capture_output=True,
             text=True,
             timeout=20,

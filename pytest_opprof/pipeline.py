@@ -243,7 +243,7 @@ class WorkloadRun:
                 self.spec.sha256(),
                 __version__,
                 _torch_version(),
-                os.environ.get("CUDA_VISIBLE_DEVICES"),
+                _device_identity(),
                 list(relevant),
             ],
             default=str,
@@ -339,6 +339,16 @@ class WorkloadRun:
                 f"{self.spec.path.name}: the {stage} process failed (exit {code}); this is "
                 f"likely a bug in pytest-opprof or torch. Last lines of {_rel(log)}:\n{tail}"
             )
+
+
+def _device_identity() -> str | None:
+    """The GPU a stage ran on, for its cache key: its model where nvidia-smi names it (so a
+    resumed xdist run reuses a stage another worker's identical GPU computed), else the
+    ``CUDA_VISIBLE_DEVICES`` value itself."""
+    from pytest_opprof.gpus import gpu_kind
+
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return gpu_kind(visible) or visible
 
 
 def _checked(hook: str, values: Any, keys: tuple[str, ...]) -> dict[str, Any]:

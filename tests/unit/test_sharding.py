@@ -144,3 +144,31 @@ def test_nvidia_smi_query_and_listing_with_a_stand_in(
     assert visible_gpus() == ["0", "1"]
     monkeypatch.setenv("PATH", str(tmp_path / "none"))
     assert nvidia_smi_query("name") is None and visible_gpus() == []
+
+
+def test_cache_key_names_the_gpu_model_not_the_worker_index(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two identical GPUs: a stage computed on one is reused on the other (an xdist run resumed
+    with the workload on the other worker); a different model is not."""
+    import pytest_opprof.gpus as gpus
+    from pytest_opprof import pipeline
+
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text(
+        "#!/bin/sh\n"
+        'case "$2" in 0|1) echo "NVIDIA H200";; 2) echo "NVIDIA A100-SXM4-80GB";; *) exit 6;; '
+        "esac\n",
+        encoding="utf-8",
+    )
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:/usr/bin:/bin")
+    gpus.gpu_kind.cache_clear()
+    seen = {}
+    for visible in ("0", "1", "2", "7"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+        seen[visible] = pipeline._device_identity()
+    gpus.gpu_kind.cache_clear()
+    assert seen["0"] == seen["1"] == "NVIDIA H200"
+    assert seen["2"] == "NVIDIA A100-SXM4-80GB"
+    assert seen["7"] == "7"  # nvidia-smi did not answer: the index itself
