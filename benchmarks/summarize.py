@@ -49,15 +49,25 @@ CACHED_S = 0.015
 
 def stage_seconds(junit_files: list[Path]) -> dict[str, dict[str, float]]:
     """Wall time of each stage of each workload from the stage JUnit (``--opprof-junit``) of
-    one or more calls; a stage a later call resumed from its cache counts once."""
+    one or more calls, in order; a stage a later call resumed from its cache counts once. A
+    call that ran a workload's stages anew from the start (its capture) replaces what earlier
+    calls had for it, unless it stopped before the last stage (``speedup``) and an earlier
+    call had finished: the artifacts are then the earlier call's."""
     import xml.etree.ElementTree as ET
 
     out: dict[str, dict[str, float]] = {}
     for path in junit_files:
+        ran: dict[str, dict[str, float]] = {}
         for case in ET.parse(path).iter("testcase"):
             seconds = float(case.get("time") or 0.0)
             if seconds > CACHED_S:
-                out.setdefault(case.get("classname", ""), {})[case.get("name", "")] = seconds
+                ran.setdefault(case.get("classname", ""), {})[case.get("name", "")] = seconds
+        for workload, stages in ran.items():
+            before = out.get(workload, {})
+            if "capture" not in stages:  # resumed: its earlier stages come from before
+                out[workload] = {**before, **stages}
+            elif "speedup" in stages or "speedup" not in before:
+                out[workload] = stages
     return out
 
 
@@ -134,7 +144,8 @@ def largest_gemm_bytes(profile: Profile, label: str = "eager") -> dict[str, Any]
     op = max(gemms, key=lambda o: o.gpu_time_us)
     itemsize = 2 if profile.capture_metadata.dtype in ("bfloat16", "float16") else 4
     implied = gemm_bytes(op.input_shapes, op.name, itemsize)
-    counted = [k.metrics.get("dram_bytes") for k in op.kernels]
+    kernels = [k for k in op.kernels if not k.name.startswith(("Memcpy", "Memset"))]
+    counted = [k.metrics.get("dram_bytes") for k in kernels]  # ncu profiles kernels only
     measured = sum(float(v) for v in counted if v is not None) if counted else None
     if not counted or any(v is None for v in counted):
         measured = None

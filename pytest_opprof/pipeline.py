@@ -533,24 +533,19 @@ def validate_file(run: WorkloadRun, generated: Path) -> ValidationReport:
             status="fail", detail=f"{generated} does not exist; re-run the backend stage"
         )
     if steps["syntax"].status == "pass":
-        for task in ("validate_import", "tests", "validate_run"):
-            if task == "tests":
-                steps["tests"] = _run_generated_tests(run, generated)
-            else:
-                with tempfile.TemporaryDirectory() as tmp:
-                    result = Path(tmp) / "result.json"
-                    run.run_child(
-                        task,
-                        "validate",
-                        generated=str(generated.resolve()),
-                        result=str(result),
-                        dtype=dtype,
-                    )
-                    data = json.loads(result.read_text())
-                steps.update({k: StepResult(**v) for k, v in data["steps"].items()})
-                extra.update({k: v for k, v in data.items() if k != "steps"})
-            if any(s.status == "fail" for s in steps.values()):
-                break
+        with tempfile.TemporaryDirectory() as tmp:
+            result = Path(tmp) / "result.json"
+            run.run_child(
+                "validate",
+                "validate",
+                generated=str(generated.resolve()),
+                result=str(result),
+                tests_log=str((run.profiler_output / "generated_tests.log").resolve()),
+                dtype=dtype,
+            )
+            data = json.loads(result.read_text())
+        steps.update({k: StepResult(**v) for k, v in data["steps"].items()})
+        extra.update({k: v for k, v in data.items() if k != "steps"})
     llm_passes = _validate_llm_passes(run, dtype) if steps["syntax"].status == "pass" else []
     failed = next((n for n in VALIDATION_STEPS if n in steps and steps[n].status == "fail"), None)
     blocked_after(failed or "nothing")
@@ -598,55 +593,6 @@ def _validate_llm_passes(run: WorkloadRun, dtype: str | None) -> list[PassStatus
             detail = f"the check itself did not finish: {str(exc).splitlines()[0][:300]}"
             return [PassStatus(name=f["id"], status="FAILED", detail=detail) for f in files]
     return [PassStatus(**p) for p in data["llm_passes"]]
-
-
-def _run_generated_tests(run: WorkloadRun, generated: Path) -> StepResult:
-    test_file = generated.resolve().with_name(f"test_{generated.name}")
-    if not test_file.exists():
-        return StepResult(status="fail", detail=f"{test_file.name} is missing; re-run backend")
-    log = run.profiler_output / "generated_tests.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "pytest",
-        str(test_file),
-        "-q",
-        "-rf",
-        "-p",
-        "no:cacheprovider",
-        "-p",
-        "no:opprof",
-        "--rootdir",
-        str(test_file.parent),
-        "-c",
-        os.devnull,
-        # the user's conftests above the output folder are not the generated tests' (and,
-        # with the plugin off, their pytest_opprof_* hooks would be unknown hooks)
-        "--confcutdir",
-        str(test_file.parent),
-    ]
-    try:
-        out = subprocess.run(
-            cmd,
-            capture_output=True,
-            text=True,
-            timeout=run.setting("timeout"),
-            cwd=test_file.parent,
-            check=False,
-            env={**os.environ, "COLUMNS": "400"},  # untruncated short summary lines
-        )
-    except subprocess.TimeoutExpired:
-        return StepResult(status="fail", detail="the generated tests timed out")
-    write_text_atomic(log, out.stdout + out.stderr)
-    lines = out.stdout.strip().splitlines() or ["no output"]
-    if out.returncode == 0:
-        return StepResult(status="pass", detail=lines[-1])
-    # Name the failing checks: pytest's short summary ("FAILED file::test[seed] - reason").
-    failed = [line.split("::", 1)[-1] for line in lines if line.startswith("FAILED ")]
-    shown = "; ".join(failed[:3]) + (f"; … {len(failed) - 3} more" if len(failed) > 3 else "")
-    return StepResult(
-        status="fail", detail=f"{test_file.name}: {lines[-1]}: {shown} (see {_rel(log)})"
-    )
 
 
 def stage_validate(run: WorkloadRun) -> str:

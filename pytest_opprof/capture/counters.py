@@ -1049,7 +1049,7 @@ def rejoin(profile: Profile, ncu_dir: Path) -> Profile:
         source = before.get("reused_from") or timeline.label
         one_log = ncu_dir / LOG_NAME  # every label's range in one log, else one log per label
         log = one_log if one_log.exists() else ncu_dir / f"ncu.{source}.log"
-        if not log.exists():
+        if not before or not log.exists():  # a timeline the counters pass never replayed
             timelines.append(timeline)
             continue
         kernels = timeline_kernels(timeline)

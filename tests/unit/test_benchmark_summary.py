@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "benchmarks" / "results" / "h200-2026-11-30b"
+RESULTS = ROOT / "benchmarks" / "results" / "h200x2-2026-11-30c"
 
 
 def _summarize() -> Any:
@@ -77,3 +77,30 @@ def test_largest_gemm_of_a_committed_profile() -> None:
     got = tool.largest_gemm_bytes(read_artifact(emb, Profile))
     assert got["operator"] == "aten::linear#2"
     assert got["implied_bytes"] == (64 * 128 * 512 + 32000 * 512 + 64 * 128 * 32000) * 4
+
+
+def test_stage_times_follow_the_artifacts_of_the_last_complete_run() -> None:
+    """mlp_activations finished in call 2 and started again in call 3 (cut after backend):
+    its stage times are call 2's; conv_block finished in both, so call 3's."""
+    tool = _summarize()
+    junit = sorted(RESULTS.glob("call*-opprof-junit.xml"))
+    times = tool.stage_seconds(junit)
+    mlp = next(v for k, v in times.items() if k == "mlp_activations")
+    conv = next(v for k, v in times.items() if k == "conv_block")
+    assert "speedup" in mlp and "speedup" in conv
+    call2 = tool.stage_seconds(junit[1:2])
+    call3 = tool.stage_seconds(junit[2:3])
+    assert mlp == next(v for k, v in call2.items() if k == "mlp_activations")
+    assert conv == next(v for k, v in call3.items() if k == "conv_block")
+
+
+def test_the_logits_gemm_reads_and_writes_what_its_shapes_imply() -> None:
+    """Issue #4: embedding_projection's logits GEMM, counted by ncu on the H200, within 2x of
+    the bytes of its operands and fp32 output."""
+    from pytest_opprof.schema import Profile, read_artifact
+
+    tool = _summarize()
+    emb = ROOT / "examples" / "embedding_projection" / "h200" / "profile.json"
+    got = tool.largest_gemm_bytes(read_artifact(emb, Profile))
+    assert got["operator"] == "aten::linear#2" and got["dram_bytes"] is not None
+    assert 0.5 <= got["ratio"] <= 2.0

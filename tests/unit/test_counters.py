@@ -685,28 +685,79 @@ def test_one_replay_serves_timelines_with_the_same_kernels(
 H200_NCU = sorted((DATA / "h200").glob("*.log"))
 
 
-@pytest.mark.parametrize("log", H200_NCU, ids=[p.stem for p in H200_NCU])
-def test_real_h200_ncu_output_joins_every_kernel(log: Path) -> None:
-    """ncu 2025.3.1 on the H200 against the timeline of the same run (examples/<name>/h200/):
-    every kernel of the iteration paired, by function name + ordinal + launch geometry, though
-    ncu names kernels with fewer namespaces than the profiler does."""
+def _label_logs() -> list[tuple[str, str, Path]]:
+    """(workload, timeline label, log) for every real log: ``<name>.log`` holds every label's
+    range (one ncu process), ``<name>.<label>.log`` one label (the earlier layout)."""
     from pytest_opprof.schema import Profile, read_artifact
 
-    name, label = log.stem.rsplit(".", 1)
+    out = []
+    for log in H200_NCU:
+        name, _, label = log.stem.partition(".")
+        if label:
+            out.append((name, label, log))
+            continue
+        profile = read_artifact(ROOT / "examples" / name / "h200" / "profile.json", Profile)
+        out += [(name, t.label, log) for t in profile.timelines if t.label != "optimized"]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("name", "label", "log"), _label_logs(), ids=[f"{n}-{x}" for n, x, _ in _label_logs()]
+)
+def test_real_h200_ncu_output_joins_every_kernel(name: str, label: str, log: Path) -> None:
+    """ncu 2025.3.1 on the H200 against the timeline of the same run (examples/<name>/h200/):
+    every kernel of the iteration paired, by function name + ordinal + launch geometry (and,
+    where the run replayed each launch configuration once, by configuration), though ncu names
+    kernels with fewer namespaces than the profiler does."""
+    from pytest_opprof.schema import Profile, read_artifact
+
     profile = read_artifact(ROOT / "examples" / name / "h200" / "profile.json", Profile)
     timeline = next(t for t in profile.timelines if t.label == label)
+    counters = profile.counters or {}
+    entry = counters.get(label) or {}
+    source = entry.get("reused_from") or label
+    unique = counters.get("replay") == "unique"
     kernels = c.timeline_kernels(timeline)
-    result = c.parse_run(0, log.read_text(encoding="utf-8"), "", kernels)
+    text = log.read_text(encoding="utf-8")
+    combined = "." not in log.stem
+    result = c.parse_run(0, text, "", kernels, label=source if combined else None, unique=unique)
     assert result.note is None and result.warnings == []
     assert sorted(k.index for k in result.metrics) == list(range(len(kernels)))
     for joined in result.metrics:
         assert joined.metrics["gpu_time_ns"] is not None and joined.metrics["gpu_time_ns"] > 0
         assert joined.metrics["dram_bytes_read"] is not None
+    # the profile committed from the run carries the same join
+    assert [k.metrics.get("gpu_time_ns") for k in kernels] == [
+        j.metrics["gpu_time_ns"] for j in result.metrics
+    ]
+    if combined:
+        rows, _ = c.parse_raw_csv(text)
+        replayed = [k for k in result.metrics if k.source == "measured"]
+        assert len(replayed) == len([r for r in rows if r.label == source])
+
+
+def test_real_unique_replay_of_gpt2_and_the_lstm() -> None:
+    """The H200 run replayed each launch configuration once for the two large workloads: 17 of
+    gpt2's 317 eager launches, 10 of the LSTM's 535; every other launch carries its
+    configuration's counters, marked so, and each replayed row is one configuration."""
+    from pytest_opprof.schema import Profile, read_artifact
+
+    for name, replayed in (("gpt2", 17), ("lstm_sequence_encoder", 10)):
+        profile = read_artifact(ROOT / "examples" / name / "h200" / "profile.json", Profile)
+        assert profile.counters is not None and profile.counters["replay"] == "unique"
+        eager = next(t for t in profile.timelines if t.label == "eager")
+        kernels = c.timeline_kernels(eager)
+        sources = [k.counters_source for k in kernels]
+        assert sources.count("measured") == replayed
+        assert sources.count("same_launch_config") == len(kernels) - replayed
+        rows, _ = c.parse_raw_csv((DATA / "h200" / f"{name}.log").read_text(encoding="utf-8"))
+        configs = {(c.kernel_key(r.name), str(r.grid), str(r.block), r.shared_memory) for r in rows}
+        assert len(configs) == len(rows)
 
 
 def test_real_h200_ncu_names_differ_from_the_profiler() -> None:
     """Why the key drops namespaces: the same max-pool kernel as each side named it."""
-    ncu = (DATA / "h200" / "conv_block.eager.log").read_text(encoding="utf-8")
+    ncu = (DATA / "h200" / "conv_block.log").read_text(encoding="utf-8")
     assert "void at::<unnamed>::max_pool_forward_nchw<float, int>(" in ncu
 
 
@@ -796,10 +847,11 @@ def test_real_h200_ncu_row_with_another_geometry_is_left_out() -> None:
     """Same name and count but a different launch grid: a warning, never a guessed pair."""
     from pytest_opprof.schema import Profile, read_artifact
 
-    profile = read_artifact(ROOT / "examples" / "conv_block" / "h200" / "profile.json", Profile)
+    name = "depthwise_separable_conv"
+    profile = read_artifact(ROOT / "examples" / name / "h200" / "profile.json", Profile)
     kernels = c.timeline_kernels(profile.timelines[0])
     first = kernels[0].model_copy(update={"grid": [9999, 1, 1]})
-    log = (DATA / "h200" / "conv_block.eager.log").read_text(encoding="utf-8")
+    log = (DATA / "h200" / f"{name}.eager.log").read_text(encoding="utf-8")
     result = c.parse_run(0, log, "", [first, *kernels[1:]])
     key = c.kernel_key(first.name)
     assert any(f"kernel {key!r} launched with grid [9999, 1, 1]" in w for w in result.warnings)
@@ -855,8 +907,8 @@ def _h200_kernels(name: str, label: str) -> list[KernelRecord]:
 def test_one_log_with_two_ranges_joins_each_label_to_its_own_rows() -> None:
     """The real eager and compiled logs of conv_block as one process writes them: rows of
     ``opprof_iteration_eager`` then ``opprof_iteration_compiled``, numbered on."""
-    head, eager_rows = _log_rows("conv_block.eager.log")
-    _, compiled_rows = _log_rows("conv_block.compiled.log")
+    head, eager_rows = _log_rows("depthwise_separable_conv.eager.log")
+    _, compiled_rows = _log_rows("depthwise_separable_conv.compiled.log")
     log = _write_log(
         head, _renamed(eager_rows, head, "eager") + _renamed(compiled_rows, head, "compiled")
     )
@@ -865,9 +917,12 @@ def test_one_log_with_two_ranges_joins_each_label_to_its_own_rows() -> None:
         compiled_rows
     )
     for label in ("eager", "compiled"):
-        kernels = _h200_kernels("conv_block", label)
+        kernels = _h200_kernels("depthwise_separable_conv", label)
         alone = c.parse_run(
-            0, (DATA / "h200" / f"conv_block.{label}.log").read_text(encoding="utf-8"), "", kernels
+            0,
+            (DATA / "h200" / f"depthwise_separable_conv.{label}.log").read_text(encoding="utf-8"),
+            "",
+            kernels,
         )
         together = c.parse_run(0, log, "", kernels, label=label)
         assert together.warnings == [] and together.note is None
@@ -876,11 +931,11 @@ def test_one_log_with_two_ranges_joins_each_label_to_its_own_rows() -> None:
 
 
 def test_range_label_and_shared_memory_from_the_csv() -> None:
-    head, rows = _log_rows("conv_block.eager.log")
+    head, rows = _log_rows("depthwise_separable_conv.eager.log")
     parsed, _ = c.parse_raw_csv(_write_log(head, _renamed(rows, head, "compiled")))
     assert {r.label for r in parsed} == {"compiled"}
-    gemm = next(r for r in parsed if "fprop_implicit_gemm_f32f32_f32f32" in r.name)
-    assert gemm.shared_memory == 33280  # static 0 + dynamic 33,280: the profiler's value
+    gemm = next(r for r in parsed if "s1688gemm_64x64" in r.name)
+    assert gemm.shared_memory == 49152  # static 0 + dynamic 49,152: the profiler's value
     legacy, _ = c.parse_raw_csv(_write_log(head, rows))
     assert {r.label for r in legacy} == {None}
 
@@ -906,12 +961,15 @@ def _first_of_each_config(rows: list[list[str]], head: list[str]) -> list[list[s
 def test_unique_replay_fills_repeated_launches_from_the_replayed_one() -> None:
     """conv_block's eager iteration replayed once per launch configuration: every kernel still
     gets counters, the replayed ones marked measured and equal to the full replay's."""
-    head, rows = _log_rows("conv_block.eager.log")
+    head, rows = _log_rows("depthwise_separable_conv.eager.log")
     firsts = _first_of_each_config(rows, head)
     assert len(firsts) < len(rows)  # the iteration repeats configurations
-    kernels = _h200_kernels("conv_block", "eager")
+    kernels = _h200_kernels("depthwise_separable_conv", "eager")
     full = c.parse_run(
-        0, (DATA / "h200" / "conv_block.eager.log").read_text(encoding="utf-8"), "", kernels
+        0,
+        (DATA / "h200" / "depthwise_separable_conv.eager.log").read_text(encoding="utf-8"),
+        "",
+        kernels,
     )
     log = _write_log(head, _renamed(firsts, head, "eager"))
     result = c.parse_run(0, log, "", kernels, label="eager", unique=True)
@@ -931,20 +989,22 @@ def test_unique_replay_fills_repeated_launches_from_the_replayed_one() -> None:
 def test_unique_replay_takes_a_configuration_from_the_other_range() -> None:
     """A configuration first launched in the eager range is not replayed again in the
     compiled one: the compiled launch carries the eager row's counters."""
-    head, rows = _log_rows("conv_block.eager.log")
-    k0 = _h200_kernels("conv_block", "eager")[:1]
+    head, rows = _log_rows("depthwise_separable_conv.eager.log")
+    k0 = _h200_kernels("depthwise_separable_conv", "eager")[:1]
     log = _write_log(head, _renamed(rows[:1], head, "eager"))
     result = c.parse_run(0, log, "", k0, label="compiled", unique=True)
     assert [(k.index, k.source) for k in result.metrics] == [(0, "same_launch_config")]
-    nothing = c.parse_run(0, log, "", _h200_kernels("conv_block", "compiled")[-1:], label="x")
+    nothing = c.parse_run(
+        0, log, "", _h200_kernels("depthwise_separable_conv", "compiled")[-1:], label="x"
+    )
     assert nothing.note is not None and "opprof_iteration_x" in nothing.note
 
 
 def test_unique_replay_never_guesses_which_launch_a_later_row_was() -> None:
     """ncu told two launches of one (name, grid, block, smem) apart: the first launch gets the
     first row, the others copy it, and a warning says so — no ordinal pairing by guess."""
-    head, rows = _log_rows("conv_block.eager.log")
-    kernels = _h200_kernels("conv_block", "eager")
+    head, rows = _log_rows("depthwise_separable_conv.eager.log")
+    kernels = _h200_kernels("depthwise_separable_conv", "eager")
     key = c.kernel_key(kernels[0].name)
     same = [k.model_copy(update={"start_us": float(i)}) for i, k in enumerate([kernels[0]] * 3)]
     import csv

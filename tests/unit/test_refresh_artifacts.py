@@ -7,6 +7,9 @@ from __future__ import annotations
 import importlib.util
 import shutil
 from pathlib import Path
+from typing import Any
+
+import pytest
 
 from pytest_opprof.schema import Profile, read_artifact
 
@@ -24,6 +27,21 @@ def _tool() -> object:
     return module
 
 
+def _differences(a: Any, b: Any, path: str = "") -> list[str]:
+    """Where two dumped artifacts differ, floats compared to 1e-12 relative."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        keys = sorted(set(a) | set(b))
+        return [d for k in keys for d in _differences(a.get(k), b.get(k), f"{path}.{k}")]
+    if isinstance(a, list) and isinstance(b, list):
+        if len(a) != len(b):
+            return [f"{path}: {len(a)} vs {len(b)} items"]
+        pairs = enumerate(zip(a, b, strict=True))
+        return [d for i, (x, y) in pairs for d in _differences(x, y, f"{path}[{i}]")]
+    if isinstance(a, float) and isinstance(b, float):
+        return [] if a == pytest.approx(b, rel=1e-12, abs=1e-12) else [f"{path}: {a} vs {b}"]
+    return [] if a == b else [f"{path}: {a!r} vs {b!r}"]
+
+
 def test_refresh_reproduces_the_committed_profiles(tmp_path: Path) -> None:
     name = "conv_block"
     folder = tmp_path / name
@@ -35,18 +53,17 @@ def test_refresh_reproduces_the_committed_profiles(tmp_path: Path) -> None:
         shutil.copy(trace, out / trace.name.removesuffix(".gz"))
     for prov in H200.glob(f"{name}.*.provenance.json"):
         shutil.copy(prov, out / prov.name)
-    for label in ("eager", "compiled"):
-        shutil.copy(
-            ROOT / "tests" / "data" / "ncu" / "h200" / f"{name}.{label}.log",
-            out / "ncu" / f"ncu.{label}.log",
-        )
+    shutil.copy(ROOT / "tests" / "data" / "ncu" / "h200" / f"{name}.log", out / "ncu" / "ncu.log")
 
     tool = _tool()
     for f in ("profile.json", "profile_optimized.json"):
         assert tool.refresh_profile(folder / f, name)  # type: ignore[attr-defined]
         got = read_artifact(folder / f, Profile)
         want = read_artifact(ROOT / "examples" / name / "h200" / f, Profile)
-        assert got.timelines == want.timelines
+        # Python 3.12 (the GPU machine) sums floats with compensation, 3.11 does not: the
+        # duration-weighted means agree to ~1e-16, not bit for bit.
+        dumped = [[t.model_dump() for t in p.timelines] for p in (got, want)]
+        assert _differences(*dumped) == []
         assert got.timing == want.timing
     optimized = read_artifact(folder / "profile_optimized.json", Profile).timelines[0]
     assert optimized.summary.attributed_share == 1.0 and not optimized.unattributed_kernels
