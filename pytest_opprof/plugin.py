@@ -70,14 +70,14 @@ def pytest_configure(config: pytest.Config) -> None:
         return
     options = _options(config)  # raises pytest.UsageError naming the accepted values
     workerinput = getattr(config, "workerinput", None)
-    if workerinput is not None and options.device != "cpu":
-        from pytest_opprof.gpus import visible_gpus, worker_gpu
+    if workerinput is not None:
+        from pytest_opprof.gpus import pin_worker, visible_gpus, worker_gpu
 
-        gpus = visible_gpus()
+        worker, count = workerinput["workerid"], int(workerinput["workercount"])
+        gpus = visible_gpus() if options.device != "cpu" else []
         if gpus:
-            os.environ["CUDA_VISIBLE_DEVICES"] = worker_gpu(
-                workerinput["workerid"], int(workerinput["workercount"]), gpus
-            )
+            os.environ["CUDA_VISIBLE_DEVICES"] = worker_gpu(worker, count, gpus)
+        pin_worker(worker, count)  # timing never shares the CPU that launches kernels either
     if importlib.util.find_spec("torch") is None:
         raise pytest.UsageError(
             "--opprof needs PyTorch, which is not installed here: `pip install torch` (a CUDA "

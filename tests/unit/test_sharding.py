@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -172,3 +173,39 @@ def test_cache_key_names_the_gpu_model_not_the_worker_index(
     assert seen["0"] == seen["1"] == "NVIDIA H200"
     assert seen["2"] == "NVIDIA A100-SXM4-80GB"
     assert seen["7"] == "7"  # nvidia-smi did not answer: the index itself
+
+
+def test_worker_cpu_slices_are_disjoint_and_cover_everything() -> None:
+    from pytest_opprof.gpus import worker_cpus
+
+    cpus = list(range(10))
+    slices = [worker_cpus(f"gw{i}", 3, cpus) for i in range(3)]
+    assert slices == [[0, 1, 2, 3], [4, 5, 6], [7, 8, 9]]
+    assert worker_cpus("gw1", 2, [3, 7]) == [7]
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs CPU affinity and two CPUs",
+)
+def test_xdist_workers_and_their_children_get_their_own_cpus(pytester: pytest.Pytester) -> None:
+    """Each workload's child process (where get_model_and_input runs) sees only its worker's
+    CPU slice, and Inductor's compile pool is sized to it."""
+    pytest.importorskip("xdist")
+    body = (
+        "import json, os, pathlib\n"
+        "def get_model_and_input():\n"
+        "    seen = {'cpus': sorted(os.sched_getaffinity(0)),\n"
+        "            'threads': os.environ.get('TORCHINDUCTOR_COMPILE_THREADS')}\n"
+        "    pathlib.Path(__file__).with_suffix('.json').write_text(json.dumps(seen))\n"
+        "    raise ValueError('recorded')\n"
+    )
+    pytester.makepyfile(w1=body, w2=body)
+    pytester.runpytest_subprocess("--opprof", "-n", "2", "--opprof-device=cpu")
+    total = len(os.sched_getaffinity(0))
+    import json
+
+    for name in ("w1", "w2"):
+        seen = json.loads((pytester.path / f"{name}.json").read_text())
+        assert len(seen["cpus"]) in (total // 2, total - total // 2)
+        assert seen["threads"] == str(len(seen["cpus"]))
