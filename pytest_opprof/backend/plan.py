@@ -2,9 +2,9 @@
 that measured selection times.
 
 Pure Python. A proposal's ``type`` names the pass; its ``ir_level`` routes it. The ladder adds
-the proposals one group at a time in a fixed order — graph rewrites first (they change what the
-later steps see), then precision, layout, Inductor settings, and CUDA graphs last, since they
-only pay once the kernels are short — so each rung's gain can be attributed to what it added.
+the proposals one group at a time in a fixed order — graph rewrites first, one type per rung
+(they change what the later steps see), then precision, layout, Inductor settings, and CUDA
+graphs last, since they only pay once the kernels are short — so each rung's gain can be attributed to what it added.
 """
 
 from __future__ import annotations
@@ -79,7 +79,18 @@ def replaced_by_model_graph(plan: BackendPlan, kind: str, scope: Any) -> bool:
     return plan.cuda_graph_model and kind == "cuda_graphs" and scope != "model"
 
 
+# The graph rewrites, each its own rung in this order (a user pass after them, by name), so
+# that each one's gain is measured and reported on its own (gpt2's SDPA and GELU rewrites).
+GRAPH_ORDER: tuple[str, ...] = (
+    "qkv_fusion",
+    "sdpa_replacement",
+    "activation_substitution",
+    "bn_fold",
+)
+
+
 def rung_of(proposal: Proposal) -> str:
+    """``"graph"`` for a graph rewrite (its rung is named by its type), else the type."""
     return proposal.type if proposal.type in LADDER_ORDER else "graph"
 
 
@@ -90,13 +101,19 @@ class Rung:
 
 
 def ladder(proposals: Sequence[Proposal]) -> list[Rung]:
-    """Group the transforming proposals into rungs, in ``LADDER_ORDER``."""
+    """Group the transforming proposals into rungs: one per graph rewrite type
+    (``GRAPH_ORDER``, then user passes by name), then the others in ``LADDER_ORDER``."""
     groups: dict[str, list[Proposal]] = {}
     for p in proposals:
         if p.type in REPORT_ONLY_TYPES:
             continue
-        groups.setdefault(rung_of(p), []).append(p)
-    return [Rung(name, tuple(groups[name])) for name in LADDER_ORDER if name in groups]
+        groups.setdefault(p.type, []).append(p)
+    graph = sorted(
+        (t for t in groups if rung_of(groups[t][0]) == "graph"),
+        key=lambda t: (GRAPH_ORDER.index(t) if t in GRAPH_ORDER else len(GRAPH_ORDER), t),
+    )
+    order = [*graph, *LADDER_ORDER[1:]]
+    return [Rung(name, tuple(groups[name])) for name in order if name in groups]
 
 
 def plan_of(proposals: Sequence[Proposal]) -> BackendPlan:
