@@ -4,7 +4,8 @@ that measured selection times.
 Pure Python. A proposal's ``type`` names the pass; its ``ir_level`` routes it. The ladder adds
 the proposals one group at a time in a fixed order — graph rewrites first, one type per rung
 (they change what the later steps see), then precision, layout, Inductor settings, and CUDA
-graphs last, since they only pay once the kernels are short — so each rung's gain can be attributed to what it added.
+graphs last, since they only pay once the kernels are short — so each rung's gain can be
+attributed to what it added.
 """
 
 from __future__ import annotations
