@@ -6,12 +6,13 @@ The parent process never initialises CUDA (stages run in child processes), so se
 starts. An outer restriction is honoured: worker ``gwK`` gets the K-th of the GPUs already
 visible.
 
-The CPUs are split too: on the H200 pair, two workers' timings of launch-bound baselines
-moved by 5-17% from one run to the next while the optimized (CUDA-graphed) latencies held to
-0.1%, because one worker's Inductor compile pool (a process per core) competed with the other
-worker's timing loop for the CPU that launches the kernels. Worker ``gwK`` is pinned to the
-K-th of N contiguous slices of the CPUs this process may use, and Inductor's compile pool and
-OpenMP are sized to that slice; every child process inherits both.
+The CPUs are split too. On two H200s, two runs of the same examples gave optimized (CUDA-
+graphed) latencies within 0.1% of each other while the launch-bound torch.compile baselines,
+and with them the speedups, moved by 5-17%: a launch-bound timing depends on the CPU that
+launches the kernels, which one worker's Inductor compile pool (a process per core) can take
+from the other worker's timing loop. Worker ``gwK`` is pinned to the K-th of N contiguous
+slices of the CPUs this process may use, and Inductor's compile pool and OpenMP are sized to
+that slice; every child process inherits both.
 """
 
 from __future__ import annotations
