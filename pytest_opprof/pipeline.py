@@ -297,27 +297,14 @@ class WorkloadRun:
             spec_path.write_text(json.dumps(spec, default=str), encoding="utf-8")
             log = self.profiler_output / f"{task}.log"
             timeout = float(self.setting("timeout"))
-            with log.open("w", encoding="utf-8") as fh:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "pytest_opprof.runner", str(spec_path)],
-                    stdout=fh,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                    env=env,
-                )
-                try:
-                    code = proc.wait(timeout=timeout)
-                except BaseException as exc:
-                    # A timeout, or the session itself interrupted (Ctrl-C): the child runs in
-                    # its own process group and must not outlive us to write artifacts later.
-                    _kill_group(proc)
-                    if not isinstance(exc, subprocess.TimeoutExpired):
-                        raise
-                    raise StageError(
-                        f"{self.spec.path.name}: {stage} did not finish within {timeout:.0f} s "
-                        f"and was stopped; the workload hangs or is too slow — raise "
-                        f"--opprof-timeout or OPPROF['timeout'] (log: {_rel(log)})"
-                    ) from None
+            try:
+                code = _start_child(spec_path, log, env, timeout)
+            except subprocess.TimeoutExpired:
+                raise StageError(
+                    f"{self.spec.path.name}: {stage} did not finish within {timeout:.0f} s "
+                    f"and was stopped; the workload hangs or is too slow — raise "
+                    f"--opprof-timeout or OPPROF['timeout'] (log: {_rel(log)})"
+                ) from None
             failure = spec_path.with_name("failure.json")
             if failure.exists():
                 found = read_artifact(failure, ChildFailure)
@@ -364,6 +351,35 @@ def _checked(hook: str, values: Any, keys: tuple[str, ...]) -> dict[str, Any]:
         except pytest.UsageError as exc:
             raise StageError(f"{hook}: {exc}") from None
     return out
+
+
+def _start_child(spec_path: Path, log: Path, env: dict[str, str], timeout: float) -> int:
+    """Run ``python -m pytest_opprof.runner SPEC`` as a process of its own, output in ``log``:
+    forked from this session's fork server (torch already imported) where it runs, else
+    started plainly. Its exit status; ``subprocess.TimeoutExpired`` once it has been killed."""
+    from pytest_opprof import forkserver
+
+    server = forkserver.get()
+    if server is not None:
+        try:
+            return server.run(spec_path, log, env, timeout)
+        except OSError as exc:  # the server is gone or refused: a plain child does the stage
+            print(f"pytest-opprof: fork server: {exc}; starting the stage plainly", file=sys.stderr)
+    with log.open("w", encoding="utf-8") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest_opprof.runner", str(spec_path)],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
+        try:
+            return proc.wait(timeout=timeout)
+        except BaseException:
+            # A timeout, or the session itself interrupted (Ctrl-C): the child runs in its own
+            # process group and must not outlive us to write artifacts later.
+            _kill_group(proc)
+            raise
 
 
 def _kill_group(proc: subprocess.Popen[Any]) -> None:

@@ -311,6 +311,14 @@ class StageRecorder:
         )
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """The session's fork server (stage processes) ends with it."""
+    if SESSION_KEY in config.stash:
+        from pytest_opprof import forkserver
+
+        forkserver.shutdown()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
     junit = config.stash[SESSION_KEY].options.junit if SESSION_KEY in config.stash else None

@@ -1,0 +1,253 @@
+"""Stage processes forked from a process that has already imported torch.
+
+Every stage runs its user code in a child process (``python -m pytest_opprof.runner SPEC``),
+and each child spent most of its start importing torch, Dynamo and Inductor: ~8 s per process
+on the H200 host, five processes per workload. The fork server is one process per pytest
+process (each xdist worker has its own) that imports them once, never touches CUDA, and forks a
+child per stage: the child starts with the imports done and no CUDA context, a state that forking
+is safe from (as PyTorch's DataLoader workers are forked). Each child is what the plain child
+was: its own process group, its output in the stage log, the request's environment and working
+folder, killed when the server goes, which is killed when its parent goes.
+
+Protocol (a Unix socket, one request per connection, JSON lines): the client sends ``{"spec",
+"log", "env", "cwd"}``; the server answers ``{"pid"}`` once forked, then ``{"exit"}`` with the
+child's exit status (negative: the signal that killed it), as ``subprocess.Popen.returncode``.
+
+Linux only; where the server cannot start, or CUDA was initialised before a fork, ``run_child``
+falls back to a plain child process (``PLAIN``). ``OPPROF_FORKSERVER=0`` turns it off.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "pytest_opprof.runner")
+BAD_FORK = 75
+"""A child's exit status when torch says its CUDA was poisoned by the server (something the
+server imported had initialised the driver): the stage is then run as a plain process."""
+ENV_SWITCH = "OPPROF_FORKSERVER"
+START_TIMEOUT_S = 120.0
+
+
+# ------------------------------------------------------------------------------- server side
+
+
+def serve(socket_path: str) -> int:
+    """Import ``PRELOAD`` and fork a child per request until the parent goes."""
+    from pytest_opprof.runner import _die_with_parent
+
+    _die_with_parent()
+    # torch.cuda.is_available() by NVML, which leaves the driver uninitialised (the default
+    # cudaGetDeviceCount poisons fork) should an imported module ask at import time.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    import importlib
+
+    for name in PRELOAD:
+        importlib.import_module(name)
+    import torch
+
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(socket_path)
+    listener.listen(4)
+    print("ready", flush=True)  # the client waits for this line
+    while True:
+        conn, _ = listener.accept()
+        with conn, conn.makefile("rw", encoding="utf-8") as stream:
+            request = json.loads(stream.readline())
+            if torch.cuda.is_initialized():  # never fork a CUDA context
+                stream.write(json.dumps({"error": "CUDA is initialised in the server"}) + "\n")
+                stream.flush()
+                continue
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                listener.close()
+                conn.close()
+                _child(request)  # never returns
+            stream.write(json.dumps({"pid": pid}) + "\n")
+            stream.flush()
+            _, status = os.waitpid(pid, 0)
+            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+            try:
+                stream.write(json.dumps({"exit": code}) + "\n")
+                stream.flush()
+            except OSError:  # the client gave up on it (a timeout): nothing to report
+                pass
+
+
+def _child(request: dict[str, Any]) -> None:
+    code = 1
+    try:
+        os.setsid()  # its own process group, which the client kills on a timeout
+        fd = os.open(request["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(fd, 1)
+        os.dup2(fd, 2)
+        os.close(fd)
+        import torch
+
+        if torch.cuda._is_in_bad_fork():
+            code = BAD_FORK
+            return
+        env = request["env"]
+        os.environ.clear()
+        os.environ.update(env)
+        for folder in reversed([p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]):
+            if folder not in sys.path:
+                sys.path.insert(0, folder)
+        os.chdir(request["cwd"])
+        from pytest_opprof import runner
+
+        runner._STARTED = time.perf_counter()  # its stage log counts from the fork
+        runner._die_with_parent()  # the server is the parent now
+        code = runner.main([request["spec"]])
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+    except BaseException:
+        import traceback
+
+        traceback.print_exc()
+        code = 1
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+# ------------------------------------------------------------------------------- client side
+
+
+class ForkServer:
+    """The client of one server process (started lazily by ``get``)."""
+
+    def __init__(self) -> None:
+        self._folder = tempfile.mkdtemp(prefix="opprof-fork-")
+        self.socket_path = os.path.join(self._folder, "socket")
+        log = open(os.path.join(self._folder, "server.log"), "w+", encoding="utf-8")  # noqa: SIM115
+        self._log = log
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "pytest_opprof.forkserver", self.socket_path],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            start_new_session=True,
+        )
+        ready = self.proc.stdout.readline() if self.proc.stdout else ""
+        if ready.strip() != "ready":
+            self.close()
+            log.seek(0)
+            raise OSError(f"the fork server did not start: {log.read()[-500:]}")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def run(self, spec: Path, log: Path, env: dict[str, str], timeout: float) -> int:
+        """Run ``runner.main([spec])`` in a forked child, its output in ``log``; its exit
+        status, or ``subprocess.TimeoutExpired`` after killing its process group."""
+        conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        conn.connect(self.socket_path)
+        with conn, conn.makefile("rw", encoding="utf-8") as stream:
+            request = {"spec": str(spec), "log": str(log), "env": env, "cwd": os.getcwd()}
+            stream.write(json.dumps(request) + "\n")
+            stream.flush()
+            answer = json.loads(stream.readline() or "{}")
+            if "pid" not in answer:
+                raise OSError(answer.get("error", "the fork server did not fork"))
+            pid = int(answer["pid"])
+            conn.settimeout(timeout)
+            try:
+                line = stream.readline()
+            except TimeoutError:
+                _kill_group(pid)
+                raise subprocess.TimeoutExpired(str(spec), timeout) from None
+            except BaseException:  # the session interrupted: no child outlives it
+                _kill_group(pid)
+                raise
+            if not line:
+                raise OSError("the fork server went away during the stage")
+            code = int(json.loads(line)["exit"])
+            if code == BAD_FORK:
+                disable("CUDA was initialised in the fork server before the fork")
+                raise OSError("a forked child cannot use CUDA here")
+            return code
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=10)
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._log.close()
+        for name in ("socket", "server.log"):
+            Path(self._folder, name).unlink(missing_ok=True)
+        with contextlib.suppress(OSError):
+            os.rmdir(self._folder)
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(OSError):
+        os.killpg(pid, signal.SIGKILL)
+    # the server reaps it; give the kill a moment to land before the caller moves on
+    time.sleep(0.05)
+
+
+_SERVER: ForkServer | None = None
+_FAILED = False
+_LOCK = threading.Lock()
+
+
+def enabled() -> bool:
+    return sys.platform.startswith("linux") and os.environ.get(ENV_SWITCH, "1") != "0"
+
+
+def get() -> ForkServer | None:
+    """This process's server, started on first use; None where it is off or cannot start
+    (then the caller starts a plain child, once told why on stderr)."""
+    global _SERVER, _FAILED
+    if not enabled() or _FAILED:
+        return None
+    with _LOCK:
+        if _SERVER is not None and _SERVER.alive():
+            return _SERVER
+        try:
+            _SERVER = ForkServer()
+        except OSError as exc:
+            _FAILED = True
+            print(f"pytest-opprof: plain stage processes ({exc})", file=sys.stderr)
+            return None
+        atexit.register(_SERVER.close)
+        return _SERVER
+
+
+def disable(why: str) -> None:
+    """No fork server for the rest of this process (told once on stderr)."""
+    global _FAILED
+    _FAILED = True
+    print(f"pytest-opprof: plain stage processes from now on ({why})", file=sys.stderr)
+    shutdown()
+
+
+def shutdown() -> None:
+    """Stop this process's server (the end of a session)."""
+    global _SERVER
+    with _LOCK:
+        if _SERVER is not None:
+            _SERVER.close()
+            _SERVER = None
+
+
+if __name__ == "__main__":
+    sys.exit(serve(sys.argv[1]))

@@ -1,0 +1,168 @@
+"""The fork server: stage processes forked with torch already imported, each what a plain child
+was — its own process group, its output in the stage log, the request's environment and
+folder, killed on a timeout, on an interrupt, and when the server goes."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pytest_opprof import forkserver
+from pytest_opprof.options import OpprofOptions
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux only")
+
+
+@pytest.fixture
+def server() -> Iterator[forkserver.ForkServer]:
+    started = forkserver.ForkServer()
+    yield started
+    started.close()
+
+
+def _spec(tmp_path: Path, body: str, task: str = "capture") -> Path:
+    workload = tmp_path / "w.py"
+    workload.write_text(body, encoding="utf-8")
+    spec = tmp_path / "spec.json"
+    spec.write_text(
+        json.dumps(
+            {
+                "task": task,
+                "workload": str(workload),
+                "out_dir": str(tmp_path / "out"),
+                "options": OpprofOptions(device="cpu").to_child(),
+                "overrides": {},
+            }
+        ),
+        encoding="utf-8",
+    )
+    return spec
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    status = Path(f"/proc/{pid}/status")
+    return not (status.exists() and "State:\tZ" in status.read_text())
+
+
+RECORD = (
+    "import json, os, sys\n"
+    "def get_model_and_input():\n"
+    "    info = {'env': os.environ.get('OPPROF_TEST_VALUE'), 'cwd': os.getcwd(),\n"
+    "            'torch_loaded_before': 'torch._inductor.compile_fx' in sys.modules,\n"
+    "            'pid': os.getpid(), 'pgid': os.getpgid(0)}\n"
+    "    open(os.environ['OPPROF_TEST_OUT'], 'w').write(json.dumps(info))\n"
+    "    print('hello from the workload')\n"
+    "    raise ValueError('recorded')\n"
+)
+
+
+def test_a_stage_child_gets_the_request_environment_folder_and_log(
+    server: forkserver.ForkServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "info.json"
+    env = {**os.environ, "OPPROF_TEST_VALUE": "42", "OPPROF_TEST_OUT": str(out)}
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    log = tmp_path / "capture.log"
+    code = server.run(_spec(tmp_path, RECORD), log, env, timeout=120)
+    info = json.loads(out.read_text())
+    assert info["env"] == "42" and info["cwd"] == str(elsewhere)
+    assert info["torch_loaded_before"]  # imported by the server, before the fork
+    assert info["pgid"] == info["pid"] != server.proc.pid  # a process group of its own
+    assert code == 3  # the runner's exit status for a workload's own error
+    text = log.read_text()
+    assert "hello from the workload" in text and "torch imported" in text
+    assert (tmp_path / "failure.json").exists()  # written beside the spec, as a plain child
+
+
+def test_a_child_that_outlives_its_timeout_is_killed_with_its_group(
+    server: forkserver.ForkServer, tmp_path: Path
+) -> None:
+    pid_file = tmp_path / "pid"
+    body = (
+        "import os, subprocess, sys, time\n"
+        "def get_model_and_input():\n"
+        f"    sub = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(300)'])\n"
+        f"    open({str(pid_file)!r}, 'w').write(f'{{os.getpid()}} {{sub.pid}}')\n"
+        "    time.sleep(300)\n"
+    )
+    started = time.monotonic()
+    with pytest.raises(subprocess.TimeoutExpired):
+        server.run(_spec(tmp_path, body), tmp_path / "log", dict(os.environ), timeout=8)
+    assert time.monotonic() - started < 30
+    child, grandchild = map(int, pid_file.read_text().split())
+    deadline = time.monotonic() + 10
+    while (_alive(child) or _alive(grandchild)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child) and not _alive(grandchild)
+    # the server goes on serving
+    out = tmp_path / "info.json"
+    env = {**os.environ, "OPPROF_TEST_OUT": str(out)}
+    assert server.run(_spec(tmp_path, RECORD), tmp_path / "log2", env, timeout=120) == 3
+
+
+def test_a_crash_is_reported_as_its_signal(server: forkserver.ForkServer, tmp_path: Path) -> None:
+    body = (
+        "import os, signal\ndef get_model_and_input():\n    os.kill(os.getpid(), signal.SIGSEGV)\n"
+    )
+    code = server.run(_spec(tmp_path, body), tmp_path / "log", dict(os.environ), timeout=120)
+    assert code == -signal.SIGSEGV
+
+
+def test_children_die_with_the_server(server: forkserver.ForkServer, tmp_path: Path) -> None:
+    pid_file = tmp_path / "pid"
+    body = (
+        "import os, time\n"
+        "def get_model_and_input():\n"
+        f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "    time.sleep(300)\n"
+    )
+    import threading
+
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            server.run(_spec(tmp_path, body), tmp_path / "log", dict(os.environ), timeout=120)
+        except BaseException as exc:  # the server going away mid-stage
+            errors.append(exc)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    os.kill(server.proc.pid, signal.SIGKILL)
+    thread.join(timeout=30)
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)
+    assert errors and isinstance(errors[0], OSError)
+
+
+def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(forkserver.ENV_SWITCH, "0")
+    assert forkserver.get() is None
+
+
+def test_disabled_for_the_rest_of_the_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a child reports that CUDA was poisoned in the server, stages start plainly."""
+    monkeypatch.setattr(forkserver, "_FAILED", False)
+    forkserver.disable("a test")
+    assert forkserver.get() is None
+    monkeypatch.setattr(forkserver, "_FAILED", False)  # the next session may try again
