@@ -144,7 +144,12 @@ class ForkServer:
             text=True,
             start_new_session=True,
         )
-        ready = self.proc.stdout.readline() if self.proc.stdout else ""
+        import select
+
+        ready = ""
+        if self.proc.stdout is not None:
+            readable, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT_S)
+            ready = self.proc.stdout.readline() if readable else ""
         if ready.strip() != "ready":
             self.close()
             log.seek(0)
@@ -164,7 +169,9 @@ class ForkServer:
             stream.flush()
             answer = json.loads(stream.readline() or "{}")
             if "pid" not in answer:
-                raise OSError(answer.get("error", "the fork server did not fork"))
+                why = answer.get("error", "the fork server did not fork")
+                disable(why)
+                raise OSError(why)
             pid = int(answer["pid"])
             conn.settimeout(timeout)
             try:
