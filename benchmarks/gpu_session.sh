@@ -27,8 +27,9 @@ paths=(); for n in "${names[@]}"; do paths+=("examples/$n"); done
   command -v ncu && ncu --version | tail -1
 } > "$OUT/env.txt" 2>&1
 # Kept between calls on a machine still warm, so a later call resumes from the stage cache;
-# OPPROF_FRESH=1 starts over.
-work=/tmp/opprof-results
+# OPPROF_FRESH=1 starts over. OPPROF_WORK names another folder, so that two runs (say -n 2 and
+# one GPU, for their wall times) keep their caches apart.
+work=${OPPROF_WORK:-/tmp/opprof-results}
 [ "${OPPROF_FRESH:-0}" = 1 ] && rm -rf "$work"
 mkdir -p "$work"
 start=$(date +%s)
@@ -39,13 +40,18 @@ timeout --signal=INT "${OPPROF_CALL_BUDGET:-540}" python3 -m pytest -p no:benchm
   --junitxml="$work/junit.xml" "${extra[@]}" 2>&1 | tee "$OUT/pytest.log"
 status=${PIPESTATUS[0]}
 echo "pytest exit $status after $(( $(date +%s) - start )) s" | tee -a "$OUT/pytest.log"
+# Every call's wall time, so a run cut into calls adds up (resumed stages are not re-run).
+echo "$(( $(date +%s) - start )) ${extra[*]}" >> "$work/wall_seconds.txt"
+echo "wall time of this run's calls so far: $(awk '{s+=$1} END {print s}' "$work/wall_seconds.txt") s" \
+  | tee -a "$OUT/pytest.log"
 # The benchmark table of what is there so far (benchmarks/summarize.py), beside the log.
 python3 benchmarks/summarize.py "$work" --junit "$work/opprof-junit.xml" \
   --json "$OUT/summary.json" --md "$OUT/summary.md" > /dev/null 2>&1 \
   || echo "summarize failed: see the artifacts" | tee -a "$OUT/pytest.log"
 # This call's workloads and the session files only (a file that comes back is at most 16 MiB).
-packed=(); for n in "${names[@]}"; do [ -e "$work/$n" ] && packed+=("opprof-results/$n"); done
-for f in "$work"/*; do [ -f "$f" ] && packed+=("opprof-results/$(basename "$f")"); done
-tar -C /tmp -cJf "$OUT/results.tar.xz" "${packed[@]}"
+base=$(basename "$work")
+packed=(); for n in "${names[@]}"; do [ -e "$work/$n" ] && packed+=("$base/$n"); done
+for f in "$work"/*; do [ -f "$f" ] && packed+=("$base/$(basename "$f")"); done
+tar -C "$(dirname "$work")" -cJf "$OUT/results.tar.xz" "${packed[@]}"
 ls -la "$OUT"
 exit 0
