@@ -539,11 +539,15 @@ def task_select(spec: dict[str, Any]) -> None:
     kept = [attempt(r, second_chance=False) for r in rungs]
     last_kept = max((i for i, k in enumerate(kept) if k), default=-1)
     # A rung dropped before the last kept one met a plan that has changed since: try it again.
+    # One that applied nowhere is tried again once a rung before it was kept on this pass
+    # (gemm_out_dtype finds its bf16 GEMMs only once dtype_promotion is in).
+    revived = False
     for i, rung in enumerate(rungs[:last_kept]):
-        if not kept[i] and all(
-            dropped[p.id].reason.startswith("made nothing faster") for p in rung.proposals
-        ):
-            attempt(rung, second_chance=True)
+        if kept[i]:
+            continue
+        reasons = [dropped[p.id].reason for p in rung.proposals]
+        if _worth_a_second_pass(reasons, revived) and attempt(rung, second_chance=True):
+            revived = True
     selection = BackendSelection(
         workload=Path(spec["workload"]).stem,
         reference=ref_name,
@@ -555,6 +559,15 @@ def task_select(spec: dict[str, Any]) -> None:
         waterfall=waterfall,
     )
     write_artifact(out_dir / "profiler_output" / "backend_selection.json", selection)
+
+
+def _worth_a_second_pass(reasons: list[str], revived: bool) -> bool:
+    """Whether a dropped rung is tried again on top of the final plan: when it made nothing
+    faster (gains that only appear together), or applied nowhere and a rung before it was kept
+    on this second pass (the pattern it needs may exist now)."""
+    if all(r.startswith("made nothing faster") for r in reasons):
+        return True
+    return revived and all(r.startswith("applied nowhere") for r in reasons)
 
 
 def _applied_nowhere(proposals: Any, results: Any) -> str | None:

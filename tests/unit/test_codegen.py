@@ -133,3 +133,17 @@ def test_each_graph_rewrite_is_its_own_rung() -> None:
         ("dtype_promotion", ["dtype_promotion-1"]),
         ("cuda_graphs", ["cuda_graphs-1"]),
     ]
+
+
+def test_which_dropped_rungs_get_a_second_pass() -> None:
+    """A rung that made nothing faster is retried on the final plan; one that applied nowhere
+    only once a rung before it was kept on the second pass (gemm_out_dtype after bf16)."""
+    from pytest_opprof.runner import _worth_a_second_pass
+
+    slower = ["made nothing faster: 0.998x (95% CI 0.994–1.001) against the plan without it"]
+    nowhere = ["applied nowhere: gemm_out_dtype-selection: no bf16/fp16 GEMM ..."]
+    assert _worth_a_second_pass(slower, revived=False)
+    assert not _worth_a_second_pass(nowhere, revived=False)
+    assert _worth_a_second_pass(nowhere, revived=True)
+    assert not _worth_a_second_pass(["failed to build: RuntimeError"], revived=True)
+    assert not _worth_a_second_pass([slower[0], "changed the output: ..."], revived=True)
