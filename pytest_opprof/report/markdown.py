@@ -1118,6 +1118,19 @@ def section_caveats(a: WorkloadArtifacts) -> list[str]:
                 f"(clock control: {clock or 'not recorded'}); replayed kernels run serialised, "
                 "so counter durations are not the latencies above."
             )
+            if counters.get("replay") == "unique":
+                shares = [
+                    f"{label} {entry['time_coverage_replayed']:.0%}"
+                    for label, entry in counters.items()
+                    if isinstance(entry, dict) and entry.get("time_coverage_replayed") is not None
+                ]
+                lines.append(
+                    "- ncu replayed the first launch of each launch configuration (kernel, grid, "
+                    "block, shared memory); the other launches carry its counters "
+                    '(`counters_source: "same_launch_config"`). Kernel time replayed directly: '
+                    + (", ".join(shares) or "not recorded")
+                    + "; `--opprof-ncu-replay=all` replays every launch."
+                )
         else:
             lines.append(
                 "- Hardware counters missing: Nsight Compute did not run or was not permitted; "

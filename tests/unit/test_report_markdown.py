@@ -541,3 +541,16 @@ def test_cpu_fallback_capture_reports_cpu_time(tmp_path: Path) -> None:
     assert "Not enforced here: measured on the CPU" in _section(text, "## Headline")
     assert "| CPU fallback " in _section(text, "## Hardware context")
     assert "_Not available (stage backend did not run: blocked by propose: boom)._" in text
+
+
+def test_caveats_say_which_counters_were_carried_over(full: WorkloadArtifacts) -> None:
+    """A unique-configuration replay (gpt2's on the H200): the report says how much kernel
+    time ncu measured directly and how to replay every launch."""
+    from pytest_opprof.schema import Profile
+
+    gpt2 = read_artifact(Path(__file__).parents[2] / "examples/gpt2/h200/profile.json", Profile)
+    assert gpt2.counters is not None
+    full.profile = full.profile.model_copy(update={"counters": gpt2.counters})  # type: ignore[union-attr]
+    text = _section(render_workload_report(full, plots=False), "## Caveats")
+    assert "first launch of each launch configuration" in text
+    assert "eager 8%, compiled 6%" in text and "--opprof-ncu-replay=all" in text
