@@ -65,7 +65,10 @@ def serve(socket_path: str) -> int:
     while True:
         conn, _ = listener.accept()
         with conn, conn.makefile("rw", encoding="utf-8") as stream:
-            request = json.loads(stream.readline())
+            try:
+                request = json.loads(stream.readline())
+            except (OSError, ValueError):  # a client that went away: wait for the next one
+                continue
             if torch.cuda.is_initialized():  # never fork a CUDA context
                 stream.write(json.dumps({"error": "CUDA is initialised in the server"}) + "\n")
                 stream.flush()
@@ -77,15 +80,17 @@ def serve(socket_path: str) -> int:
                 listener.close()
                 conn.close()
                 _child(request)  # never returns
-            stream.write(json.dumps({"pid": pid}) + "\n")
-            stream.flush()
+            try:
+                stream.write(json.dumps({"pid": pid}) + "\n")
+                stream.flush()
+            except OSError:  # the client went away: its child must not run on unwatched
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
             _, status = os.waitpid(pid, 0)
             code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-            try:
+            with contextlib.suppress(OSError):  # the client gave up on it (a timeout)
                 stream.write(json.dumps({"exit": code}) + "\n")
                 stream.flush()
-            except OSError:  # the client gave up on it (a timeout): nothing to report
-                pass
 
 
 def _child(request: dict[str, Any]) -> None:
