@@ -4,11 +4,7 @@
 # statements and per-launch-config filter behave on a toy script (two named ranges).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+source benchmarks/gpu_env.sh
 OUT=${OUT:-$PWD/gpu-out}/checks
 mkdir -p "$OUT"
 python3 - > "$OUT/inductor.txt" 2>&1 <<'PY'

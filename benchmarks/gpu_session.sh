@@ -7,11 +7,7 @@
 # package index.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl || exit 1
-  export PYTHONPATH=/tmp/site:$PWD
-fi
+source benchmarks/gpu_env.sh
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/gpu-out}
 mkdir -p "$OUT"

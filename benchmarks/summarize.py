@@ -146,9 +146,8 @@ def largest_gemm_bytes(profile: Profile, label: str = "eager") -> dict[str, Any]
     implied = gemm_bytes(op.input_shapes, op.name, itemsize)
     kernels = [k for k in op.kernels if not k.name.startswith(("Memcpy", "Memset"))]
     counted = [k.metrics.get("dram_bytes") for k in kernels]  # ncu profiles kernels only
-    measured = sum(float(v) for v in counted if v is not None) if counted else None
-    if not counted or any(v is None for v in counted):
-        measured = None
+    known = counted and all(v is not None for v in counted)
+    measured = sum(float(v) for v in counted if v is not None) if known else None
     return {
         "operator": f"{op.name}#{op.call_index}",
         "shapes": op.input_shapes,

@@ -56,17 +56,16 @@ def worker_gpu(worker_id: str, worker_count: int, gpus: list[str]) -> str:
 def nvidia_smi_query(field: str) -> str | None:
     """The first GPU's ``--query-gpu`` field from nvidia-smi, or None where it is absent or
     does not answer (no torch, no CUDA initialised)."""
+    return _smi_first_line([f"--query-gpu={field}", "--format=csv,noheader"])
+
+
+def _smi_first_line(args: list[str]) -> str | None:
+    """The first line nvidia-smi prints for ``args``; None where it is absent or fails."""
     exe = shutil.which("nvidia-smi")
     if not exe:
         return None
     try:
-        out = subprocess.run(
-            [exe, f"--query-gpu={field}", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=False,
-        )
+        out = subprocess.run([exe, *args], capture_output=True, text=True, timeout=20, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
     lines = out.stdout.strip().splitlines()
@@ -79,22 +78,10 @@ def gpu_kind(visible: str | None) -> str | None:
     first GPU), by nvidia-smi; None where it cannot tell. Cached results key on this, not on the
     index: under pytest-xdist a workload lands on whichever worker's GPU is free, and two
     identical GPUs of one host give interchangeable results."""
-    exe = shutil.which("nvidia-smi")
     first = (visible or "0").split(",")[0].strip()
-    if not exe or not first or first == "-1":
+    if not first or first == "-1":
         return None
-    try:
-        out = subprocess.run(
-            [exe, "-i", first, "--query-gpu=name", "--format=csv,noheader"],
-            capture_output=True,
-            text=True,
-            timeout=20,
-            check=False,
-        )
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    lines = out.stdout.strip().splitlines()
-    return lines[0].strip() if out.returncode == 0 and lines else None
+    return _smi_first_line(["-i", first, "--query-gpu=name", "--format=csv,noheader"])
 
 
 def worker_cpus(worker_id: str, worker_count: int, cpus: list[int]) -> list[int]:

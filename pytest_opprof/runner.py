@@ -16,7 +16,10 @@ import sys
 import time
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pytest_opprof.schema import IrLevel
 
 EXIT_USER_ERROR = 3
 _STARTED = time.perf_counter()
@@ -588,22 +591,13 @@ def _applied_nowhere(proposals: Any, results: Any) -> str | None:
 def _auto_gemm_out_dtype() -> Any:
     """``gemm_out_dtype`` is tried after ``dtype_promotion`` on every GPU workload: the cast
     it removes only exists once bf16 is in."""
-    from pytest_opprof.schema import Evidence, Impact, Proposal
-
-    return Proposal(
-        id="gemm_out_dtype-selection",
-        type="gemm_out_dtype",
-        ir_level="aten",
-        targets=["GEMMs whose bf16 result is only cast to float32"],
-        evidence=[Evidence(metric="tried_by", value="measured selection", source="backend")],
-        fx_steps=["convert(views(mm(a, b)), float32) -> views(mm.dtype(a, b, float32))"],
-        impact=Impact(
-            estimated_saving_us=0.0,
-            estimated_speedup=1.0,
-            basis="not estimated: tried because selection measures it",
-        ),
-        confidence="low",
-        rationale="tried by measured selection after dtype_promotion on every GPU workload",
+    return _tried_by_selection(
+        "gemm_out_dtype-selection",
+        "gemm_out_dtype",
+        "aten",
+        "GEMMs whose bf16 result is only cast to float32",
+        "convert(views(mm(a, b)), float32) -> views(mm.dtype(a, b, float32))",
+        "tried by measured selection after dtype_promotion on every GPU workload",
     )
 
 
@@ -613,29 +607,47 @@ def _auto_cuda_graphs(scope: str = "graph") -> Any:
     what is left, which the eager profile cannot show. ``scope="graph"``: Inductor's CUDA
     graph trees, one per compiled graph; ``"model"``: one graph of the whole call, which also
     covers the code between graph breaks and skips the per-call Python of guards and trees."""
-    from pytest_opprof.schema import Evidence, Impact, Proposal
-
     whole = scope == "model"
-    step = (
+    return _tried_by_selection(
+        "cuda_graphs-model" if whole else "cuda_graphs-selection",
+        "cuda_graphs",
+        "non_graph" if whole else "inductor_config",
+        "whole model" if whole else "whole graph",
         "record the whole compiled call as one CUDA graph and replay it (backend.model_graph)"
         if whole
-        else "compile with Inductor's CUDA graph trees (triton.cudagraphs=True)"
+        else "compile with Inductor's CUDA graph trees (triton.cudagraphs=True)",
+        "tried by measured selection on every GPU workload",
+        params={"scope": scope},
     )
+
+
+def _tried_by_selection(
+    pid: str,
+    kind: str,
+    level: IrLevel,
+    target: str,
+    step: str,
+    rationale: str,
+    params: dict[str, Any] | None = None,
+) -> Any:
+    """A proposal no rule made: selection tries it and keeps it only if measured faster."""
+    from pytest_opprof.schema import Evidence, Impact, Proposal
+
     return Proposal(
-        id="cuda_graphs-model" if whole else "cuda_graphs-selection",
-        type="cuda_graphs",
-        ir_level="non_graph" if whole else "inductor_config",
-        targets=["whole model" if whole else "whole graph"],
+        id=pid,
+        type=kind,
+        ir_level=level,
+        targets=[target],
         evidence=[Evidence(metric="tried_by", value="measured selection", source="backend")],
         fx_steps=[step],
-        params={"scope": scope},
+        params=params or {},
         impact=Impact(
             estimated_saving_us=0.0,
             estimated_speedup=1.0,
             basis="not estimated: tried because selection measures it",
         ),
         confidence="low",
-        rationale="tried by measured selection on every GPU workload",
+        rationale=rationale,
     )
 
 

@@ -3,11 +3,34 @@
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 
 # Inductor on 2 CPU cores: keep compile threads low so tests do not oversubscribe.
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+
+@pytest.fixture
+def make_proposal() -> Any:
+    """A factory of minimal valid proposals: ``make_proposal(id, type, ir_level="functional",
+    **fields)``."""
+    from pytest_opprof.schema import Evidence, Impact, Proposal
+
+    def make(pid: str, kind: str, level: str = "functional", **kw: Any) -> Proposal:
+        return Proposal(
+            id=pid,
+            type=kind,
+            ir_level=level,  # type: ignore[arg-type]
+            targets=["x"],
+            evidence=[Evidence(metric="m", value=1, source="graph.json")],
+            fx_steps=["s"],
+            impact=Impact(estimated_saving_us=1.0, estimated_speedup=1.1, basis="b"),
+            confidence=kw.pop("confidence", "high"),
+            **kw,
+        )
+
+    return make
 
 
 @pytest.fixture

@@ -737,7 +737,7 @@ def apply_to_timeline(
 ) -> Timeline:
     """A copy of ``timeline`` with each joined kernel's counters (and roofline, given the
     ``knowledge.GpuSpec``) in ``KernelRecord.metrics`` and each operator's aggregate in
-    ``OperatorAggregate.metrics``. ``result`` must come from ``run_counters`` over
+    ``OperatorAggregate.metrics``. ``result`` must come from ``run_counters_many`` over
     ``timeline_kernels(timeline)``."""
     out = timeline.model_copy(deep=True)
     kernels = timeline_kernels(out)
@@ -785,18 +785,6 @@ def classify_failure(returncode: int, output: str, tail: int = 8) -> str | None:
 
 
 # ------------------------------------------------------------------------------ parent side
-
-
-def run_counters(
-    spec: Mapping[str, Any],
-    timeline_kernels: Sequence[KernelRecord],
-    *,
-    label: str,
-    work_dir: Path,
-    **kwargs: Any,
-) -> CountersResult:
-    """``run_counters_many`` for one timeline."""
-    return run_counters_many(spec, {label: timeline_kernels}, work_dir=work_dir, **kwargs)[label]
 
 
 def run_counters_many(

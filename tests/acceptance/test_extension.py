@@ -29,10 +29,7 @@ from pytest_opprof.schema import (
     VALIDATION_STEPS,
     BackendPlan,
     BackendSelection,
-    Evidence,
-    Impact,
     Optimizations,
-    Proposal,
     StepResult,
     ValidationReport,
     read_artifact,
@@ -416,42 +413,28 @@ def test_pass_registry_refuses(args: tuple[Any, ...], kwargs: dict[str, Any], me
         PassRegistry().add(*args, **kwargs)
 
 
-def _proposal(pid: str, kind: str, level: str = "functional", **kw: Any) -> Proposal:
-    return Proposal(
-        id=pid,
-        type=kind,
-        ir_level=level,  # type: ignore[arg-type]
-        targets=["x"],
-        evidence=[Evidence(metric="m", value=1, source="graph.json")],
-        fx_steps=["s"],
-        impact=Impact(estimated_saving_us=1.0, estimated_speedup=1.1, basis="b"),
-        confidence=kw.pop("confidence", "high"),
-        **kw,
-    )
-
-
 def _run(tmp_path: Path, register: Any, overrides: dict[str, Any] | None = None) -> WorkloadRun:
     hooks = SimpleNamespace(pytest_opprof_register_passes=register)
     spec = WorkloadSpec(tmp_path / "w.py", overrides=overrides or {})
     return WorkloadRun(spec=spec, options=OpprofOptions(out=tmp_path), name="w", hook=hooks)
 
 
-def test_hook_proposals_are_merged_checked_and_routed(tmp_path: Path) -> None:
+def test_hook_proposals_are_merged_checked_and_routed(tmp_path: Path, make_proposal: Any) -> None:
     def register(registry: PassRegistry) -> None:
         registry.add("my_fold", _fn, level="aten")
 
     run = _run(tmp_path, register, {"skip": ["cuda_graphs"]})
     rules = Optimizations(
-        workload="w", device_type="cpu", proposals=[_proposal("bn_fold-1", "bn_fold", "aten")]
+        workload="w", device_type="cpu", proposals=[make_proposal("bn_fold-1", "bn_fold", "aten")]
     )
     merged = merge_hook_proposals(
         run,
         rules,
         [
-            _proposal("bn_fold-1", "my_fold", "functional"),  # id taken, level from the pass
-            _proposal("mystery-1", "mystery"),  # not a pass
-            _proposal("cg-1", "cuda_graphs", "inductor_config"),  # skipped by OPPROF
-            _proposal("bn_fold-2", "bn_fold", "aten").model_dump(),  # a dict validates
+            make_proposal("bn_fold-1", "my_fold", "functional"),  # id taken, level from the pass
+            make_proposal("mystery-1", "mystery"),  # not a pass
+            make_proposal("cg-1", "cuda_graphs", "inductor_config"),  # skipped by OPPROF
+            make_proposal("bn_fold-2", "bn_fold", "aten").model_dump(),  # a dict validates
         ],
     )
     by_id = {p.id: p for p in merged.proposals}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import types
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -97,33 +98,19 @@ def test_a_rung_that_applied_nowhere_is_recognised() -> None:
     assert _applied_nowhere([graphs], []) is None
 
 
-def test_each_graph_rewrite_is_its_own_rung() -> None:
+def test_each_graph_rewrite_is_its_own_rung(make_proposal: Any) -> None:
     """gpt2's SDPA and GELU rewrites are timed apart, so the report gives each its own gain."""
     from pytest_opprof.backend.plan import ladder
-    from pytest_opprof.schema import Evidence, Impact, Proposal
-
-    def proposal(pid: str, kind: str, level: str) -> Proposal:
-        return Proposal(
-            id=pid,
-            type=kind,
-            ir_level=level,  # type: ignore[arg-type]
-            targets=["x"],
-            evidence=[Evidence(metric="m", value=1.0, source="timeline")],
-            fx_steps=["s"],
-            impact=Impact(estimated_saving_us=1.0, estimated_speedup=1.1, basis="b"),
-            confidence="high",
-            rationale="r",
-        )
 
     rungs = ladder(
         [
-            proposal("cuda_graphs-1", "cuda_graphs", "inductor_config"),
-            proposal("activation_substitution-1", "activation_substitution", "aten"),
-            proposal("my_fold-1", "my_fold", "functional"),
-            proposal("dtype_promotion-1", "dtype_promotion", "non_graph"),
-            proposal("sdpa_replacement-1", "sdpa_replacement", "functional"),
-            proposal("sdpa_replacement-2", "sdpa_replacement", "functional"),
-            proposal("stub_detection-1", "stub_detection", "functional"),
+            make_proposal("cuda_graphs-1", "cuda_graphs", "inductor_config"),
+            make_proposal("activation_substitution-1", "activation_substitution", "aten"),
+            make_proposal("my_fold-1", "my_fold", "functional"),
+            make_proposal("dtype_promotion-1", "dtype_promotion", "non_graph"),
+            make_proposal("sdpa_replacement-1", "sdpa_replacement", "functional"),
+            make_proposal("sdpa_replacement-2", "sdpa_replacement", "functional"),
+            make_proposal("stub_detection-1", "stub_detection", "functional"),
         ]
     )
     assert [(r.name, [p.id for p in r.proposals]) for r in rungs] == [

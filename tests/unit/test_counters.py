@@ -84,7 +84,7 @@ def test_run_counters_without_ncu_is_a_note(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(c, "find_ncu", lambda: None)
-    result = c.run_counters({}, _timeline(), label="eager", work_dir=tmp_path)
+    result = c.run_counters_many({}, {"eager": _timeline()}, work_dir=tmp_path)["eager"]
     assert result.metrics == []
     assert result.note is not None and "ncu" in result.note and "\n" not in result.note
 
@@ -368,14 +368,13 @@ def test_run_counters_with_a_fake_ncu(tmp_path: Path, monkeypatch: pytest.Monkey
         encoding="utf-8",
     )
     fake.chmod(0o755)
-    result = c.run_counters(
+    result = c.run_counters_many(
         {"task": "capture", "workload": "w.py"},
-        _timeline(),
-        label="compiled",
+        {"compiled": _timeline()},
         work_dir=tmp_path / "work",
         sudo_mode="false",
         ncu=str(fake),
-    )
+    )["compiled"]
     assert result.note is None, result.note
     assert len(result.metrics) == 5
     spec = (tmp_path / "work" / "counters_target.json").read_text()
@@ -399,9 +398,9 @@ def test_unknown_metric_is_dropped_and_retried(
         encoding="utf-8",
     )
     fake.chmod(0o755)
-    result = c.run_counters(
-        {}, _timeline(), label="eager", work_dir=tmp_path / "w", sudo_mode="false", ncu=str(fake)
-    )
+    result = c.run_counters_many(
+        {}, {"eager": _timeline()}, work_dir=tmp_path / "w", sudo_mode="false", ncu=str(fake)
+    )["eager"]
     assert result.note is None, result.note
     assert (
         "sm__ops_path_tensor_src_all" not in result.command[result.command.index("--metrics") + 1]
@@ -416,9 +415,9 @@ def test_run_counters_timeout_is_a_note(tmp_path: Path, monkeypatch: pytest.Monk
 
     monkeypatch.setattr(c, "query_available", lambda ncu, sudo=False: None)
     monkeypatch.setattr(c.subprocess, "run", slow)
-    result = c.run_counters(
-        {}, _timeline(), label="eager", work_dir=tmp_path, sudo_mode="false", ncu="ncu", timeout=1
-    )
+    result = c.run_counters_many(
+        {}, {"eager": _timeline()}, work_dir=tmp_path, sudo_mode="false", ncu="ncu", timeout=1
+    )["eager"]
     assert result.note is not None and "over 1 s" in result.note
 
 
@@ -546,7 +545,8 @@ def test_unknown_metric_match_is_exact() -> None:
 
 
 def test_other_labels_have_no_target(tmp_path: Path) -> None:
-    result = c.run_counters({}, _timeline(), label="optimized", work_dir=tmp_path, ncu="ncu")
+    result = c.run_counters_many({}, {"optimized": _timeline()}, work_dir=tmp_path, ncu="ncu")
+    result = result["optimized"]
     assert result.note is not None and "optimized" in result.note
 
 
