@@ -92,12 +92,11 @@ def _in_effect(where: Path, sel: BackendSelection, val: ValidationReport) -> lis
     return kept
 
 
-def _gpu_time(where: Path) -> dict[str, dict[str, float | None]]:
+def _gpu_time(*profiles: Profile) -> dict[str, dict[str, float | None]]:
     """Per timeline: the timing pass's median per call beside the timeline's kernel time
     (sum) and busy time (union of kernel intervals) per iteration, all in ms."""
     out: dict[str, dict[str, float | None]] = {}
-    for name in ("profile.json", "profile_optimized.json"):
-        profile = read_artifact(where / name, Profile)
+    for profile in profiles:
         for t in profile.timelines:
             stats = profile.timing.variants.get(LABELS.get(t.label, t.label))
             if stats is None:
@@ -189,6 +188,7 @@ def summarize(folders: list[Path], junit_files: list[Path] | None = None) -> dic
         if where is None:
             rows[name] = {"status": "missing"}
             continue
+        base = read_artifact(where / "profile.json", Profile)
         opt = read_artifact(where / "profile_optimized.json", Profile)
         sel = read_artifact(where / "profiler_output" / "backend_selection.json", BackendSelection)
         val = read_artifact(where / "profiler_output" / "validation_report.json", ValidationReport)
@@ -216,9 +216,9 @@ def summarize(folders: list[Path], junit_files: list[Path] | None = None) -> dic
             or vs_compile.ratio >= target_ratio,
             "compile_seconds": opt.timing.compile_seconds,
             "stage_seconds": stages.get(name),
-            "counters": _counters(read_artifact(where / "profile.json", Profile)),
+            "counters": _counters(base),
             "source": str(where),
-            "gpu_time": _gpu_time(where),
+            "gpu_time": _gpu_time(base, opt),
         }
         rows[name] = row
     ratios = [r["speedup_vs_compile"] for r in rows.values() if "speedup_vs_compile" in r]
