@@ -64,33 +64,37 @@ def serve(socket_path: str) -> int:
     print("ready", flush=True)  # the client waits for this line
     while True:
         conn, _ = listener.accept()
-        with conn, conn.makefile("rw", encoding="utf-8") as stream:
-            try:
-                request = json.loads(stream.readline())
-            except (OSError, ValueError):  # a client that went away: wait for the next one
-                continue
-            if torch.cuda.is_initialized():  # never fork a CUDA context
-                stream.write(json.dumps({"error": "CUDA is initialised in the server"}) + "\n")
-                stream.flush()
-                continue
-            sys.stdout.flush()
-            sys.stderr.flush()
-            pid = os.fork()
-            if pid == 0:
-                listener.close()
-                conn.close()
-                _child(request)  # never returns
-            try:
-                stream.write(json.dumps({"pid": pid}) + "\n")
-                stream.flush()
-            except OSError:  # the client went away: its child must not run on unwatched
-                with contextlib.suppress(OSError):
-                    os.kill(pid, signal.SIGKILL)
-            _, status = os.waitpid(pid, 0)
-            code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-            with contextlib.suppress(OSError):  # the client gave up on it (a timeout)
-                stream.write(json.dumps({"exit": code}) + "\n")
-                stream.flush()
+        # A client that went away (a timeout, an interrupt) is its own business: the server
+        # goes on to the next request whatever happened on this connection.
+        with contextlib.suppress(OSError, ValueError):
+            _serve_one(conn, listener, torch.cuda.is_initialized)
+
+
+def _serve_one(conn: socket.socket, listener: socket.socket, cuda_initialized: Any) -> None:
+    """One request: fork its child, answer its pid, wait for it, answer its exit status."""
+    with conn, conn.makefile("rw", encoding="utf-8") as stream:
+        request = json.loads(stream.readline())
+        if cuda_initialized():  # never fork a CUDA context
+            stream.write(json.dumps({"error": "CUDA is initialised in the server"}) + "\n")
+            stream.flush()
+            return
+        sys.stdout.flush()
+        sys.stderr.flush()
+        pid = os.fork()
+        if pid == 0:
+            listener.close()
+            conn.close()
+            _child(request)  # never returns
+        try:
+            stream.write(json.dumps({"pid": pid}) + "\n")
+            stream.flush()
+        except OSError:  # the client went away: its child must not run on unwatched
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+        _, status = os.waitpid(pid, 0)
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        stream.write(json.dumps({"exit": code}) + "\n")
+        stream.flush()
 
 
 def _child(request: dict[str, Any]) -> None:
@@ -210,10 +214,9 @@ class ForkServer:
 
 
 def _kill_group(pid: int) -> None:
+    """Kill a forked child's process group; the server, its parent, reaps it."""
     with contextlib.suppress(OSError):
         os.killpg(pid, signal.SIGKILL)
-    # the server reaps it; give the kill a moment to land before the caller moves on
-    time.sleep(0.05)
 
 
 _SERVER: ForkServer | None = None
