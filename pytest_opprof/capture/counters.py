@@ -579,7 +579,8 @@ def join_unique(
                 warnings.append(
                     f"counters: ncu replayed {len(mine)} of {len(members)} launches of "
                     f"{kernel_key(first.name)!r} as distinct configurations; launches after "
-                    "the first carry the first one's counters"
+                    "the first carry the first one's counters (--opprof-ncu-replay=all "
+                    "replays every launch)"
                 )
             pairs = [(i, mine[0], n == 0) for n, i in enumerate(members)]
         else:
@@ -588,7 +589,8 @@ def join_unique(
                 warnings.append(
                     f"counters: kernel {kernel_key(first.name)!r} (grid {first.grid}, block "
                     f"{first.block}) ran {len(members)}x in the timeline iteration but ncu "
-                    "replayed no launch of that configuration; its counters are left out"
+                    "replayed no launch of that configuration; its counters are left out "
+                    "(--opprof-ncu-replay=all replays every launch)"
                 )
                 continue
             pairs = [(i, seen[0], False) for i in members]  # replayed in another label's range

@@ -1017,3 +1017,33 @@ def test_unique_replay_never_guesses_which_launch_a_later_row_was() -> None:
     assert [k.source for k in result.metrics] == ["measured", *["same_launch_config"] * 2]
     assert len({k.ncu_id for k in result.metrics}) == 1
     assert any("as distinct configurations" in w for w in result.warnings)
+
+
+def test_auto_replays_each_configuration_once_above_the_threshold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """--opprof-ncu-replay=auto: every launch up to UNIQUE_ABOVE kernels, one launch per
+    configuration beyond (what made gpt2's and the LSTM's capture fit the time)."""
+    from pytest_opprof.options import OpprofOptions
+
+    seen: list[str] = []
+    real = c.run_counters_many
+
+    def recording(spec: Any, kernels_by_label: Any, **kwargs: Any) -> Any:
+        seen.append(kwargs["replay"])
+        return real(spec, kernels_by_label, **kwargs)
+
+    monkeypatch.setattr(c, "run_counters_many", recording)
+    monkeypatch.setattr(c, "find_ncu", lambda: str(_fake_ncu(tmp_path)))
+    small = _full_timeline()
+    op = small.operators[0]
+    one = _timeline()[0]
+    many = [one.model_copy(update={"start_us": float(i)}) for i in range(c.UNIQUE_ABOVE + 1)]
+    big = small.model_copy(update={"operators": [op.model_copy(update={"kernels": many})]})
+    spec = {"out_dir": str(tmp_path / "out"), "workload": "w.py"}
+    for timeline, mode in ((small, "auto"), (big, "auto"), (small, "unique"), (big, "all")):
+        opts = OpprofOptions(ncu="auto", ncu_sudo="false", ncu_replay=mode)
+        _, summary, _ = c.counters_for_capture(spec, [timeline], {}, opts, "float32")
+        assert summary is not None and summary["replay"] == seen[-1]
+    assert seen == ["all", "unique", "unique", "all"]
+    assert (tmp_path / "out" / "profiler_output" / "ncu" / "counters_target.json").exists()
