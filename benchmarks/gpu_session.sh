@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmark entry point, one call on a GPU machine: run `pytest --opprof` on the given
 # examples, write the results table ($OUT/summary.json and summary.md, by summarize.py) and pack
-# every artifact into $OUT/results.tar.xz, so traces and reports come back in one file.
+# every artifact into $OUT/results*.tar.xz, so traces and reports come back.
 #   bash benchmarks/gpu_session.sh conv_block mlp_activations [-- extra pytest args]
 # Needs the pure-Python wheels in .whl/ (../shared/gpu/wheels.sh .whl) where the machine has no
 # package index.
@@ -44,10 +44,13 @@ echo "wall time of this run's calls so far: $(awk '{s+=$1} END {print s}' "$work
 python3 benchmarks/summarize.py "$work" --junit "$work/opprof-junit.xml" \
   --json "$OUT/summary.json" --md "$OUT/summary.md" > /dev/null 2>&1 \
   || echo "summarize failed: see the artifacts" | tee -a "$OUT/pytest.log"
-# This call's workloads and the session files only (a file that comes back is at most 16 MiB).
+# This call's workloads, one archive each, and the session files (a file that comes back is at
+# most 16 MiB, so seven workloads' traces do not go in one).
 base=$(basename "$work")
-packed=(); for n in "${names[@]}"; do [ -e "$work/$n" ] && packed+=("$base/$n"); done
-for f in "$work"/*; do [ -f "$f" ] && packed+=("$base/$(basename "$f")"); done
-tar -C "$(dirname "$work")" -cJf "$OUT/results.tar.xz" "${packed[@]}"
+for n in "${names[@]}"; do
+  [ -e "$work/$n" ] && tar -C "$(dirname "$work")" -cJf "$OUT/results-$n.tar.xz" "$base/$n"
+done
+session=(); for f in "$work"/*; do [ -f "$f" ] && session+=("$base/$(basename "$f")"); done
+tar -C "$(dirname "$work")" -cJf "$OUT/results.tar.xz" "${session[@]}"
 ls -la "$OUT"
 exit 0
