@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -180,6 +181,102 @@ def _counters(profile: Profile) -> dict[str, Any]:
     return out
 
 
+def shortfall(row: dict[str, Any], opt: Profile) -> dict[str, Any] | None:
+    """For a workload that meets neither target: by how much it misses each, and what its
+    optimized timeline says sets the latency (kernel time against the call's latency, and the
+    operator that holds most of it)."""
+    if row["meets_target"]:
+        return None
+    timeline = next((t for t in opt.timelines if t.label == "optimized"), None)
+    out: dict[str, Any] = {
+        "latency_over_target": row["optimized_ms"] / row["target_ms"] - 1,
+        "ratio_under_target": 1 - row["speedup_vs_compile"] / row["target_ratio"],
+    }
+    if timeline is None or not timeline.aggregated:
+        return out
+    kernel_ms = timeline.summary.device_time_per_iter_us / 1000.0
+    busy = timeline.summary.busy_time_per_iter_us
+    top = max(timeline.aggregated, key=lambda a: a.share)
+    out.update(
+        kernel_ms=kernel_ms,
+        busy_ms=busy / 1000.0 if busy is not None else None,
+        top_operator=top.name,
+        top_ms=top.share * kernel_ms,
+        top_share=top.share,
+        top_kernels=sorted(k for k in top.kernel_names if not k.startswith("Mem"))[:2],
+        # operators[] hold one iteration's calls
+        copy_ms=sum(
+            k.duration_us
+            for op in timeline.operators
+            for k in op.kernels
+            if k.name.startswith(("Memcpy", "Memset"))
+        )
+        / 1000.0,
+    )
+    return out
+
+
+def _shortfall_line(name: str, r: dict[str, Any]) -> str:
+    s = r["shortfall"]
+    line = (
+        f"- {name}: {r['optimized_ms']:.3f} ms is {s['latency_over_target']:.0%} above "
+        f"{r['target_ms']} ms, and {r['speedup_vs_compile']:.2f}× is "
+        f"{s['ratio_under_target']:.0%} below {r['target_ratio']}×."
+    )
+    if "kernel_ms" not in s:
+        return line
+    busy = s["busy_ms"] if s["busy_ms"] is not None else s["kernel_ms"]
+    share = busy / r["optimized_ms"]
+    if share >= 0.9:
+        line += (
+            f" The GPU is busy {share:.0%} of the call ({busy:.3f} ms of kernels): kernel time, "
+            "not launch overhead, sets the latency."
+        )
+    else:
+        line += (
+            f" The GPU is busy {share:.0%} of the call ({busy:.3f} ms of kernels): the rest is "
+            "host and launch overhead."
+        )
+    kernels = ", ".join(k[:60] for k in s["top_kernels"])
+    line += (
+        f" Its largest operator, {s['top_operator']}, takes {s['top_ms']:.3f} ms "
+        f"({s['top_share']:.0%} of kernel time; {kernels})"
+    )
+    if s["top_ms"] >= r["target_ms"]:
+        line += f", more than the {r['target_ms']} ms target by itself."
+    else:
+        line += (
+            f", which leaves {r['target_ms'] - s['top_ms']:.3f} ms of the target for the other "
+            f"kernels' {s['kernel_ms'] - s['top_ms']:.3f} ms."
+        )
+    if s.get("copy_ms", 0.0) >= 0.05 * s["kernel_ms"]:
+        line += (
+            f" Copies and fills (Memcpy/Memset) take {s['copy_ms']:.3f} ms of it "
+            f"({s['copy_ms'] / s['kernel_ms']:.0%})."
+        )
+    return line
+
+
+def child_seconds(where: Path) -> dict[str, float]:
+    """Each stage child's own duration from its log's last "[opprof] +  N s  task … done" line
+    (the stage JUnit adds the parent's share; a call cut short loses its JUnit, not its logs),
+    and the counters pass inside the capture."""
+    out: dict[str, float] = {}
+    for stage in ("capture", "select", "validate", "recapture"):
+        log = where / "profiler_output" / f"{stage}.log"
+        if not log.exists():
+            continue
+        marks = re.findall(
+            r"^\[opprof\] \+\s*([\d.]+) s  (.*)$", log.read_text(errors="replace"), re.M
+        )
+        for i, (at, what) in enumerate(marks):
+            if what.startswith("task ") and what.endswith(" done"):
+                out[stage] = float(at)
+            elif what == "counters pass" and i:
+                out["counters"] = float(at) - float(marks[i - 1][0])
+    return out
+
+
 def summarize(folders: list[Path], junit_files: list[Path] | None = None) -> dict[str, Any]:
     stages = stage_seconds(junit_files or [])
     rows: dict[str, Any] = {}
@@ -219,7 +316,9 @@ def summarize(folders: list[Path], junit_files: list[Path] | None = None) -> dic
             "counters": _counters(base),
             "source": str(where),
             "gpu_time": _gpu_time(base, opt),
+            "child_seconds": child_seconds(where),
         }
+        row["shortfall"] = shortfall(row, opt)
         rows[name] = row
     ratios = [r["speedup_vs_compile"] for r in rows.values() if "speedup_vs_compile" in r]
     return {
@@ -253,6 +352,14 @@ def markdown(result: dict[str, Any]) -> str:
     gm = result["geomean_speedup_vs_compile"]
     lines.append("")
     lines.append(f"Geometric mean over torch.compile: {gm:.2f}×" if gm else "")
+    missed = {n: r for n, r in result["workloads"].items() if r.get("shortfall")}
+    if missed:
+        lines += [
+            "",
+            "Where neither target is met, by how much and what the optimized timeline says:",
+            "",
+        ]
+        lines += [_shortfall_line(n, r) for n, r in missed.items()]
     agree = {n: r["gpu_time"] for n, r in result["workloads"].items() if r.get("gpu_time")}
     if agree:
         lines += [
@@ -304,6 +411,23 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {name} | {secs if secs is not None else '—'} | {ct.get('replay') or '—'} | "
                 f"{cells[0]} | {cells[1]} | {g.get('operator', '—')} | {dram} |"
             )
+    children = {
+        n: r["child_seconds"] for n, r in result["workloads"].items() if r.get("child_seconds")
+    }
+    if children:
+        names = ["capture", "counters", "select", "validate", "recapture"]
+        lines += [
+            "",
+            "Stage children's own time (s, from their logs; counters is the Nsight Compute pass "
+            "inside capture; the stage JUnit below adds the parent's share):",
+            "",
+            "| workload | " + " | ".join(names) + " | sum |",
+            "|---|" + "---|" * (len(names) + 1),
+        ]
+        for name, st in children.items():
+            cells = [f"{st[n]:.1f}" if n in st else "—" for n in names]
+            total = sum(v for k, v in st.items() if k != "counters")
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {total:.1f} |")
     if timed:
         names = ["capture", "propose", "backend", "validate", "recapture", "speedup"]
         lines += ["", "Pipeline wall time per stage (s, from the stage JUnit):", ""]

@@ -9,9 +9,9 @@ from __future__ import annotations
 import math
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from pytest_opprof.schema import LatencyStats, Speedup
+from pytest_opprof.schema import LatencyStats, Speedup, Timing
 
 BOOTSTRAP_RESAMPLES = 2000
 CONFIDENCE = 0.95
@@ -39,11 +39,54 @@ def bootstrap_median_ci(
     return _percentile(medians, alpha), _percentile(medians, 1 - alpha)
 
 
-def latency_stats(samples_ms: Sequence[float], calls_per_round: int) -> LatencyStats:
-    """Summarise per-call times, one sample per round."""
+def _split(samples: Sequence[float], groups: Sequence[int] | None) -> list[list[float]]:
+    """``samples`` cut into its processes' runs of rounds (``groups``: rounds per process)."""
+    if not groups:
+        return [list(samples)]
+    if sum(groups) != len(samples) or any(g < 1 for g in groups):
+        raise ValueError(f"{len(samples)} samples do not split into processes of {list(groups)}")
+    out, at = [], 0
+    for g in groups:
+        out.append(list(samples[at : at + g]))
+        at += g
+    return out
+
+
+def _resample_indices(rng: random.Random, blocks: list[list[int]]) -> list[int]:
+    """One hierarchical resample: processes drawn with replacement, then rounds within each.
+    With one process it is the plain bootstrap over rounds."""
+    chosen = rng.choices(blocks, k=len(blocks)) if len(blocks) > 1 else blocks
+    return [i for block in chosen for i in rng.choices(block, k=len(block))]
+
+
+def _blocks(groups: Sequence[int] | None, n: int) -> list[list[int]]:
+    sizes = list(groups) if groups else [n]
+    out, at = [], 0
+    for g in sizes:
+        out.append(list(range(at, at + g)))
+        at += g
+    return out
+
+
+def latency_stats(
+    samples_ms: Sequence[float], calls_per_round: int, groups: Sequence[int] | None = None
+) -> LatencyStats:
+    """Summarise per-call times, one sample per round; ``groups`` gives the rounds of each
+    timing process when there were several (the interval then resamples processes too)."""
     if not samples_ms:
         raise ValueError("no timing samples")
-    lo, hi = bootstrap_median_ci(samples_ms)
+    _split(samples_ms, groups)  # checks the split
+    if groups and len(groups) > 1:
+        rng = random.Random(0)
+        blocks = _blocks(groups, len(samples_ms))
+        medians = sorted(
+            statistics.median(samples_ms[i] for i in _resample_indices(rng, blocks))
+            for _ in range(BOOTSTRAP_RESAMPLES)
+        )
+        alpha = (1 - CONFIDENCE) / 2
+        lo, hi = _percentile(medians, alpha), _percentile(medians, 1 - alpha)
+    else:
+        lo, hi = bootstrap_median_ci(samples_ms)
     return LatencyStats(
         median_ms=statistics.median(samples_ms),
         ci_low_ms=lo,
@@ -54,6 +97,8 @@ def latency_stats(samples_ms: Sequence[float], calls_per_round: int) -> LatencyS
         rounds=len(samples_ms),
         calls_per_round=calls_per_round,
         samples_ms=[float(s) for s in samples_ms],
+        processes=len(groups) if groups else 1,
+        samples_per_process=list(groups) if groups and len(groups) > 1 else [],
     )
 
 
@@ -63,6 +108,7 @@ def speedup(
     candidate_name: str,
     candidate: Sequence[float],
     *,
+    groups: Sequence[int] | None = None,
     resamples: int = BOOTSTRAP_RESAMPLES,
     seed: int = 0,
 ) -> Speedup:
@@ -70,11 +116,18 @@ def speedup(
 
     Rounds were interleaved (A B A B …), so round ``i`` of both saw the same machine state; the
     bootstrap resamples round indices, keeping the pairs, which is what makes the interval
-    honest about drift (clock changes hit both sides of a pair).
+    honest about drift (clock changes hit both sides of a pair). With ``groups`` (rounds per
+    timing process, several processes) it resamples processes first and rounds within each:
+    a host-bound baseline's speed moves between processes more than between rounds of one, and
+    an interval from one process's rounds would not cover the next run.
     """
     if len(baseline) != len(candidate) or not baseline:
         raise ValueError("speedup needs the same, non-zero number of rounds on both sides")
     ratio = statistics.median(baseline) / statistics.median(candidate)
+    parts = list(zip(_split(baseline, groups), _split(candidate, groups), strict=True))
+    per_process = (
+        [statistics.median(b) / statistics.median(c) for b, c in parts] if len(parts) > 1 else []
+    )
     n = len(baseline)
     if n < 2:
         return Speedup(
@@ -85,9 +138,10 @@ def speedup(
             ci_high=ratio,
         )
     rng = random.Random(seed)
+    blocks = _blocks(groups, n)
     ratios = []
     for _ in range(resamples):
-        idx = rng.choices(range(n), k=n)
+        idx = _resample_indices(rng, blocks)
         b = statistics.median(baseline[i] for i in idx)
         c = statistics.median(candidate[i] for i in idx)
         ratios.append(b / c)
@@ -99,7 +153,33 @@ def speedup(
         ratio=ratio,
         ci_low=_percentile(ratios, alpha),
         ci_high=_percentile(ratios, 1 - alpha),
+        process_ratios=per_process,
     )
+
+
+def pooled_timing(timing: Timing, replicas: Sequence[Mapping[str, Sequence[float]]]) -> Timing:
+    """``timing`` (one process's) with the samples of more timing processes added: each
+    variant's samples pooled in process order, its statistics and every speedup recomputed
+    across processes. A replica lacking a variant adds nothing to it (or to its pairs)."""
+    if not replicas:
+        return timing
+    variants, groups = {}, {}
+    for name, stats in timing.variants.items():
+        own = _split(stats.samples_ms, stats.samples_per_process or None)
+        runs = [*own, *(list(r[name]) for r in replicas if r.get(name))]
+        groups[name] = [len(run) for run in runs]
+        pooled = [x for run in runs for x in run]
+        variants[name] = latency_stats(pooled, stats.calls_per_round, groups[name])
+    speedups = []
+    for s in timing.speedups:
+        a, b = variants[s.baseline], variants[s.candidate]
+        if groups[s.baseline] != groups[s.candidate]:  # a replica timed one side only
+            speedups.append(s)
+            continue
+        speedups.append(
+            speedup(s.baseline, a.samples_ms, s.candidate, b.samples_ms, groups=groups[s.baseline])
+        )
+    return timing.model_copy(update={"variants": variants, "speedups": speedups})
 
 
 def geometric_mean(values: Sequence[float]) -> float:

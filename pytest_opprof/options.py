@@ -85,6 +85,16 @@ def parse_count(name: str, *, minimum: int = 1, allow_none: bool = False) -> Cal
     return parse
 
 
+def parse_timing_processes(value: str | int | None) -> int | None:
+    """``auto`` (None: 3 on a GPU, 1 on the CPU) or a count of processes, at most 16."""
+    if value is None or str(value).strip().lower() == "auto":
+        return None
+    number = parse_count("--opprof-timing-processes")(str(value))
+    if number is not None and number > 16:
+        raise pytest.UsageError(f"--opprof-timing-processes: {value!r} must be ≤ 16 (or auto)")
+    return number
+
+
 def parse_stage(name: str) -> Callable[[str], str]:
     accepted = (*STAGES, "speedup")
 
@@ -250,6 +260,15 @@ OPTIONS: tuple[OptionSpec, ...] = (
         metavar="N",
     ),
     _opt(
+        "timing-processes",
+        parse_timing_processes,
+        None,
+        "fresh processes the recapture's timing runs in, pooled, the interval resampling "
+        "processes (default: 3 on a GPU, where a host-bound baseline's speed moves between "
+        "processes; 1 on the CPU)",
+        metavar="N",
+    ),
+    _opt(
         "timeout",
         parse_positive_float("--opprof-timeout"),
         900.0,
@@ -304,6 +323,7 @@ class OpprofOptions:
     warmup_iters: int = 10
     measure_iters: int = 30
     rounds: int = 15
+    timing_processes: int | None = None
     timeout: float = 900.0
     strict_gate: bool = False
     gate_on_cpu: bool = False
@@ -358,6 +378,7 @@ WORKLOAD_KEYS: dict[str, Callable[[Any], Any]] = {
     "warmup_iters": lambda v: parse_count("OPPROF['warmup_iters']")(v),
     "measure_iters": lambda v: parse_count("OPPROF['measure_iters']")(v),
     "rounds": lambda v: parse_count("OPPROF['rounds']", minimum=3)(v),
+    "timing_processes": parse_timing_processes,
     "timeout": lambda v: parse_positive_float("OPPROF['timeout']")(v),
     "skip": lambda v: _parse_skip(v),
 }

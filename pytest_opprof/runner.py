@@ -207,6 +207,9 @@ def _metadata(spec: dict[str, Any], w: Any, device: str, info: dict[str, Any]) -
         environment_fingerprint=fingerprint(info),
         workload_sha256=WorkloadSpec(Path(spec["workload"])).sha256(),
         cpu_fallback=device == "cpu",
+        visible_devices=info.get("visible_devices"),
+        device_count=info.get("device_count"),
+        device_uuid=info.get("device_uuid"),
     )
 
 
@@ -865,23 +868,19 @@ def task_validate_llm_passes(spec: dict[str, Any]) -> None:
     write_text_atomic(Path(spec["result"]), json.dumps({"llm_passes": checked}, indent=2))
 
 
-def task_recapture(spec: dict[str, Any]) -> None:
-    """Stage 4: the optimized workload through its backend, timed interleaved with eager and
-    the compiled baseline (and, when the dtype changed, the same plan at the baseline dtype)."""
+def _optimized_calls(spec: dict[str, Any], device: str, w: Any) -> dict[str, Any]:
+    """What the recapture times: eager, the compiled baseline, the optimized workload through
+    its backend (in its CUDA graph where the plan says so) and, when the dtype changed, the
+    same plan at the baseline dtype; with the pairs whose ratios are reported, the twins the
+    timeline profiles first (a CUDA-graph variant uncaptured) and the compile seconds."""
     import torch
 
     from pytest_opprof.backend.build import build
     from pytest_opprof.backend.model_graph import ModelGraph, uncaptured
-    from pytest_opprof.capture.system import environment, resolve_device
-    from pytest_opprof.capture.timing import time_interleaved
-    from pytest_opprof.schema import BackendSelection, Profile, read_artifact, write_artifact
+    from pytest_opprof.schema import BackendSelection, read_artifact
 
-    _setup_torch()
     opts = _options(spec)
-    device = resolve_device(opts.device)
     out_dir = Path(spec["out_dir"])
-    w = _load_baseline(spec, device)
-    info = environment(device)
     module = _import_generated(Path(spec["generated"]))
     model, _ = module.get_model_and_input()
     compile_s: dict[str, float] = {}
@@ -921,24 +920,58 @@ def task_recapture(spec: dict[str, Any]) -> None:
                 ("eager", "optimized_baseline_dtype"),
                 ("compile", "optimized_baseline_dtype"),
             ]
-    calls_per_round = _setting(spec, "measure_iters")
-    samples = time_interleaved(
+    return {
+        "calls": calls,
+        "pairs": pairs,
+        "twins": twins,
+        "compile_s": compile_s,
+        "backend": module.BACKEND,
+    }
+
+
+def _time_calls(spec: dict[str, Any], calls: dict[str, Any], inputs: Any, device: str) -> Any:
+    from pytest_opprof.capture.timing import time_interleaved
+
+    return time_interleaved(
         calls,
-        w.inputs,
+        inputs,
         device=device,
         warmup=_setting(spec, "warmup_iters"),
-        calls_per_round=calls_per_round,
+        calls_per_round=_setting(spec, "measure_iters"),
         rounds=_setting(spec, "rounds"),
     )
+
+
+def task_recapture(spec: dict[str, Any]) -> None:
+    """Stage 4: the optimized workload through its backend, timed interleaved with eager and
+    the compiled baseline (and, when the dtype changed, the same plan at the baseline dtype)."""
+    from pytest_opprof.capture.system import environment, resolve_device
+    from pytest_opprof.schema import Profile, write_artifact
+
+    _setup_torch()
+    device = resolve_device(_options(spec).device)
+    out_dir = Path(spec["out_dir"])
+    w = _load_baseline(spec, device)
+    info = environment(device)
+    built = _optimized_calls(spec, device, w)
+    samples = _time_calls(spec, built["calls"], w.inputs, device)
+    optimized = built["calls"]["optimized"]
     timelines, flags = _timelines(
         spec,
-        {"optimized": (optimized, f"torch.compile(backend={module.BACKEND!r})")},
+        {"optimized": (optimized, f"torch.compile(backend={built['backend']!r})")},
         w.inputs,
         device,
         out_dir,
-        twins,
+        built["twins"],
     )
-    timing = _timing(samples, device, calls_per_round, pairs, timelines, compile_s)
+    timing = _timing(
+        samples,
+        device,
+        _setting(spec, "measure_iters"),
+        built["pairs"],
+        timelines,
+        built["compile_s"],
+    )
     profile = Profile(
         capture_metadata=_metadata(spec, w, device, info),
         timing=timing,
@@ -948,6 +981,23 @@ def task_recapture(spec: dict[str, Any]) -> None:
     write_artifact(out_dir / "profile_optimized.json", profile)
 
 
+def task_retime(spec: dict[str, Any]) -> None:
+    """Stage 4, once more in a fresh process: the recapture's calls built and timed again the
+    same way (no timeline), the samples written to ``spec["result"]`` for the parent to pool.
+    A host-bound baseline runs at a different speed in each process; only more processes show
+    how much."""
+    from pytest_opprof.capture.system import resolve_device
+    from pytest_opprof.schema import write_text_atomic
+
+    _setup_torch()
+    device = resolve_device(_options(spec).device)
+    w = _load_baseline(spec, device)
+    built = _optimized_calls(spec, device, w)
+    samples = _time_calls(spec, built["calls"], w.inputs, device)
+    phase("timed again")
+    write_text_atomic(Path(spec["result"]), json.dumps({"samples": samples}))
+
+
 TASKS = {
     "capture": task_capture,
     "counters_target": task_counters_target,
@@ -955,6 +1005,7 @@ TASKS = {
     "validate": task_validate,
     "validate_llm_passes": task_validate_llm_passes,
     "recapture": task_recapture,
+    "retime": task_retime,
 }
 
 

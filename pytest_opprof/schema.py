@@ -75,16 +75,25 @@ class LatencyStats(Model):
     rounds: int
     calls_per_round: int
     samples_ms: list[float] = Field(description="per-call time of each round")
+    processes: int = Field(default=1, description="timing processes the rounds came from")
+    samples_per_process: list[int] = Field(
+        default_factory=list,
+        description="rounds of each process, in the order of samples_ms (several processes)",
+    )
 
 
 class Speedup(Model):
-    """``baseline / candidate`` latency, measured interleaved in one process."""
+    """``baseline / candidate`` latency, measured interleaved (in one process, or in each of
+    several, pooled)."""
 
     baseline: str
     candidate: str
     ratio: float
     ci_low: float
     ci_high: float
+    process_ratios: list[float] = Field(
+        default_factory=list, description="each timing process's own ratio (several processes)"
+    )
 
 
 class Timing(Model):
@@ -196,14 +205,23 @@ class CaptureMetadata(Model):
     environment_fingerprint: str
     workload_sha256: str
     cpu_fallback: bool = False
+    visible_devices: str | None = Field(
+        default=None, description="CUDA_VISIBLE_DEVICES as the measuring process saw it"
+    )
+    device_count: int | None = Field(
+        default=None, description="GPUs the measuring process could see (torch.cuda)"
+    )
+    device_uuid: str | None = Field(default=None, description="the measured GPU's UUID")
 
 
 class Profile(Artifact):
     """``profile.json`` and ``profile_optimized.json``; ``timelines[0]`` is the primary one
     (eager for the baseline, the optimized backend for the recapture)."""
 
-    # 2.1: summary.busy_time_per_iter_us; 2.2: kernels' shared_memory and counters_source
-    SCHEMA_VERSION: ClassVar[str] = "2.2"
+    # 2.1: summary.busy_time_per_iter_us; 2.2: kernels' shared_memory and counters_source;
+    # 2.3: capture_metadata's visible_devices, device_count, device_uuid; timing from several
+    # processes (variants' processes / samples_per_process, speedups' process_ratios)
+    SCHEMA_VERSION: ClassVar[str] = "2.3"
     capture_metadata: CaptureMetadata
     timing: Timing
     timelines: list[Timeline]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 from typing import Any
 
@@ -40,6 +41,9 @@ def environment(device: str) -> dict[str, Any]:
         "sm_count": None,
         "compute_capability": None,
         "driver": None,
+        "visible_devices": None,
+        "device_count": None,
+        "device_uuid": None,
     }
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
@@ -47,6 +51,12 @@ def environment(device: str) -> dict[str, Any]:
         info["sm_count"] = props.multi_processor_count
         info["compute_capability"] = f"{props.major}.{props.minor}"
         info["driver"] = _driver_version()
+        # Which GPU this process measured, and how many it saw: the evidence that an xdist
+        # worker owned exactly one.
+        info["visible_devices"] = os.environ.get("CUDA_VISIBLE_DEVICES")
+        info["device_count"] = torch.cuda.device_count()
+        uuid = getattr(props, "uuid", None)
+        info["device_uuid"] = f"GPU-{uuid}" if uuid is not None else None
     else:
         info["device_name"] = f"CPU ({platform.machine()}, {torch.get_num_threads()} threads)"
     return info

@@ -25,11 +25,13 @@ from pytest_opprof.schema import (
     VALIDATION_STEPS,
     BackendPlan,
     BackendSelection,
+    CaptureMetadata,
     OperatorAggregate,
     Profile,
     Proposal,
     Speedup,
     Timeline,
+    Timing,
     WaterfallStep,
     WorkloadSummary,
     write_text_atomic,
@@ -356,6 +358,32 @@ def _gate_line(a: WorkloadArtifacts) -> str:
     return line
 
 
+def _timing_note(timing: Timing) -> str:
+    """How the headline figures were timed: one process, or several pooled (with how far the
+    processes' own ratios spread)."""
+    head = "Median latency per call from `profile_optimized.json` (`timing`)"
+    processes = max((v.processes for v in timing.variants.values()), default=1)
+    if processes <= 1:
+        return (
+            f"{head}, baseline and candidate timed interleaved in one process; the CI is a "
+            "paired bootstrap."
+        )
+    spread = [
+        f"{BASELINE_LABELS.get(r.baseline, r.baseline)} → {r.candidate}: "
+        + ", ".join(f"{x:.2f}×" for x in r.process_ratios)
+        for r in timing.speedups
+        if r.process_ratios and r.candidate == "optimized"
+    ]
+    note = (
+        f"{head}, baseline and candidate timed interleaved in each of {processes} fresh "
+        "processes, pooled; the CI is a paired bootstrap that resamples processes, then rounds "
+        "within each."
+    )
+    if spread:
+        note += " Each process's own ratio: " + "; ".join(spread) + "."
+    return note
+
+
 def section_headline(a: WorkloadArtifacts) -> list[str]:
     lines = ["## Headline", ""]
     s = a.summary
@@ -416,10 +444,7 @@ def section_headline(a: WorkloadArtifacts) -> list[str]:
         lines += table(
             ["against", "candidate", "baseline", "candidate latency", "speedup (95% CI)"], rows
         )
-        lines.append(
-            "Median latency per call from `profile_optimized.json` (`timing`), baseline and "
-            "candidate timed interleaved in one process; the CI is a paired bootstrap."
-        )
+        lines.append(_timing_note(opt.timing))
         lines.append("")
     else:
         lines += ["_No interleaved speedup was recorded in `profile_optimized.json`._", ""]
@@ -460,6 +485,20 @@ def _sp(r: Speedup | None, missing: str = DASH) -> str:
     return missing if r is None else fmt_speedup(r.ratio, r.ci_low, r.ci_high)
 
 
+def _iterations(m: CaptureMetadata, timing: Timing) -> str:
+    text = f"{m.warmup_iters} warmup, {m.rounds} rounds × {m.measure_iters} calls"
+    processes = max((v.processes for v in timing.variants.values()), default=1)
+    return text + (f", in each of {processes} processes" if processes > 1 else "")
+
+
+def _gpu_identity(m: CaptureMetadata) -> str:
+    """Which GPU the measuring process used and how many it saw (one per xdist worker)."""
+    if m.device_count is None:
+        return DASH
+    visible = m.visible_devices if m.visible_devices is not None else "unset"
+    return f"{m.device_uuid or DASH}; {m.device_count} visible (CUDA_VISIBLE_DEVICES={visible})"
+
+
 def section_hardware(a: WorkloadArtifacts) -> list[str]:
     lines = ["## Hardware context", ""]
     prof = a.profile or a.optimized
@@ -472,6 +511,7 @@ def section_hardware(a: WorkloadArtifacts) -> list[str]:
     )
     rows: list[list[object]] = [
         ["device", f"{m.device_name} ({m.device_type})"],
+        ["GPU", _gpu_identity(m)],
         ["SMs", m.sm_count if m.sm_count is not None else DASH],
         ["compute capability", m.compute_capability or DASH],
         ["driver", m.driver or DASH],
@@ -482,7 +522,7 @@ def section_hardware(a: WorkloadArtifacts) -> list[str]:
         ["Python", m.python_version],
         ["model dtype", fmt_dtype(m.dtype)],
         ["inputs", inputs or DASH],
-        ["iterations", f"{m.warmup_iters} warmup, {m.rounds} rounds × {m.measure_iters} calls"],
+        ["iterations", _iterations(m, prof.timing)],
         ["compile mode", m.compile_mode],
         ["timing clock", prof.timing.clock],
         ["hardware counters", "collected" if _has_counters(prof) else "not collected"],

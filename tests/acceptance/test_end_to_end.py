@@ -73,7 +73,13 @@ def test_all_stages_on_a_tiny_workload(pytester: pytest.Pytester) -> None:
         }
     )
     result = pytester.runpytest_subprocess(
-        "--opprof", "work", *FAST, "-v", "--opprof-junit=stages.xml", "--junitxml=junit.xml"
+        "--opprof",
+        "work",
+        *FAST,
+        "-v",
+        "--opprof-junit=stages.xml",
+        "--junitxml=junit.xml",
+        "--opprof-timing-processes=2",
     )
     result.stdout.fnmatch_lines(
         [
@@ -104,6 +110,12 @@ def test_all_stages_on_a_tiny_workload(pytester: pytest.Pytester) -> None:
         "report.md",
     ):
         assert (out / "tiny" / rel).exists(), rel
+    # The recapture's timing ran in two processes (the recapture's and one more), pooled.
+    timing = json.loads((out / "tiny/profile_optimized.json").read_text())["timing"]
+    assert timing["variants"]["optimized"]["processes"] == 2
+    assert timing["variants"]["optimized"]["samples_per_process"] == [3, 3]
+    assert all(len(s["process_ratios"]) == 2 for s in timing["speedups"])
+    assert (out / "tiny/profiler_output/retime.log").exists()
     report = json.loads((out / "tiny/profiler_output/validation_report.json").read_text())
     assert report["overall"] == "READY_FOR_PROFILING"
     assert [s["status"] for s in report["steps"].values()] == ["pass"] * 6

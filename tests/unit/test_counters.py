@@ -683,6 +683,9 @@ def test_one_replay_serves_timelines_with_the_same_kernels(
 
 
 H200_NCU = sorted((DATA / "h200").glob("*.log"))
+PER_LABEL = DATA / "h200-per-label"
+"""An earlier H200 run's logs, one ncu process per timeline (depthwise_separable_conv): the
+raw rows the one-process tests below rebuild into ranges."""
 
 
 def _label_logs() -> list[tuple[str, str, Path]]:
@@ -851,8 +854,9 @@ def test_real_h200_ncu_row_with_another_geometry_is_left_out() -> None:
     profile = read_artifact(ROOT / "examples" / name / "h200" / "profile.json", Profile)
     kernels = c.timeline_kernels(profile.timelines[0])
     first = kernels[0].model_copy(update={"grid": [9999, 1, 1]})
-    log = (DATA / "h200" / f"{name}.eager.log").read_text(encoding="utf-8")
-    result = c.parse_run(0, log, "", [first, *kernels[1:]])
+    log = (DATA / "h200" / f"{name}.log").read_text(encoding="utf-8")
+    unique = (profile.counters or {}).get("replay") == "unique"
+    result = c.parse_run(0, log, "", [first, *kernels[1:]], label="eager", unique=unique)
     key = c.kernel_key(first.name)
     assert any(f"kernel {key!r} launched with grid [9999, 1, 1]" in w for w in result.warnings)
     paired = {k.index for k in result.metrics}
@@ -867,7 +871,7 @@ def _log_rows(name: str) -> tuple[list[str], list[list[str]]]:
     """A real H200 log's CSV: header + units lines, and the kernel rows as cells."""
     import csv
 
-    lines = [x for x in (DATA / "h200" / name).read_text(encoding="utf-8").splitlines()]
+    lines = [x for x in (PER_LABEL / name).read_text(encoding="utf-8").splitlines()]
     start = next(i for i, x in enumerate(lines) if x.startswith('"ID"'))
     table = list(csv.reader(lines[start:]))
     return lines[start : start + 2], [r for r in table[2:] if r and r[0].isdigit()]
@@ -898,15 +902,16 @@ def _renamed(rows: list[list[str]], head: list[str], label: str) -> list[list[st
 
 
 def _h200_kernels(name: str, label: str) -> list[KernelRecord]:
+    """The timeline of the run that wrote the per-label logs (its profile kept beside them)."""
     from pytest_opprof.schema import Profile, read_artifact
 
-    profile = read_artifact(ROOT / "examples" / name / "h200" / "profile.json", Profile)
+    profile = read_artifact(PER_LABEL / f"{name}.profile.json", Profile)
     return c.timeline_kernels(next(t for t in profile.timelines if t.label == label))
 
 
 def test_one_log_with_two_ranges_joins_each_label_to_its_own_rows() -> None:
-    """The real eager and compiled logs of conv_block as one process writes them: rows of
-    ``opprof_iteration_eager`` then ``opprof_iteration_compiled``, numbered on."""
+    """The real eager and compiled logs of depthwise_separable_conv as one process writes them:
+    rows of ``opprof_iteration_eager`` then ``opprof_iteration_compiled``, numbered on."""
     head, eager_rows = _log_rows("depthwise_separable_conv.eager.log")
     _, compiled_rows = _log_rows("depthwise_separable_conv.compiled.log")
     log = _write_log(
@@ -920,7 +925,7 @@ def test_one_log_with_two_ranges_joins_each_label_to_its_own_rows() -> None:
         kernels = _h200_kernels("depthwise_separable_conv", label)
         alone = c.parse_run(
             0,
-            (DATA / "h200" / f"depthwise_separable_conv.{label}.log").read_text(encoding="utf-8"),
+            (PER_LABEL / f"depthwise_separable_conv.{label}.log").read_text(encoding="utf-8"),
             "",
             kernels,
         )
@@ -967,7 +972,7 @@ def test_unique_replay_fills_repeated_launches_from_the_replayed_one() -> None:
     kernels = _h200_kernels("depthwise_separable_conv", "eager")
     full = c.parse_run(
         0,
-        (DATA / "h200" / "depthwise_separable_conv.eager.log").read_text(encoding="utf-8"),
+        (PER_LABEL / "depthwise_separable_conv.eager.log").read_text(encoding="utf-8"),
         "",
         kernels,
     )

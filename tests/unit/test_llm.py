@@ -44,7 +44,8 @@ from fake_anthropic import (  # noqa: E402
     tool_use,
 )
 
-DATA = HERE.parents[0] / "data" / "h200" / "conv_block"
+DATA = HERE.parents[0] / "data" / "llm" / "conv_block"
+"""conv_block as an earlier H200 run captured it: the figures these tests quote are its."""
 KEY = "sk-ant-test-0123456789-SECRET-do-not-leak"
 needs_sdk = pytest.mark.skipif(
     not __import__("importlib").util.find_spec("anthropic"),

@@ -7,9 +7,10 @@ from pytest_opprof.measure import (
     gate_verdict,
     geometric_mean,
     latency_stats,
+    pooled_timing,
     speedup,
 )
-from pytest_opprof.schema import Speedup
+from pytest_opprof.schema import Speedup, Timing
 
 
 def test_latency_stats() -> None:
@@ -55,3 +56,57 @@ def test_gate(lo: float, hi: float, minimum: float, strict: bool, ok: bool) -> N
 
 def test_geometric_mean() -> None:
     assert geometric_mean([2.0, 8.0]) == pytest.approx(4.0)
+
+
+# ------------------------------------------------------------------ several timing processes
+
+
+def _one_process(base: list[float], cand: list[float]) -> Timing:
+    from pytest_opprof.measure import latency_stats as stats
+
+    return Timing(
+        device="cuda",
+        clock="cuda_event",
+        variants={"compile": stats(base, 20), "optimized": stats(cand, 20)},
+        speedups=[speedup("compile", base, "optimized", cand)],
+    )
+
+
+def test_pooled_timing_resamples_processes_and_widens_to_cover_them() -> None:
+    """What the H200 showed: a host-bound baseline steady within a process (here 1.0 ms, then
+    1.5 ms) while the optimized call does not move; one process's interval excludes the other
+    process's ratio, the pooled interval covers both processes' ratios' middle."""
+    first = _one_process([1.0, 1.01, 0.99, 1.0, 1.02, 0.98], [0.5] * 6)
+    alone = first.speedups[0]
+    assert alone.ci_high < 2.5  # the second process's ratio (3.0) is far outside
+    replica = {"compile": [1.5, 1.51, 1.49, 1.5, 1.52, 1.48], "optimized": [0.5] * 6}
+    pooled = pooled_timing(first, [replica])
+    s = pooled.speedups[0]
+    assert s.process_ratios == pytest.approx([2.0, 3.0])
+    assert s.ci_low <= 2.02 and s.ci_high >= 2.98
+    v = pooled.variants["compile"]
+    assert v.processes == 2 and v.samples_per_process == [6, 6] and v.rounds == 12
+    assert v.samples_ms[6:] == replica["compile"]
+    assert v.ci_low_ms <= 1.01 and v.ci_high_ms >= 1.49
+    # Pooling more is order-preserving: a third process extends the groups.
+    third = pooled_timing(pooled, [{"compile": [1.2] * 6, "optimized": [0.5] * 6}])
+    assert third.variants["compile"].samples_per_process == [6, 6, 6]
+    assert third.speedups[0].process_ratios == pytest.approx([2.0, 3.0, 2.4])
+
+
+def test_pooled_timing_keeps_a_pair_a_replica_timed_on_one_side_only() -> None:
+    first = _one_process([1.0, 1.1, 0.9], [0.5, 0.55, 0.45])
+    pooled = pooled_timing(first, [{"compile": [1.0, 1.0, 1.0]}])
+    assert pooled.variants["compile"].processes == 2
+    assert pooled.variants["optimized"].processes == 1
+    assert pooled.speedups[0] == first.speedups[0]
+    assert pooled_timing(first, []) is first
+
+
+def test_groups_must_split_the_samples() -> None:
+    with pytest.raises(ValueError, match="do not split"):
+        latency_stats([1.0, 2.0, 3.0], 10, groups=[2, 2])
+    with pytest.raises(ValueError, match="do not split"):
+        speedup("a", [1.0, 2.0], "b", [1.0, 2.0], groups=[1, 0, 1])
+    one = speedup("a", [2.0, 2.2, 1.8], "b", [1.0, 1.0, 1.0], groups=[3])
+    assert one == speedup("a", [2.0, 2.2, 1.8], "b", [1.0, 1.0, 1.0])  # one group: as before

@@ -72,12 +72,21 @@ def test_accepted_values(field: str, value: str, expected: object) -> None:
         ("gate_on_cpu", "perhaps", "boolean"),
         ("llm", "perhaps", "boolean"),
         ("measure_iters", "0", "≥ 1"),
+        ("timing_processes", "0", "≥ 1"),
+        ("timing_processes", "17", "≤ 16"),
+        ("timing_processes", "several", "integer"),
     ],
 )
 @pytest.mark.reliability
 def test_rejected_values_name_the_accepted_form(field: str, value: str, accepted: str) -> None:
     with pytest.raises(pytest.UsageError, match=accepted):
         OpprofOptions.from_values({field: value})
+
+
+def test_timing_processes_auto_or_a_count() -> None:
+    assert OpprofOptions.from_values({"timing_processes": "auto"}).timing_processes is None
+    assert OpprofOptions.from_values({"timing_processes": "4"}).timing_processes == 4
+    assert parse_workload_overrides({"timing_processes": 2}) == {"timing_processes": 2}
 
 
 def test_shard_empty_is_none() -> None:

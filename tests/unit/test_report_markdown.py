@@ -554,3 +554,24 @@ def test_caveats_say_which_counters_were_carried_over(full: WorkloadArtifacts) -
     text = _section(render_workload_report(full, plots=False), "## Caveats")
     assert "first launch of each launch configuration" in text
     assert "eager 8%, compiled 6%" in text and "--opprof-ncu-replay=all" in text
+
+
+def test_headline_says_when_timing_ran_in_several_processes(full: WorkloadArtifacts) -> None:
+    from pytest_opprof.measure import pooled_timing
+
+    assert full.optimized is not None
+    one = _section(render_workload_report(full, plots=False), "## Headline")
+    assert "timed interleaved in one process" in one
+    timing = full.optimized.timing
+    again = {name: list(v.samples_ms) for name, v in timing.variants.items()}
+    pooled = pooled_timing(timing, [again])
+    full.optimized = full.optimized.model_copy(update={"timing": pooled})
+    text = render_workload_report(full, plots=False)
+    head = _section(text, "## Headline")
+    assert "in each of 2 fresh processes, pooled" in head
+    ratio = next(
+        s for s in pooled.speedups if (s.baseline, s.candidate) == ("compile", "optimized")
+    )
+    mine = ", ".join(f"{x:.2f}×" for x in ratio.process_ratios)
+    assert f"torch.compile → optimized: {mine}" in head
+    assert "calls, in each of 2 processes" not in text  # the hardware rows are the capture's
