@@ -868,11 +868,14 @@ def task_validate_llm_passes(spec: dict[str, Any]) -> None:
     write_text_atomic(Path(spec["result"]), json.dumps({"llm_passes": checked}, indent=2))
 
 
-def _optimized_calls(spec: dict[str, Any], device: str, w: Any) -> dict[str, Any]:
+def _optimized_calls(
+    spec: dict[str, Any], device: str, w: Any, *, dtype_twin: bool = True
+) -> dict[str, Any]:
     """What the recapture times: eager, the compiled baseline, the optimized workload through
-    its backend (in its CUDA graph where the plan says so) and, when the dtype changed, the
-    same plan at the baseline dtype; with the pairs whose ratios are reported, the twins the
-    timeline profiles first (a CUDA-graph variant uncaptured) and the compile seconds."""
+    its backend (in its CUDA graph where the plan says so) and, when the dtype changed and
+    ``dtype_twin``, the same plan at the baseline dtype; with the pairs whose ratios are
+    reported, the twins the timeline profiles first (a CUDA-graph variant uncaptured) and the
+    compile seconds."""
     import torch
 
     from pytest_opprof.backend.build import build
@@ -908,7 +911,7 @@ def _optimized_calls(spec: dict[str, Any], device: str, w: Any) -> dict[str, Any
             patches = {k: v for k, v in plan.config_patches.items() if k != "triton.cudagraphs"}
             without = plan.model_copy(update={"config_patches": patches})
             twins["optimized"] = build(_load_baseline(spec, device).model, w.inputs, without).fn
-        if plan.dtype not in (None, "float32"):
+        if dtype_twin and plan.dtype not in (None, "float32"):
             torch.manual_seed(0)
             same = build(_load_baseline(spec, device).model, w.inputs, plan.without_dtype())
             with torch.no_grad():
@@ -985,14 +988,15 @@ def task_retime(spec: dict[str, Any]) -> None:
     """Stage 4, once more in a fresh process: the recapture's calls built and timed again the
     same way (no timeline), the samples written to ``spec["result"]`` for the parent to pool.
     A host-bound baseline runs at a different speed in each process; only more processes show
-    how much."""
+    how much. The same plan at the baseline dtype is left out (one more compile per process):
+    its ratios stay the recapture's own."""
     from pytest_opprof.capture.system import resolve_device
     from pytest_opprof.schema import write_text_atomic
 
     _setup_torch()
     device = resolve_device(_options(spec).device)
     w = _load_baseline(spec, device)
-    built = _optimized_calls(spec, device, w)
+    built = _optimized_calls(spec, device, w, dtype_twin=False)
     samples = _time_calls(spec, built["calls"], w.inputs, device)
     phase("timed again")
     write_text_atomic(Path(spec["result"]), json.dumps({"samples": samples}))

@@ -56,7 +56,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pytest_opprof.schema import KernelRecord, Profile, Timeline
+from pytest_opprof.schema import KernelRecord, Profile, Timeline, write_text_atomic
 
 NVTX_RANGE = "opprof_iteration"
 REPLAY_MODES = ("auto", "all", "unique")
@@ -848,6 +848,8 @@ def run_counters_many(
             return {**empty, **{x: CountersResult(note=note, command=cmd) for x in labels}}
         log = log_file.read_text(encoding="utf-8", errors="replace") if log_file.exists() else ""
         output = proc.stdout + proc.stderr
+        # the target's own lines: where the pass's time goes (import, compile, replay)
+        write_text_atomic(log_file.with_name("target.log"), output)
         unknown = unknown_metrics(log + "\n" + output, metrics)
         if proc.returncode == 0 or not unknown or attempt:
             break
@@ -1072,12 +1074,17 @@ def counters_target_task(spec: dict[str, Any]) -> None:
     import torch
 
     from pytest_opprof.options import OpprofOptions
-    from pytest_opprof.runner import _setup_torch  # the timeline's Dynamo/Inductor settings
+    from pytest_opprof.runner import (
+        _setup_torch,  # the timeline's Dynamo/Inductor settings
+        phase,
+    )
     from pytest_opprof.workload import load
 
     _setup_torch()
+    phase("torch imported (under ncu)")
     opts = OpprofOptions.from_child(spec["options"])
     w = load(Path(spec["workload"]), "cuda")
+    phase("workload loaded")
     for label in spec.get("counters_labels") or [spec.get("counters_label", "eager")]:
         fn: Any = w.model
         if label != "eager":
@@ -1086,9 +1093,11 @@ def counters_target_task(spec: dict[str, Any]) -> None:
             for _ in range(int(spec.get("counters_warmup", 3))):
                 fn(*w.inputs)
             torch.cuda.synchronize()
+            phase(f"{label}: warmed up")
             with torch.cuda.nvtx.range(range_name(label)):
                 fn(*w.inputs)
             torch.cuda.synchronize()
+            phase(f"{label}: iteration replayed")
 
 
 def counters_target_main(spec_path: str | Path) -> None:

@@ -381,6 +381,18 @@ def _timing_note(timing: Timing) -> str:
     )
     if spread:
         note += " Each process's own ratio: " + "; ".join(spread) + "."
+    alone = [n for n, v in timing.variants.items() if v.processes < processes]
+    if alone:
+        note += (
+            " Timed in the first process only: "
+            + ", ".join(
+                "the plan at the baseline dtype"
+                if n == "optimized_baseline_dtype"
+                else BASELINE_LABELS.get(n, n)
+                for n in alone
+            )
+            + "."
+        )
     return note
 
 

@@ -364,7 +364,8 @@ def test_run_counters_with_a_fake_ncu(tmp_path: Path, monkeypatch: pytest.Monkey
         "import sys, shutil\n"
         "if '--query-metrics' in sys.argv: sys.exit(1)\n"
         "log = sys.argv[sys.argv.index('--log-file') + 1]\n"
-        f"shutil.copy({str(DATA / 'synthetic_base_units.csv')!r}, log)\n",
+        f"shutil.copy({str(DATA / 'synthetic_base_units.csv')!r}, log)\n"
+        "print('[opprof] +    9.9 s  compiled: warmed up')\n",
         encoding="utf-8",
     )
     fake.chmod(0o755)
@@ -379,6 +380,8 @@ def test_run_counters_with_a_fake_ncu(tmp_path: Path, monkeypatch: pytest.Monkey
     assert len(result.metrics) == 5
     spec = (tmp_path / "work" / "counters_target.json").read_text()
     assert '"task": "counters_target"' in spec and '"compiled"' in spec
+    # what the target printed is kept beside ncu's log: where the pass's time went
+    assert "compiled: warmed up" in (tmp_path / "work" / "target.log").read_text()
 
 
 def test_unknown_metric_is_dropped_and_retried(

@@ -575,3 +575,10 @@ def test_headline_says_when_timing_ran_in_several_processes(full: WorkloadArtifa
     mine = ", ".join(f"{x:.2f}×" for x in ratio.process_ratios)
     assert f"torch.compile → optimized: {mine}" in head
     assert "calls, in each of 2 processes" not in text  # the hardware rows are the capture's
+    assert "Timed in the first process only" not in head
+    # A retime process leaves out the plan at the baseline dtype: its rows say so.
+    del again["optimized_baseline_dtype"]
+    partial = pooled_timing(timing, [again])
+    full.optimized = full.optimized.model_copy(update={"timing": partial})
+    head = _section(render_workload_report(full, plots=False), "## Headline")
+    assert "Timed in the first process only: the plan at the baseline dtype." in head
