@@ -89,12 +89,33 @@ def _serve_one(conn: socket.socket, listener: socket.socket, cuda_initialized: A
             stream.write(json.dumps({"pid": pid}) + "\n")
             stream.flush()
         except OSError:  # the client went away: its child must not run on unwatched
-            with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
-        _, status = os.waitpid(pid, 0)
+            _kill_group(pid)
+        status = _wait_watching(pid, conn)
         code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
         stream.write(json.dumps({"exit": code}) + "\n")
         stream.flush()
+
+
+def _wait_watching(pid: int, conn: socket.socket) -> int:
+    """The child's wait status; while it runs, the connection is watched: the client sends
+    nothing after its request, so the connection turning readable means the client went away
+    (interrupted, perhaps before it even read the pid). Its child is killed then: no stage
+    outlives the session that asked for it."""
+    import select
+
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return status
+        readable, _, _ = select.select([conn], [], [], WATCH_INTERVAL_S)
+        if readable:
+            try:
+                gone = not conn.recv(1, socket.MSG_PEEK)
+            except OSError:
+                gone = True
+            if gone:
+                _kill_group(pid)
+                return os.waitpid(pid, 0)[1]
 
 
 def _child(request: dict[str, Any]) -> None:
@@ -176,6 +197,8 @@ class ForkServer:
             request = {"spec": str(spec), "log": str(log), "env": env, "cwd": os.getcwd()}
             stream.write(json.dumps(request) + "\n")
             stream.flush()
+            # Interrupted before the pid came back, the connection closes on the way out and
+            # the server, watching it, kills the child.
             answer = json.loads(stream.readline() or "{}")
             if "pid" not in answer:
                 why = answer.get("error", "the fork server did not fork")
@@ -214,10 +237,16 @@ class ForkServer:
 
 
 def _kill_group(pid: int) -> None:
-    """Kill a forked child's process group; the server, its parent, reaps it."""
+    """Kill a forked child's process group, and the child itself should it not have made its
+    group yet; the server, its parent, reaps it."""
     with contextlib.suppress(OSError):
         os.killpg(pid, signal.SIGKILL)
+    with contextlib.suppress(OSError):
+        os.kill(pid, signal.SIGKILL)
 
+
+WATCH_INTERVAL_S = 0.2
+"""How often the server looks at a running child's connection for its client going away."""
 
 _SERVER: ForkServer | None = None
 _FAILED = False

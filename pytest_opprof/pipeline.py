@@ -503,7 +503,7 @@ def stage_backend(run: WorkloadRun) -> str:
     if used:  # the plan names where its user passes come from (the child only routed them)
         selection.plan.extra_passes = used
         write_artifact(sel_path, selection)
-    rtol, atol = tolerance_for(selection.plan.dtype, run.spec.overrides)
+    rtol, atol = tolerance_for(selection.numerics_dtype or selection.plan.dtype, run.spec.overrides)
     write_text_atomic(
         run.generated,
         render_optimized(

@@ -377,7 +377,7 @@ def task_select(spec: dict[str, Any]) -> None:
         read_artifact,
         write_artifact,
     )
-    from pytest_opprof.tolerances import tolerance_for
+    from pytest_opprof.tolerances import numerics_dtype, tolerance_for
     from pytest_opprof.validate import compare
     from pytest_opprof.workload import fresh_inputs
 
@@ -489,8 +489,9 @@ def task_select(spec: dict[str, Any]) -> None:
                     id=p.id, type=p.type, reason=f"applied nowhere: {unchanged[:200]}"
                 )
             return False
-        rtol, atol = tolerance_for(plan.dtype, spec.get("overrides"))
-        numerics = compare(reference_out, got, dtype=plan.dtype, rtol=rtol, atol=atol)
+        checked_as = numerics_dtype(plan.dtype, tf32=_runs_tf32(eager, plan, device))
+        rtol, atol = tolerance_for(checked_as, spec.get("overrides"))
+        numerics = compare(reference_out, got, dtype=checked_as, rtol=rtol, atol=atol)
         if not numerics.ok:
             variants.append(
                 VariantResult(
@@ -554,17 +555,36 @@ def task_select(spec: dict[str, Any]) -> None:
         reasons = [dropped[p.id].reason for p in rung.proposals]
         if _worth_a_second_pass(reasons, revived) and attempt(rung, second_chance=True):
             revived = True
+    final = state["plan"]
+    checked_as = numerics_dtype(final.dtype, tf32=_runs_tf32(eager, final, device))
     selection = BackendSelection(
         workload=Path(spec["workload"]).stem,
         reference=ref_name,
         reference_ms=ref_ms,
         variants=variants,
         chosen=state["name"],
-        plan=state["plan"],
+        plan=final,
         dropped=list(dropped.values()),
         waterfall=waterfall,
+        numerics_dtype=checked_as if checked_as != (final.dtype or "float32") else None,
     )
     write_artifact(out_dir / "profiler_output" / "backend_selection.json", selection)
+
+
+def _runs_tf32(model: Any, plan: Any, device: str) -> bool:
+    """Whether an fp32 ``plan`` of ``model`` computes on TF32 tensor cores: its convolutions
+    where cuDNN allows TF32 (PyTorch's default), its matmuls where the process or the plan's
+    algorithm_selection allows it."""
+    import torch
+
+    from pytest_opprof.passes.base import ALLOW_TF32
+
+    if device != "cuda":
+        return False
+    if torch.backends.cuda.matmul.allow_tf32 or plan.config_patches.get(ALLOW_TF32):
+        return True
+    convs = any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
+    return bool(convs and torch.backends.cudnn.allow_tf32)
 
 
 def _worth_a_second_pass(reasons: list[str], revived: bool) -> bool:

@@ -361,8 +361,8 @@ class DroppedProposal(Model):
 
 
 class BackendSelection(Artifact):
-    # 1.1: plan.extra_passes (user passes); 1.2: plan.cuda_graph_model
-    SCHEMA_VERSION: ClassVar[str] = "1.2"
+    # 1.1: plan.extra_passes (user passes); 1.2: plan.cuda_graph_model; 1.3: numerics_dtype
+    SCHEMA_VERSION: ClassVar[str] = "1.3"
 
     workload: str
     reference: str
@@ -372,6 +372,12 @@ class BackendSelection(Artifact):
     plan: BackendPlan
     dropped: list[DroppedProposal] = Field(default_factory=list)
     waterfall: list[WaterfallStep] = Field(default_factory=list)
+    numerics_dtype: str | None = Field(
+        default=None,
+        description="the dtype whose tolerance the chosen plan was held to, where it is not "
+        "the plan's dtype (tensorfloat32: an fp32 plan whose convolutions or matmuls run on "
+        "TF32 tensor cores)",
+    )
 
 
 # -------------------------------------------------------------------------------- validate

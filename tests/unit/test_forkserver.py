@@ -114,6 +114,43 @@ def test_a_child_that_outlives_its_timeout_is_killed_with_its_group(
     assert server.run(_spec(tmp_path, RECORD), tmp_path / "log2", env, timeout=120) == 3
 
 
+def test_a_child_whose_client_went_away_is_killed(
+    server: forkserver.ForkServer, tmp_path: Path
+) -> None:
+    """The session interrupted before it read the child's pid (so it cannot kill it): the
+    server sees the connection close and kills the child, then serves the next request."""
+    import socket
+
+    pid_file = tmp_path / "pid"
+    body = (
+        "import os, time\n"
+        "def get_model_and_input():\n"
+        f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "    time.sleep(300)\n"
+    )
+    request = {
+        "spec": str(_spec(tmp_path, body)),
+        "log": str(tmp_path / "log"),
+        "env": dict(os.environ),
+        "cwd": os.getcwd(),
+    }
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    conn.connect(server.socket_path)
+    conn.sendall((json.dumps(request) + "\n").encode())
+    deadline = time.monotonic() + 60
+    while not pid_file.exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    conn.close()  # without reading the pid
+    deadline = time.monotonic() + 10
+    while _alive(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _alive(child)
+    out = tmp_path / "info.json"
+    env = {**os.environ, "OPPROF_TEST_OUT": str(out)}
+    assert server.run(_spec(tmp_path, RECORD), tmp_path / "log2", env, timeout=120) == 3
+
+
 def test_a_crash_is_reported_as_its_signal(server: forkserver.ForkServer, tmp_path: Path) -> None:
     body = (
         "import os, signal\ndef get_model_and_input():\n    os.kill(os.getpid(), signal.SIGSEGV)\n"
