@@ -138,6 +138,9 @@ def interrupt(cwd: Path, started: Path, *args: str) -> None:
         stderr=subprocess.STDOUT,
         text=True,
         start_new_session=True,
+        # Ctrl-C as at a terminal: a test run started in the background (nohup, `&`) ignores
+        # SIGINT, and an ignored signal stays ignored across exec, so Python would too.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.time() + 60
     while not started.exists() and time.time() < deadline:
