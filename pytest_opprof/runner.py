@@ -889,13 +889,14 @@ def task_validate_llm_passes(spec: dict[str, Any]) -> None:
 
 
 def _optimized_calls(
-    spec: dict[str, Any], device: str, w: Any, *, dtype_twin: bool = True
+    spec: dict[str, Any], device: str, w: Any, *, retime: bool = False
 ) -> dict[str, Any]:
     """What the recapture times: eager, the compiled baseline, the optimized workload through
-    its backend (in its CUDA graph where the plan says so) and, when the dtype changed and
-    ``dtype_twin``, the same plan at the baseline dtype; with the pairs whose ratios are
-    reported, the twins the timeline profiles first (a CUDA-graph variant uncaptured) and the
-    compile seconds."""
+    its backend (in its CUDA graph where the plan says so) and, when the dtype changed, the
+    same plan at the baseline dtype; with the pairs whose ratios are reported, the twins the
+    timeline profiles first (a CUDA-graph variant uncaptured) and the compile seconds. A
+    ``retime`` process builds neither the baseline-dtype plan nor a twin compiled anew: it
+    times, it draws no timeline."""
     import torch
 
     from pytest_opprof.backend.build import build
@@ -925,13 +926,13 @@ def _optimized_calls(
     selection_path = out_dir / "profiler_output" / "backend_selection.json"
     if selection_path.exists():
         plan = read_artifact(selection_path, BackendSelection).plan
-        if device == "cuda" and plan.config_patches.get("triton.cudagraphs"):
+        if not retime and device == "cuda" and plan.config_patches.get("triton.cudagraphs"):
             # Inductor's graphs: the same plan compiled without them is the twin.
             torch.manual_seed(0)
             patches = {k: v for k, v in plan.config_patches.items() if k != "triton.cudagraphs"}
             without = plan.model_copy(update={"config_patches": patches})
             twins["optimized"] = build(_load_baseline(spec, device).model, w.inputs, without).fn
-        if dtype_twin and plan.dtype not in (None, "float32"):
+        if not retime and plan.dtype not in (None, "float32"):
             torch.manual_seed(0)
             same = build(_load_baseline(spec, device).model, w.inputs, plan.without_dtype())
             with torch.no_grad():
@@ -1016,7 +1017,7 @@ def task_retime(spec: dict[str, Any]) -> None:
     _setup_torch()
     device = resolve_device(_options(spec).device)
     w = _load_baseline(spec, device)
-    built = _optimized_calls(spec, device, w, dtype_twin=False)
+    built = _optimized_calls(spec, device, w, retime=True)
     samples = _time_calls(spec, built["calls"], w.inputs, device)
     phase("timed again")
     write_text_atomic(Path(spec["result"]), json.dumps({"samples": samples}))
