@@ -257,13 +257,17 @@ def _shortfall_line(name: str, r: dict[str, Any]) -> str:
     return line
 
 
+STAGE_LOGS = ("capture", "select", "validate", "recapture")
+
+
 def child_seconds(where: Path) -> dict[str, float]:
     """Each stage child's own duration from its log's last "[opprof] +  N s  task … done" line
     (the stage JUnit adds the parent's share; a call cut short loses its JUnit, not its logs),
-    and the counters pass inside the capture."""
+    the counters pass inside the capture, and the recapture's extra timing processes summed."""
     out: dict[str, float] = {}
-    for stage in ("capture", "select", "validate", "recapture"):
-        log = where / "profiler_output" / f"{stage}.log"
+    logs = [(s, where / "profiler_output" / f"{s}.log") for s in STAGE_LOGS]
+    logs += [("retime", p) for p in sorted((where / "profiler_output").glob("retime*.log"))]
+    for stage, log in logs:
         if not log.exists():
             continue
         marks = re.findall(
@@ -271,7 +275,7 @@ def child_seconds(where: Path) -> dict[str, float]:
         )
         for i, (at, what) in enumerate(marks):
             if what.startswith("task ") and what.endswith(" done"):
-                out[stage] = float(at)
+                out[stage] = out.get(stage, 0.0) + float(at) if stage == "retime" else float(at)
             elif what == "counters pass" and i:
                 out["counters"] = float(at) - float(marks[i - 1][0])
     return out
@@ -415,11 +419,12 @@ def markdown(result: dict[str, Any]) -> str:
         n: r["child_seconds"] for n, r in result["workloads"].items() if r.get("child_seconds")
     }
     if children:
-        names = ["capture", "counters", "select", "validate", "recapture"]
+        names = ["capture", "counters", "select", "validate", "recapture", "retime"]
         lines += [
             "",
             "Stage children's own time (s, from their logs; counters is the Nsight Compute pass "
-            "inside capture; the stage JUnit below adds the parent's share):",
+            "inside capture, retime the recapture's extra timing processes; the stage JUnit "
+            "below adds the parent's share):",
             "",
             "| workload | " + " | ".join(names) + " | sum |",
             "|---|" + "---|" * (len(names) + 1),

@@ -272,8 +272,9 @@ class WorkloadRun:
 
     # ---------------------------------------------------------------------- child runs
 
-    def run_child(self, task: str, stage: str, **extra: Any) -> None:
-        """Run one runner task in a child process, with the stage timeout."""
+    def run_child(self, task: str, stage: str, *, log_name: str = "", **extra: Any) -> None:
+        """Run one runner task in a child process, with the stage timeout; its output goes to
+        ``profiler_output/<log_name or task>.log``."""
         self.profiler_output.mkdir(parents=True, exist_ok=True)
         user_passes = self.extra_passes().values()
         spec = {
@@ -296,7 +297,7 @@ class WorkloadRun:
         with tempfile.TemporaryDirectory(prefix="opprof-") as tmp:
             spec_path = Path(tmp) / "spec.json"
             spec_path.write_text(json.dumps(spec, default=str), encoding="utf-8")
-            log = self.profiler_output / f"{task}.log"
+            log = self.profiler_output / f"{log_name or task}.log"
             timeout = float(self.setting("timeout"))
             try:
                 code = _start_child(spec_path, log, env, timeout)
@@ -663,7 +664,11 @@ def _retime(run: WorkloadRun, prof: Profile, processes: int) -> Profile:
             result = Path(tmp) / f"retime{i}.json"
             try:
                 run.run_child(
-                    "retime", "recapture", generated=str(run.generated.resolve()), result=result
+                    "retime",
+                    "recapture",
+                    log_name=f"retime{i}",
+                    generated=str(run.generated.resolve()),
+                    result=result,
                 )
                 replicas.append(json.loads(result.read_text(encoding="utf-8"))["samples"])
             except (OpprofError, OSError, ValueError, KeyError) as exc:

@@ -140,3 +140,22 @@ def test_a_missed_target_says_by_how_much_and_why() -> None:
     assert "kernel time, not launch overhead, sets the latency" in line
     met = [r for r in result["workloads"].values() if r["meets_target"]]
     assert met and all(r["shortfall"] is None for r in met)
+
+
+def test_child_seconds_from_stage_logs(tmp_path: Path) -> None:
+    tool = _summarize()
+    logs = tmp_path / "profiler_output"
+    logs.mkdir()
+    (logs / "capture.log").write_text(
+        "[opprof] +    0.5 s  torch imported\n"
+        "[opprof] +    6.0 s  timed and profiled\n"
+        "[opprof] +   36.0 s  counters pass\n"
+        "[opprof] +   36.1 s  task capture done\n"
+    )
+    (logs / "recapture.log").write_text("noise\n[opprof] +    7.5 s  task recapture done\n")
+    for i, at in ((1, 4.0), (2, 5.5)):
+        (logs / f"retime{i}.log").write_text(f"[opprof] +    {at} s  task retime done\n")
+    got = tool.child_seconds(tmp_path)
+    assert got == pytest.approx(
+        {"capture": 36.1, "counters": 30.0, "recapture": 7.5, "retime": 9.5}
+    )
