@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The benchmark entry point, one call on a GPU machine: run `pytest --opprof` on the given
 # examples, write the results table ($OUT/summary.json and summary.md, by summarize.py) and pack
-# every artifact into $OUT/results*.tar.xz, so traces and reports come back.
+# every artifact into $OUT/results.tar.xz, so traces and reports come back in one file.
 #   bash benchmarks/gpu_session.sh conv_block mlp_activations [-- extra pytest args]
 # Needs the pure-Python wheels in .whl/ (../shared/gpu/wheels.sh .whl) where the machine has no
 # package index.
@@ -44,13 +44,12 @@ echo "wall time of this run's calls so far: $(awk '{s+=$1} END {print s}' "$work
 python3 benchmarks/summarize.py "$work" --junit "$work/opprof-junit.xml" \
   --json "$OUT/summary.json" --md "$OUT/summary.md" > /dev/null 2>&1 \
   || echo "summarize failed: see the artifacts" | tee -a "$OUT/pytest.log"
-# This call's workloads, one archive each, and the session files (a file that comes back is at
-# most 16 MiB, so seven workloads' traces do not go in one).
+# This call's workloads and the session files, in one archive: a lent machine returns at most
+# 8 files of 16 MiB (seven workloads' artifacts packed came to ~1.5 MB; one archive each left
+# the summary behind).
 base=$(basename "$work")
-for n in "${names[@]}"; do
-  [ -e "$work/$n" ] && tar -C "$(dirname "$work")" -cJf "$OUT/results-$n.tar.xz" "$base/$n"
-done
-session=(); for f in "$work"/*; do [ -f "$f" ] && session+=("$base/$(basename "$f")"); done
-tar -C "$(dirname "$work")" -cJf "$OUT/results.tar.xz" "${session[@]}"
+packed=(); for n in "${names[@]}"; do [ -e "$work/$n" ] && packed+=("$base/$n"); done
+for f in "$work"/*; do [ -f "$f" ] && packed+=("$base/$(basename "$f")"); done
+tar -C "$(dirname "$work")" -cJf "$OUT/results.tar.xz" "${packed[@]}"
 ls -la "$OUT"
 exit 0
