@@ -89,7 +89,7 @@ def _serve_one(conn: socket.socket, listener: socket.socket, cuda_initialized: A
             stream.write(json.dumps({"pid": pid}) + "\n")
             stream.flush()
         except OSError:  # the client went away: its child must not run on unwatched
-            _kill_group(pid)
+            kill_group(pid)
         status = _wait_watching(pid, conn)
         code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
         stream.write(json.dumps({"exit": code}) + "\n")
@@ -114,7 +114,7 @@ def _wait_watching(pid: int, conn: socket.socket) -> int:
             except OSError:
                 gone = True
             if gone:
-                _kill_group(pid)
+                kill_group(pid)
                 return os.waitpid(pid, 0)[1]
 
 
@@ -209,10 +209,10 @@ class ForkServer:
             try:
                 line = stream.readline()
             except TimeoutError:
-                _kill_group(pid)
+                kill_group(pid)
                 raise subprocess.TimeoutExpired(str(spec), timeout) from None
             except BaseException:  # the session interrupted: no child outlives it
-                _kill_group(pid)
+                kill_group(pid)
                 raise
             if not line:
                 raise OSError("the fork server went away during the stage")
@@ -236,9 +236,9 @@ class ForkServer:
             os.rmdir(self._folder)
 
 
-def _kill_group(pid: int) -> None:
-    """Kill a forked child's process group, and the child itself should it not have made its
-    group yet; the server, its parent, reaps it."""
+def kill_group(pid: int) -> None:
+    """Kill a stage child's process group, and the child itself should it not have made its
+    group yet; its parent reaps it."""
     with contextlib.suppress(OSError):
         os.killpg(pid, signal.SIGKILL)
     with contextlib.suppress(OSError):

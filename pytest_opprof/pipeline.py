@@ -29,6 +29,7 @@ import pytest
 from pytest_opprof import STAGES, __version__
 from pytest_opprof.backend.plan import EXTRA_PASSES_ENV, PassRegistry, extra_targets
 from pytest_opprof.errors import ArtifactError, OpprofError, StageBlocked, StageError, WorkloadError
+from pytest_opprof.measure import pooled_timing
 from pytest_opprof.options import BY_FIELD, OpprofOptions
 from pytest_opprof.schema import (
     VALIDATION_STEPS,
@@ -380,16 +381,9 @@ def _start_child(spec_path: Path, log: Path, env: dict[str, str], timeout: float
         except BaseException:
             # A timeout, or the session itself interrupted (Ctrl-C): the child runs in its own
             # process group and must not outlive us to write artifacts later.
-            _kill_group(proc)
+            forkserver.kill_group(proc.pid)
+            proc.wait()
             raise
-
-
-def _kill_group(proc: subprocess.Popen[Any]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        proc.kill()
-    proc.wait()
 
 
 def _rel(path: Path) -> str:
@@ -655,8 +649,6 @@ def _retime(run: WorkloadRun, prof: Profile, processes: int) -> Profile:
     """Time the recapture's calls again in ``processes - 1`` fresh processes and pool them
     with the recapture's own rounds. A process that fails adds a warning, not an error: the
     recapture's own timing stands."""
-    from pytest_opprof.measure import pooled_timing
-
     replicas: list[dict[str, list[float]]] = []
     warnings = list(prof.warnings)
     with tempfile.TemporaryDirectory(prefix="opprof-retime-") as tmp:

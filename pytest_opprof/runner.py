@@ -377,7 +377,7 @@ def task_select(spec: dict[str, Any]) -> None:
         read_artifact,
         write_artifact,
     )
-    from pytest_opprof.tolerances import numerics_dtype, tolerance_for
+    from pytest_opprof.tolerances import TF32, numerics_dtype, tolerance_for
     from pytest_opprof.validate import compare
     from pytest_opprof.workload import fresh_inputs
 
@@ -566,7 +566,7 @@ def task_select(spec: dict[str, Any]) -> None:
         plan=final,
         dropped=list(dropped.values()),
         waterfall=waterfall,
-        numerics_dtype=checked_as if checked_as != (final.dtype or "float32") else None,
+        numerics_dtype=checked_as if checked_as == TF32 else None,
     )
     write_artifact(out_dir / "profiler_output" / "backend_selection.json", selection)
 

@@ -106,6 +106,11 @@ class Timing(Model):
     speedups: list[Speedup] = Field(default_factory=list)
     compile_seconds: dict[str, float] = Field(default_factory=dict)
 
+    @property
+    def processes(self) -> int:
+        """The timing processes the most-timed variant came from (1: one process)."""
+        return max((v.processes for v in self.variants.values()), default=1)
+
 
 class KernelRecord(Model):
     name: str

@@ -362,7 +362,7 @@ def _timing_note(timing: Timing) -> str:
     """How the headline figures were timed: one process, or several pooled (with how far the
     processes' own ratios spread)."""
     head = "Median latency per call from `profile_optimized.json` (`timing`)"
-    processes = max((v.processes for v in timing.variants.values()), default=1)
+    processes = timing.processes
     if processes <= 1:
         return (
             f"{head}, baseline and candidate timed interleaved in one process; the CI is a "
@@ -499,7 +499,7 @@ def _sp(r: Speedup | None, missing: str = DASH) -> str:
 
 def _iterations(m: CaptureMetadata, timing: Timing) -> str:
     text = f"{m.warmup_iters} warmup, {m.rounds} rounds × {m.measure_iters} calls"
-    processes = max((v.processes for v in timing.variants.values()), default=1)
+    processes = timing.processes
     return text + (f", in each of {processes} processes" if processes > 1 else "")
 
 

@@ -10,7 +10,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -54,6 +54,28 @@ def _alive(pid: int) -> bool:
         return False
     status = Path(f"/proc/{pid}/status")
     return not (status.exists() and "State:\tZ" in status.read_text())
+
+
+def _sleeper(pid_file: Path) -> str:
+    """A workload that writes its process id to ``pid_file`` and sleeps."""
+    return (
+        "import os, time\n"
+        "def get_model_and_input():\n"
+        f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
+        "    time.sleep(300)\n"
+    )
+
+
+def _wait_until(condition: Callable[[], bool], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _still_serves(server: forkserver.ForkServer, tmp_path: Path) -> bool:
+    """The server runs the next request (a workload's own error: the runner's exit 3)."""
+    env = {**os.environ, "OPPROF_TEST_OUT": str(tmp_path / "info.json")}
+    return server.run(_spec(tmp_path, RECORD), tmp_path / "log2", env, timeout=120) == 3
 
 
 RECORD = (
@@ -104,14 +126,10 @@ def test_a_child_that_outlives_its_timeout_is_killed_with_its_group(
         server.run(_spec(tmp_path, body), tmp_path / "log", dict(os.environ), timeout=8)
     assert time.monotonic() - started < 30
     child, grandchild = map(int, pid_file.read_text().split())
-    deadline = time.monotonic() + 10
-    while (_alive(child) or _alive(grandchild)) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _wait_until(lambda: not (_alive(child) or _alive(grandchild)), 10)
     assert not _alive(child) and not _alive(grandchild)
     # the server goes on serving
-    out = tmp_path / "info.json"
-    env = {**os.environ, "OPPROF_TEST_OUT": str(out)}
-    assert server.run(_spec(tmp_path, RECORD), tmp_path / "log2", env, timeout=120) == 3
+    assert _still_serves(server, tmp_path)
 
 
 def test_a_child_whose_client_went_away_is_killed(
@@ -122,12 +140,7 @@ def test_a_child_whose_client_went_away_is_killed(
     import socket
 
     pid_file = tmp_path / "pid"
-    body = (
-        "import os, time\n"
-        "def get_model_and_input():\n"
-        f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
-        "    time.sleep(300)\n"
-    )
+    body = _sleeper(pid_file)
     request = {
         "spec": str(_spec(tmp_path, body)),
         "log": str(tmp_path / "log"),
@@ -137,18 +150,12 @@ def test_a_child_whose_client_went_away_is_killed(
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     conn.connect(server.socket_path)
     conn.sendall((json.dumps(request) + "\n").encode())
-    deadline = time.monotonic() + 60
-    while not pid_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _wait_until(pid_file.exists, 60)
     child = int(pid_file.read_text())
     conn.close()  # without reading the pid
-    deadline = time.monotonic() + 10
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _wait_until(lambda: not _alive(child), 10)
     assert not _alive(child)
-    out = tmp_path / "info.json"
-    env = {**os.environ, "OPPROF_TEST_OUT": str(out)}
-    assert server.run(_spec(tmp_path, RECORD), tmp_path / "log2", env, timeout=120) == 3
+    assert _still_serves(server, tmp_path)
 
 
 def test_a_crash_is_reported_as_its_signal(server: forkserver.ForkServer, tmp_path: Path) -> None:
@@ -161,12 +168,7 @@ def test_a_crash_is_reported_as_its_signal(server: forkserver.ForkServer, tmp_pa
 
 def test_children_die_with_the_server(server: forkserver.ForkServer, tmp_path: Path) -> None:
     pid_file = tmp_path / "pid"
-    body = (
-        "import os, time\n"
-        "def get_model_and_input():\n"
-        f"    open({str(pid_file)!r}, 'w').write(str(os.getpid()))\n"
-        "    time.sleep(300)\n"
-    )
+    body = _sleeper(pid_file)
     import threading
 
     errors: list[BaseException] = []
@@ -179,15 +181,11 @@ def test_children_die_with_the_server(server: forkserver.ForkServer, tmp_path: P
 
     thread = threading.Thread(target=run)
     thread.start()
-    deadline = time.monotonic() + 60
-    while not pid_file.exists() and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _wait_until(pid_file.exists, 60)
     child = int(pid_file.read_text())
     os.kill(server.proc.pid, signal.SIGKILL)
     thread.join(timeout=30)
-    deadline = time.monotonic() + 10
-    while _alive(child) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    _wait_until(lambda: not _alive(child), 10)
     assert not _alive(child)
     assert errors and isinstance(errors[0], OSError)
 
