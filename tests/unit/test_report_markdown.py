@@ -582,3 +582,13 @@ def test_headline_says_when_timing_ran_in_several_processes(full: WorkloadArtifa
     full.optimized = full.optimized.model_copy(update={"timing": partial})
     head = _section(render_workload_report(full, plots=False), "## Headline")
     assert "Timed in the first process only: the plan at the baseline dtype." in head
+
+
+def test_hardware_names_the_gpu_the_process_saw(full: WorkloadArtifacts) -> None:
+    assert full.profile is not None
+    meta = full.profile.capture_metadata.model_copy(
+        update={"device_uuid": "GPU-1234", "device_count": 1, "visible_devices": "1"}
+    )
+    full.profile = full.profile.model_copy(update={"capture_metadata": meta})
+    hw = _section(render_workload_report(full, plots=False), "## Hardware context")
+    assert "GPU-1234; 1 visible (CUDA_VISIBLE_DEVICES=1)" in hw
