@@ -93,9 +93,18 @@ def _in_effect(where: Path, sel: BackendSelection, val: ValidationReport) -> lis
     return kept
 
 
+def _ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:.3f}"
+
+
+def _ratio(a: float | None, b: float | None) -> str:
+    return "—" if a is None or not b else f"{a / b:.2f}"
+
+
 def _gpu_time(*profiles: Profile) -> dict[str, dict[str, float | None]]:
-    """Per timeline: the timing pass's median per call beside the timeline's kernel time
-    (sum) and busy time (union of kernel intervals) per iteration, all in ms."""
+    """Per timeline: the timing pass's median per call and its GPU time per call with the
+    host hidden, beside the timeline's kernel time (sum) and busy time (union of kernel
+    intervals) per iteration, all in ms."""
     out: dict[str, dict[str, float | None]] = {}
     for profile in profiles:
         for t in profile.timelines:
@@ -105,6 +114,7 @@ def _gpu_time(*profiles: Profile) -> dict[str, dict[str, float | None]]:
             busy = t.summary.busy_time_per_iter_us
             out[t.label] = {
                 "timing_ms": stats.median_ms,
+                "gpu_ms": profile.timing.gpu_time_ms.get(LABELS.get(t.label, t.label)),
                 "kernel_ms": t.summary.device_time_per_iter_us / 1000.0,
                 "busy_ms": busy / 1000.0 if busy is not None else None,
                 "idle_ms": t.summary.idle_time_per_iter_us / 1000.0,
@@ -368,21 +378,23 @@ def markdown(result: dict[str, Any]) -> str:
     if agree:
         lines += [
             "",
-            "GPU time per call (ms): the timing pass (CUDA events, no profiler) beside the "
+            "GPU time per call (ms): the timing pass (CUDA events, no profiler) as latency, and "
+            "as GPU time with the host hidden (calls queued behind a GPU sleep), beside the "
             "timeline's kernel time (sum) and busy time (union of kernel intervals) per "
-            "iteration; busy/timing near 1 means the GPU never idled:",
+            "iteration. kernel sum / GPU time near 1: the timeline saw the call's kernels and "
+            "only those; busy / latency near 1: the GPU never waited on the host:",
             "",
-            "| workload | timeline | timing | kernel sum | busy | busy / timing |",
-            "|---|---|---|---|---|---|",
+            "| workload | timeline | latency | GPU time | kernel sum | busy | kernel sum / GPU "
+            "time | busy / latency |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for name, per in agree.items():
             for label, g in per.items():
-                busy = g["busy_ms"]
-                ratio = f"{busy / g['timing_ms']:.2f}" if busy is not None else "—"
-                shown = f"{busy:.3f}" if busy is not None else "—"
+                busy, gpu = g["busy_ms"], g.get("gpu_ms")
                 lines.append(
-                    f"| {name} | {label} | {g['timing_ms']:.3f} | {g['kernel_ms']:.3f} | "
-                    f"{shown} | {ratio} |"
+                    f"| {name} | {label} | {g['timing_ms']:.3f} | {_ms(gpu)} | "
+                    f"{g['kernel_ms']:.3f} | {_ms(busy)} | "
+                    f"{_ratio(g['kernel_ms'], gpu)} | {_ratio(busy, g['timing_ms'])} |"
                 )
     counted = {n: r["counters"] for n, r in result["workloads"].items() if r.get("counters")}
     if counted:

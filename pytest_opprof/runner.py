@@ -269,6 +269,7 @@ def _timing(
     pairs: list[tuple[str, str]],
     timelines: list[Any],
     compile_s: dict[str, float],
+    gpu_ms: dict[str, float],
 ) -> Any:
     from pytest_opprof.measure import latency_stats, speedup
     from pytest_opprof.schema import Timing
@@ -278,6 +279,7 @@ def _timing(
         clock="cuda_event" if device == "cuda" else "perf_counter",
         variants={k: latency_stats(v, calls_per_round) for k, v in samples.items()},
         gpu_kernel_ms={t.label: t.summary.device_time_per_iter_us / 1000.0 for t in timelines},
+        gpu_time_ms=gpu_ms,
         speedups=[
             speedup(a, samples[a], b, samples[b]) for a, b in pairs if a in samples and b in samples
         ],
@@ -292,7 +294,7 @@ def task_capture(spec: dict[str, Any]) -> None:
     """Stage 0: graph summary, timing (eager vs compiled, interleaved), both timelines."""
     from pytest_opprof.capture.graph import capture_graph
     from pytest_opprof.capture.system import environment, resolve_device
-    from pytest_opprof.capture.timing import time_interleaved
+    from pytest_opprof.capture.timing import gpu_time, time_interleaved
     from pytest_opprof.schema import Profile, write_artifact
 
     _setup_torch()
@@ -304,14 +306,16 @@ def task_capture(spec: dict[str, Any]) -> None:
     write_artifact(out_dir / "graph.json", capture_graph(w.model, w.inputs))
     compiled, compile_s = _compile_timed(w.model, opts.compile_backend, w.inputs, device)
     calls_per_round = _setting(spec, "measure_iters")
+    baselines = {"eager": w.model, "compile": compiled}
     samples = time_interleaved(
-        {"eager": w.model, "compile": compiled},
+        baselines,
         w.inputs,
         device=device,
         warmup=_setting(spec, "warmup_iters"),
         calls_per_round=calls_per_round,
         rounds=_setting(spec, "rounds"),
     )
+    gpu_ms = gpu_time(baselines, w.inputs, device=device, calls_per_sample=calls_per_round)
     mode = f"torch.compile(backend={opts.compile_backend!r})"
     timelines, flags = _timelines(
         spec,
@@ -322,7 +326,13 @@ def task_capture(spec: dict[str, Any]) -> None:
     )
     phase("timed and profiled")
     timing = _timing(
-        samples, device, calls_per_round, [("eager", "compile")], timelines, {"compile": compile_s}
+        samples,
+        device,
+        calls_per_round,
+        [("eager", "compile")],
+        timelines,
+        {"compile": compile_s},
+        gpu_ms,
     )
     from pytest_opprof.capture.counters import counters_for_capture
 
@@ -970,6 +980,7 @@ def task_recapture(spec: dict[str, Any]) -> None:
     """Stage 4: the optimized workload through its backend, timed interleaved with eager and
     the compiled baseline (and, when the dtype changed, the same plan at the baseline dtype)."""
     from pytest_opprof.capture.system import environment, resolve_device
+    from pytest_opprof.capture.timing import gpu_time
     from pytest_opprof.schema import Profile, write_artifact
 
     _setup_torch()
@@ -979,6 +990,9 @@ def task_recapture(spec: dict[str, Any]) -> None:
     info = environment(device)
     built = _optimized_calls(spec, device, w)
     samples = _time_calls(spec, built["calls"], w.inputs, device)
+    gpu_ms = gpu_time(
+        built["calls"], w.inputs, device=device, calls_per_sample=_setting(spec, "measure_iters")
+    )
     optimized = built["calls"]["optimized"]
     timelines, flags = _timelines(
         spec,
@@ -995,6 +1009,7 @@ def task_recapture(spec: dict[str, Any]) -> None:
         built["pairs"],
         timelines,
         built["compile_s"],
+        gpu_ms,
     )
     profile = Profile(
         capture_metadata=_metadata(spec, w, device, info),

@@ -103,6 +103,14 @@ class Timing(Model):
     gpu_kernel_ms: dict[str, float] = Field(
         default_factory=dict, description="GPU kernel time per call, from the timeline"
     )
+    gpu_time_ms: dict[str, float] = Field(
+        default_factory=dict,
+        description=(
+            "GPU time per call with the host hidden: calls enqueued behind a GPU sleep, CUDA "
+            "events around them (capture.timing.gpu_time); none on the CPU, and none for a "
+            "call the host never gets ahead of"
+        ),
+    )
     speedups: list[Speedup] = Field(default_factory=list)
     compile_seconds: dict[str, float] = Field(default_factory=dict)
 
@@ -225,8 +233,9 @@ class Profile(Artifact):
 
     # 2.1: summary.busy_time_per_iter_us; 2.2: kernels' shared_memory and counters_source;
     # 2.3: capture_metadata's visible_devices, device_count, device_uuid; timing from several
-    # processes (variants' processes / samples_per_process, speedups' process_ratios)
-    SCHEMA_VERSION: ClassVar[str] = "2.3"
+    # processes (variants' processes / samples_per_process, speedups' process_ratios);
+    # 2.4: timing.gpu_time_ms
+    SCHEMA_VERSION: ClassVar[str] = "2.4"
     capture_metadata: CaptureMetadata
     timing: Timing
     timelines: list[Timeline]

@@ -3,10 +3,17 @@
 Callables are timed A B C A B C … so every round of each sees the same machine state; on CUDA
 with events around each round, on the CPU with ``time.perf_counter``. Each round's input is a
 fresh random tensor of the workload's shape, made before the round starts.
+
+On CUDA, :func:`gpu_time` measures a second figure per callable: the GPU's own time per call,
+with the host out of the way. Calls are enqueued behind a GPU sleep long enough for the host to
+get ahead, so their kernels run back to back and the events around them see the device alone.
+It is what the timeline's kernel time per iteration must agree with; the rounds above include
+the time the GPU waits on the host (a launch-bound call's latency).
 """
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -73,3 +80,76 @@ def _one_round(fn: Call, inputs: Sequence[torch.Tensor], device: str, n: int) ->
     for _ in range(n):
         fn(*inputs)
     return (time.perf_counter() - t0) * 1000.0 / n
+
+
+def gpu_time(
+    calls: Mapping[str, Call],
+    template: tuple[torch.Tensor, ...],
+    *,
+    device: str,
+    calls_per_sample: int,
+    samples: int = 5,
+    seed: int = 999,
+) -> dict[str, float]:
+    """Each callable's GPU time per call (ms, the median of ``samples``) with the host hidden;
+    none on the CPU, and none for a callable the host never gets ahead of (one that
+    synchronizes with the host, or launches more than the launch queue holds)."""
+    if device != "cuda":
+        return {}
+    out: dict[str, float] = {}
+    with torch.no_grad():
+        inputs = fresh_inputs(template, seed)
+        for name, fn in calls.items():
+            ms = _gpu_time_of(fn, inputs, calls_per_sample, samples)
+            if ms is not None:
+                out[name] = ms
+    return out
+
+
+def _gpu_time_of(fn: Call, inputs: Sequence[torch.Tensor], n: int, samples: int) -> float | None:
+    """Sleep the GPU, enqueue ``n`` calls between two events, and keep the sample only where
+    the start event was still pending when the host had enqueued them all: then no kernel of
+    theirs waited on the host. A miss halves ``n`` and sleeps longer (the host's enqueue time
+    of the miss, twice, with a floor); one call missing three times gives up."""
+    per_call: list[float] = []
+    enqueue_ms = 5.0
+    misses_at_one = 0
+    while len(per_call) < samples and misses_at_one < 3:
+        start = torch.cuda.Event(enable_timing=True)
+        end = torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        sleep_ms = min(2.0 * enqueue_ms + 1.0, 500.0)
+        t0 = time.perf_counter()
+        torch.cuda._sleep(int(sleep_ms * _sleep_cycles_per_ms()))
+        start.record()
+        for _ in range(n):
+            fn(*inputs)
+        end.record()
+        enqueued = (time.perf_counter() - t0) * 1000.0
+        ahead = not start.query()
+        end.synchronize()
+        if ahead:
+            per_call.append(float(start.elapsed_time(end)) / n)
+            enqueue_ms = enqueued
+            continue
+        enqueue_ms = max(enqueue_ms, enqueued)
+        if n == 1:
+            misses_at_one += 1
+        n = max(1, n // 2)
+    if not per_call:
+        return None
+    return sorted(per_call)[len(per_call) // 2]
+
+
+@functools.cache
+def _sleep_cycles_per_ms() -> float:
+    """``torch.cuda._sleep``'s spin cycles per millisecond on this GPU at its current clock."""
+    cycles = 20_000_000
+    torch.cuda._sleep(cycles // 10)  # the clock up
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / max(float(start.elapsed_time(end)), 1e-3)

@@ -48,6 +48,7 @@ DASH = "—"
 CPU_CAVEAT = "measured on the CPU; not a GPU figure; gate not enforced unless --opprof-gate-on-cpu"
 BASELINE_LABELS = {"eager": "eager", "compile": "torch.compile"}
 TIMELINE_LABELS = {"eager": ("eager",), "compile": ("compiled", "compile")}
+TIMING_LABELS = {"compiled": "compile"}  # a timeline's label -> its timing variant
 CANDIDATE_ORDER = ("optimized", "optimized_baseline_dtype")
 
 # ------------------------------------------------------------------------------ formatting
@@ -557,15 +558,29 @@ def section_hardware(a: WorkloadArtifacts) -> list[str]:
     return lines
 
 
-def _timeline_line(t: Timeline, artifact: str, index: int) -> str:
+def _timeline_line(t: Timeline, artifact: str, index: int, timing: Timing) -> str:
     s = t.summary
     idle = f", idle {fmt_us(s.idle_time_per_iter_us)}" if s.idle_time_per_iter_us else ""
-    return (
+    line = (
         f"{t.label} timeline (`{artifact}` → `timelines[{index}]`, compile mode {t.compile_mode}): "
         f"{fmt_us(s.device_time_per_iter_us)} of device time per iteration over "
         f"{s.iterations} profiled iterations, {fmt_count(s.kernels_per_iter)} kernels per "
         f"iteration{idle}; {fmt_pct(s.attributed_share)} of that time attributed to operators "
         f"({fmt_pct(s.high_share)} at high confidence)."
+    )
+    return line + _gpu_time_agreement(t, timing)
+
+
+def _gpu_time_agreement(t: Timeline, timing: Timing) -> str:
+    """The timeline's kernel time against the timing pass's GPU time with the host hidden: an
+    independent check that the timeline saw every kernel of the call, and only those."""
+    gpu_ms = timing.gpu_time_ms.get(TIMING_LABELS.get(t.label, t.label))
+    if not gpu_ms:
+        return ""
+    return (
+        f" The timing pass measured {fmt_us(gpu_ms * 1000.0)} of GPU time per {t.label} call "
+        f"with the host hidden (`timing.gpu_time_ms`); the timeline's kernels add up to "
+        f"{fmt_pct(t.summary.device_time_per_iter_us / (gpu_ms * 1000.0))} of it."
     )
 
 
@@ -576,7 +591,7 @@ def section_operators(a: WorkloadArtifacts, plots: bool) -> list[str]:
     t = a.profile.primary
     cpu = on_cpu(a)
     div = per_iter_divisor(t, cpu)
-    lines += [_timeline_line(t, "profile.json", 0), ""]
+    lines += [_timeline_line(t, "profile.json", 0, a.profile.timing), ""]
     ranked = sorted(t.aggregated, key=lambda op: -op_time(op, cpu))
     rows = [
         [
@@ -633,7 +648,8 @@ def section_operators(a: WorkloadArtifacts, plots: bool) -> list[str]:
     )
     compiled = a.profile.timeline("compiled")
     if compiled is not None and compiled is not t:
-        lines += [_timeline_line(compiled, "profile.json", a.profile.timelines.index(compiled)), ""]
+        index = a.profile.timelines.index(compiled)
+        lines += [_timeline_line(compiled, "profile.json", index, a.profile.timing), ""]
     series = {"baseline": _plots.roofline_points(a.profile.timelines)}
     if a.optimized is not None:
         series["optimized"] = _plots.roofline_points(a.optimized.timelines[:1])
@@ -937,7 +953,8 @@ def section_before_after(a: WorkloadArtifacts, plots: bool) -> list[str]:
     lines += [
         f"Before: the {before.label} timeline of `profile.json` (the gate's baseline); after: "
         f"the {after.label} timeline of `profile_optimized.json`. {time_label(cpu)} and "
-        'kernels per iteration. "new overhead" marks operators only the optimized backend runs.',
+        'kernels per iteration. "new overhead" marks operators only the optimized backend runs.'
+        + _gpu_time_agreement(after, a.optimized.timing),
         "",
     ]
     lines += table(

@@ -205,6 +205,27 @@ def test_before_after_has_kernel_counts_and_new_overhead(full: WorkloadArtifacts
     assert re.search(r"\*\*device time per iteration\*\*\s+\| 190.2 µs\s+\| 9\s+\| 91.0 µs", text)
 
 
+def test_kernel_time_set_against_the_gpu_time_with_the_host_hidden(
+    full: WorkloadArtifacts,
+) -> None:
+    assert full.profile is not None and full.optimized is not None
+    text = render_workload_report(full, plots=False)
+    assert "host hidden" not in text  # profiles from before timing.gpu_time_ms: nothing said
+    full.profile.timing.gpu_time_ms = {"eager": 0.2, "compile": 0.19}
+    full.optimized.timing.gpu_time_ms = {"optimized": 0.1}
+    text = render_workload_report(full, plots=False)
+    operators = _section(text, "## Operator summary")
+    eager_us = full.profile.primary.summary.device_time_per_iter_us
+    assert (
+        "measured 200.0 µs of GPU time per eager call with the host hidden (`timing.gpu_time_ms`)"
+        f"; the timeline's kernels add up to {eager_us / 200.0 * 100:.1f}% of it" in operators
+    )
+    assert "per compiled call with the host hidden" in operators  # compiled -> timing's compile
+    after = _section(text, "## Before and after, per operator")
+    assert "measured 100.0 µs of GPU time per optimized call" in after
+    assert "add up to 91.0% of it" in after  # 91.0 µs of kernels per iteration
+
+
 def test_before_after_against_eager_when_the_gate_uses_eager(full: WorkloadArtifacts) -> None:
     full.summary = full.summary.model_copy(update={"baseline": "eager"})
     text = _section(render_workload_report(full, plots=False), "## Before and after, per operator")

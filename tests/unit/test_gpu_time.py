@@ -1,0 +1,147 @@
+"""capture.timing.gpu_time on a simulated GPU: a host and a device clock, a launch queue, and
+CUDA events that complete when the device reaches them. The real thing runs on the H200
+(tests/gpu); here the logic that keeps only samples where the host got ahead is pinned down."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from pytest_opprof.capture import timing
+
+RATE = 1_980_000.0  # spin cycles per ms
+
+
+class FakeGPU:
+    """One stream: ops run in order on the device, each after it is launched; the host blocks
+    where the launch queue is full."""
+
+    def __init__(self, queue: int = 1024) -> None:
+        self.host = 0.0  # ms
+        self.queue = queue
+        self.ends: list[float] = []  # device end time of each op launched
+
+    def launch(self, duration: float) -> float:
+        pending = [e for e in self.ends if e > self.host]
+        if len(pending) >= self.queue:
+            self.host = sorted(pending)[len(pending) - self.queue]
+        start = max(self.host, self.ends[-1] if self.ends else 0.0)
+        self.ends.append(start + duration)
+        return start + duration
+
+    def synchronize(self) -> None:
+        self.host = max(self.host, self.ends[-1] if self.ends else 0.0)
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing: bool = False) -> None:
+                self.at: float | None = None
+
+            def record(self) -> None:
+                gpu.host += 0.002
+                self.at = gpu.launch(0.0)
+
+            def query(self) -> bool:
+                assert self.at is not None
+                return gpu.host >= self.at
+
+            def synchronize(self) -> None:
+                assert self.at is not None
+                gpu.host = max(gpu.host, self.at)
+
+            def elapsed_time(self, other: Event) -> float:
+                assert self.at is not None and other.at is not None
+                return other.at - self.at
+
+        def sleep(cycles: int) -> None:
+            gpu.host += 0.005
+            gpu.launch(cycles / RATE)
+
+        monkeypatch.setattr(torch.cuda, "Event", Event)
+        monkeypatch.setattr(torch.cuda, "_sleep", sleep)
+        monkeypatch.setattr(torch.cuda, "synchronize", gpu.synchronize)
+        monkeypatch.setattr(timing.time, "perf_counter", lambda: gpu.host / 1000.0)
+        timing._sleep_cycles_per_ms.cache_clear()
+
+    def call(self, host_ms: float, kernels: list[float], sync: bool = False) -> Any:
+        def fn(*_: Any) -> None:
+            for k in kernels:
+                self.host += host_ms / len(kernels)
+                self.launch(k)
+            if sync:
+                self.synchronize()
+
+        return fn
+
+
+@pytest.fixture
+def gpu(monkeypatch: pytest.MonkeyPatch) -> FakeGPU:
+    g = FakeGPU(queue=64)
+    g.install(monkeypatch)
+    yield g
+    timing._sleep_cycles_per_ms.cache_clear()
+
+
+def measure(calls: dict[str, Any], n: int = 30) -> dict[str, float]:
+    return timing.gpu_time(calls, (torch.zeros(2),), device="cuda", calls_per_sample=n)
+
+
+def test_sleep_calibration_reads_the_spin_rate(gpu: FakeGPU) -> None:
+    assert timing._sleep_cycles_per_ms() == pytest.approx(RATE)
+
+
+def test_a_launch_bound_call_gets_its_kernel_time_not_its_latency(gpu: FakeGPU) -> None:
+    # 0.3 ms of host work per call launching 0.1 ms of kernels: latency 0.3, GPU time 0.1
+    got = measure({"launch_bound": gpu.call(0.3, [0.02] * 5), "busy": gpu.call(0.01, [0.4])})
+    assert got["launch_bound"] == pytest.approx(0.1)
+    assert got["busy"] == pytest.approx(0.4)
+
+
+def test_more_launches_than_the_queue_holds_fall_back_to_fewer_calls(gpu: FakeGPU) -> None:
+    # 20 kernels a call: 30 calls overflow a 64-deep queue, 3 calls fit
+    got = measure({"many_kernels": gpu.call(0.5, [0.01] * 20)})
+    assert got["many_kernels"] == pytest.approx(0.2)
+
+
+def test_a_call_that_waits_on_the_host_has_no_gpu_time(gpu: FakeGPU) -> None:
+    got = measure({"syncs": gpu.call(0.1, [0.05], sync=True), "fine": gpu.call(0.1, [0.05])})
+    assert "syncs" not in got
+    assert got["fine"] == pytest.approx(0.05)
+
+
+def test_none_on_the_cpu() -> None:
+    got = timing.gpu_time({"f": lambda x: x}, (torch.zeros(2),), device="cpu", calls_per_sample=3)
+    assert got == {}
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_the_profiler_kernel_sum_agrees_with_the_gpu_time() -> None:
+    """A call the host holds up (it sleeps between launches): its latency is the host's, its
+    GPU time is its kernels', which torch.profiler sums independently."""
+    import time
+
+    x = torch.randn(4 << 20, device="cuda")
+
+    def host_bound(t: torch.Tensor) -> torch.Tensor:
+        for _ in range(8):
+            time.sleep(2e-4)
+            t = t * 1.0001
+        return t
+
+    got = timing.gpu_time({"f": host_bound}, (x,), device="cuda", calls_per_sample=10)
+    latency = timing.time_interleaved(
+        {"f": host_bound}, (x,), device="cuda", warmup=2, calls_per_round=10, rounds=3
+    )["f"]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            host_bound(x)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(kernels) == 5 * 8
+    kernel_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1000.0 / 5
+    assert got["f"] < 0.5 * min(latency)
+    assert got["f"] == pytest.approx(kernel_ms, rel=0.1)
