@@ -52,4 +52,7 @@ packed=(); for n in "${names[@]}"; do [ -e "$work/$n" ] && packed+=("$base/$n");
 for f in "$work"/*; do [ -f "$f" ] && packed+=("$base/$(basename "$f")"); done
 tar -C "$(dirname "$work")" -cJf "$OUT/results.tar.xz" "${packed[@]}"
 ls -la "$OUT"
+# The last line: a caller polling a run started in the background waits for it, not for the
+# wall-time line above (the archive is written after that).
+echo "packed: $OUT/results.tar.xz"
 exit 0

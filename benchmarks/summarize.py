@@ -456,15 +456,60 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def compare(first: dict[str, Any], second: dict[str, Any], names: tuple[str, str]) -> str:
+    """Two runs' results side by side (two ``summarize`` JSONs): each speedup over
+    torch.compile with its CI, the change, whether the CIs overlap and the ratios agree within
+    3%, and the optimized latencies."""
+    a_name, b_name = names
+    lines = [
+        f"| workload | {a_name} × compile (CI) | {b_name} × compile (CI) | change | CIs overlap "
+        f"| within ±3% | optimized ms {a_name} / {b_name} |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    overlap = close = 0
+    shared = [n for n in first["workloads"] if n in second["workloads"]]
+    for name in shared:
+        a, b = first["workloads"][name], second["workloads"][name]
+        (alo, ahi), (blo, bhi) = a["speedup_vs_compile_ci"], b["speedup_vs_compile_ci"]
+        change = b["speedup_vs_compile"] / a["speedup_vs_compile"] - 1.0
+        overlaps, within = alo <= bhi and blo <= ahi, abs(change) <= 0.03
+        overlap, close = overlap + overlaps, close + within
+        lines.append(
+            f"| {name} | {a['speedup_vs_compile']:.2f}× ({alo:.2f}–{ahi:.2f}) | "
+            f"{b['speedup_vs_compile']:.2f}× ({blo:.2f}–{bhi:.2f}) | {change * 100:+.1f}% | "
+            f"{'yes' if overlaps else 'no'} | {'yes' if within else 'no'} | "
+            f"{a['optimized_ms']:.4f} / {b['optimized_ms']:.4f} |"
+        )
+    lines += [
+        "",
+        f"CIs overlap for {overlap} of {len(shared)}; ratios within ±3% for {close} of "
+        f"{len(shared)}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("folders", nargs="+", type=Path)
-    parser.add_argument("--json", type=Path, required=True)
-    parser.add_argument("--md", type=Path, required=True)
+    parser.add_argument("folders", nargs="*", type=Path)
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--md", type=Path)
     parser.add_argument(
         "--junit", type=Path, nargs="*", default=[], help="stage JUnit files of the calls"
     )
+    parser.add_argument(
+        "--compare",
+        type=Path,
+        nargs=2,
+        metavar=("FIRST", "SECOND"),
+        help="print two runs' summary JSONs side by side instead",
+    )
     args = parser.parse_args()
+    if args.compare:
+        first, second = (json.loads(p.read_text()) for p in args.compare)
+        print(compare(first, second, (args.compare[0].parent.name, args.compare[1].parent.name)))
+        return
+    if not (args.folders and args.json and args.md):
+        parser.error("give the run's folders, --json and --md (or --compare FIRST SECOND)")
     result = summarize(args.folders, args.junit)
     args.json.write_text(json.dumps(result, indent=2) + "\n")
     args.md.write_text(markdown(result))

@@ -9,7 +9,9 @@ table into per-channel arithmetic on the running statistics
 at least one scaling; the undecomposed ``native_batch_norm`` /
 ``_native_batch_norm_legit_no_training`` ops (make_fx / aot_eager graphs) are folded too.
 Producers: ``aten.convolution`` (not transposed) and ``aten.addmm`` / ``aten.mm`` on a permuted
-constant weight (``nn.Linear``).
+constant weight (``nn.Linear``). A bf16/fp16 batch norm is decomposed in fp32 between two
+casts; the casts are identity steps of the chain, the folded weights are rounded once to the
+layer's dtype, and the result is cast to the chain's last dtype where that differs.
 
 With Inductor freezing on, freezing runs before inner compile and already folds conv + bn on
 its own (``torch._inductor.fx_passes.freezing_patterns``), so this pass then reports
@@ -43,6 +45,7 @@ from pytest_opprof.passes.base import (
 
 NAME = "bn_fold"
 aten = torch.ops.aten
+prims = torch.ops.prims
 
 
 @dataclass
@@ -145,8 +148,15 @@ def _affine_step(
     val = fake_value(user)
     if is_op(user, aten._native_batch_norm_legit_no_training, aten.native_batch_norm):
         return _batch_norm_step(user, node, channels, constants)
-    if not isinstance(val, torch.Tensor) or val.shape != out.shape or val.dtype != out.dtype:
+    if not isinstance(val, torch.Tensor) or val.shape != out.shape:
         return None
+    if not val.dtype.is_floating_point:
+        return None
+    if is_op(user, prims.convert_element_type):
+        # a low-precision batch norm is decomposed in fp32 between two casts: a cast is the
+        # identity step of the chain, and the fold ends in the chain's last dtype
+        one = torch.ones(channels, dtype=torch.float64)
+        return one, torch.zeros_like(one), user
     if user.kwargs or len(user.args) != 2:
         return None
     a, b = user.args
@@ -238,6 +248,10 @@ def _fold(gm: torch.fx.GraphModule, site: _Site) -> set[torch.fx.Node]:
             set_fake_value(w_t, key)
             new = graph.call_function(aten.addmm.default, (b_node, site.x, w_t))
         set_fake_value(new, key)
+        end = fake_value(last)
+        if isinstance(end, torch.Tensor) and end.dtype != new_w.dtype:
+            new = graph.call_function(prims.convert_element_type.default, (new, end.dtype))
+            set_fake_value(new, key)
     last.replace_all_uses_with(new)
     erased: set[torch.fx.Node] = set()
     for node in reversed(site.steps):

@@ -88,3 +88,42 @@ def test_conv_without_batch_norm(aten_graph: AtenTrace) -> None:
     result = bn_fold.apply(gm, [x, const(w)])
     assert (result.status, result.matches) == ("NOT_APPLIED", 0)
     assert gm.code == code
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_folds_a_low_precision_batch_norm_decomposed_in_fp32(
+    aten_graph: AtenTrace, dtype: torch.dtype
+) -> None:
+    """Inductor decomposes a bf16 batch norm as cast-to-fp32, the affine, cast back: the casts
+    do not stop the fold (they did, on depthwise_separable_conv in bf16 on the H200)."""
+    fn, (x, w, b) = CASES["conv without bias"]
+    params = [p.to(dtype) if p is not None else None for p in [w, b, *_bn_params(4)]]
+    x = x.to(dtype)
+    gm = aten_graph(fn, x, *params)
+    assert count(gm, torch.ops.prims.convert_element_type) >= 2
+    expected = fn(x.float(), *(p.float() if p is not None else None for p in params))
+    inputs = [x, *(const(p) if p is not None else None for p in params)]
+
+    result = bn_fold.apply(gm, inputs)
+
+    assert (result.status, result.matches) == ("APPLIED", 1)
+    assert count(gm, aten.mul, aten.sub, aten.rsqrt, aten.sqrt) == 0
+    assert count(gm, torch.ops.prims.convert_element_type) == 0
+    got = gm(x, *params)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_a_chain_that_ends_in_fp32_keeps_its_dtype(aten_graph: AtenTrace) -> None:
+    def fn(x, w, gamma, beta, mean, var):  # type: ignore[no-untyped-def]
+        y = F.conv2d(x, w, padding=1).float()
+        return torch.relu(F.batch_norm(y, mean, var, gamma, beta, eps=1e-3))
+
+    x, w = torch.randn(2, 3, 6, 6, dtype=torch.bfloat16), torch.randn(4, 3, 3, 3)
+    params = [w.to(torch.bfloat16), *_bn_params(4)]
+    gm = aten_graph(fn, x, *params)
+    result = bn_fold.apply(gm, [x, *map(const, params)])
+    assert result.matches == 1
+    got = gm(x, *params)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, fn(x, *params), rtol=2e-2, atol=5e-2)

@@ -159,3 +159,36 @@ def test_child_seconds_from_stage_logs(tmp_path: Path) -> None:
     assert got == pytest.approx(
         {"capture": 36.1, "counters": 30.0, "recapture": 7.5, "retime": 9.5}
     )
+
+
+TIMED = ROOT / "benchmarks" / "results" / "h200x2-2026-11-30e"
+"""A run with three timing processes per workload: one GPU, -n 2 on two, and one GPU's backends
+timed again (--opprof-from=recapture), counters off."""
+
+
+@pytest.mark.parametrize("run", ["one-gpu", "two-gpus", "retime"])
+def test_the_committed_tables_of_the_timed_runs_are_what_the_tool_writes(run: str) -> None:
+    tool = _summarize()
+    folder = TIMED / run
+    result = tool.summarize([folder], [folder / "opprof-junit.xml"])
+    assert tool.markdown(result) == (folder / "summary.md").read_text(encoding="utf-8")
+    for name, row in result["workloads"].items():
+        for label, g in row["gpu_time"].items():
+            assert g["gpu_ms"] is not None, (name, label)  # measured in every process layout
+
+
+def test_two_runs_side_by_side() -> None:
+    tool = _summarize()
+    one, two = (json_of(TIMED / run / "summary.json") for run in ("one-gpu", "two-gpus"))
+    table = tool.compare(one, two, ("one", "two"))
+    row = next(line for line in table.splitlines() if line.startswith("| conv_block |"))
+    assert row.split("|")[4:7] == [" +80.9% ", " yes ", " no "]
+    assert "CIs overlap for 7 of 7; ratios within ±3% for 2 of 7." in table
+    itself = tool.compare(one, one, ("one", "one"))
+    assert "ratios within ±3% for 7 of 7" in itself and "+0.0%" in itself
+
+
+def json_of(path: Path) -> Any:
+    import json
+
+    return json.loads(path.read_text(encoding="utf-8"))
