@@ -120,7 +120,8 @@ def _run_stages(ns: argparse.Namespace, options: OpprofOptions, stages: Sequence
         from pytest_opprof.session import session_device
 
         summaries = session.collect_summaries()
-        report = session.write_session(summaries, session_device(summaries, options.out))
+        device = session_device(summaries, options.out, options.device)
+        report = session.write_session(summaries, device)
         print("\n".join(terminal_summary_lines(summaries)))
         print(f"session report: {report}")
     return 1 if failed else 0

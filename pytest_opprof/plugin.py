@@ -280,7 +280,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     summaries = session.collect_summaries()
     if not summaries:
         return
-    path = session.write_session(summaries, session_device(summaries, session.options.out))
+    device = session_device(summaries, session.options.out, session.options.device)
+    path = session.write_session(summaries, device)
     terminalreporter.section("opprof")
     for line in terminal_summary_lines(summaries):
         terminalreporter.write_line(line)

@@ -362,12 +362,25 @@ class Optimizer:
         return dataclasses.replace(self.options, **changes)
 
 
-def session_device(summaries: Iterable[WorkloadSummary], out: Path) -> str:
+def session_device(summaries: Iterable[WorkloadSummary], out: Path, device: str) -> str:
+    """The device the session's profiles name; where none has a profile (every workload
+    stopped before its capture finished), the device this session would have measured on,
+    named the way a profile names it."""
     for s in summaries:
         prof = _maybe(out / s.name / "profile.json", Profile)
         if prof is not None:
             return prof.capture_metadata.device_name
-    return "unknown"
+    from pytest_opprof.capture.system import environment, resolve_device
+
+    try:
+        resolved = resolve_device(device)
+    except OpprofError:
+        return "unknown"
+    if resolved == "cuda":  # not torch.cuda here: this process never starts CUDA
+        from pytest_opprof.gpus import nvidia_smi_query
+
+        return nvidia_smi_query("name") or "unknown"
+    return str(environment("cpu")["device_name"])
 
 
 def _find(speedups: list[Speedup], baseline: str, candidate: str) -> Speedup | None:
@@ -424,10 +437,15 @@ def merge_sessions(dirs: list[Path], out: Path) -> SessionSummary:
                     f"workload {w.name!r} is in two shards ({folder} and another); shards must "
                     "be disjoint: run them with --opprof-shard=K/N and the same N"
                 )
-            found[w.name] = w
             src, dst = folder / w.name, out / w.name
             if src.is_dir() and src.resolve() != dst.resolve():
                 shutil.copytree(src, dst, dirs_exist_ok=True)
+            if w.report and (dst / "report.md").exists():
+                # the shard's paths become the merged folder's, in the message too
+                report = _display(dst / "report.md")
+                message = w.message.replace(w.report, report) if w.message else w.message
+                w = w.model_copy(update={"report": report, "message": message})
+            found[w.name] = w
     summaries = [found[k] for k in sorted(found)]
     device = devices[0] if len(set(devices)) == 1 else " / ".join(sorted(set(devices)))
     merged = SessionSummary(

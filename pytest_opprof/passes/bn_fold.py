@@ -126,6 +126,7 @@ def _walk_chain(site: _Site, constants: ConstantEvaluator) -> bool:
         if step is None:
             break
         mul, add, nxt = step
+        mul, add = mul.to(scale.device), add.to(scale.device)
         site.operands.extend(a for a in user.all_input_nodes if a is not node)
         scale, shift = scale * mul, shift * mul + add
         scaled = scaled or not torch.equal(mul, torch.ones_like(mul))

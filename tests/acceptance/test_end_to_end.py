@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -162,3 +164,45 @@ def test_all_stages_on_a_tiny_workload(pytester: pytest.Pytester) -> None:
         "--opprof", "work/tiny.py", *FAST, "--opprof-stage=propose"
     )
     missing.stdout.fnmatch_lines(["*profile.json: not found*"])
+
+
+def test_two_shards_merged_give_the_unsharded_report(pytester: pytest.Pytester) -> None:
+    """Each shard runs on a copy of the unsharded run's output folder, so its stages are read
+    back from disk and every measurement is the unsharded run's: what differs, if anything, is
+    the sharding and the merge."""
+    import shutil
+
+    pytester.makepyfile(
+        **{"work/tiny": textwrap.dedent(TINY), "work/broken": textwrap.dedent(BROKEN)}
+    )
+    whole = pytester.path / "whole"
+    pytester.runpytest_subprocess("--opprof", "work", *FAST, f"--opprof-out={whole}")
+    shards = []
+    for k in (1, 2):
+        shard = pytester.path / f"shard{k}"
+        shutil.copytree(whole, shard)
+        (shard / "session.json").unlink()
+        shard_run = pytester.runpytest_subprocess(
+            "--opprof", "work", *FAST, f"--opprof-out={shard}", f"--opprof-shard={k}/2", "-v"
+        )
+        shard_run.stdout.fnmatch_lines(["*::speedup*"])
+        shards.append(shard)
+    ran = [
+        {w["name"] for w in json.loads((s / "session.json").read_text())["workloads"]}
+        for s in shards
+    ]
+    assert ran[0] | ran[1] == {"broken", "tiny"} and not ran[0] & ran[1]
+    merged_dir = pytester.path / "merged"
+    merge = pytester.run(
+        sys.executable, "-m", "pytest_opprof.cli", "merge", *shards, "--out", merged_dir
+    )
+    assert "merged 2 shard(s)" in merge.stdout.str()
+
+    def text(folder: Path, name: str) -> str:
+        """The file with its output folder's name (in paths) as OUT."""
+        return (folder / name).read_text().replace(str(folder), "OUT").replace(folder.name, "OUT")
+
+    session = text(whole, "session.json")
+    assert '"report": "OUT/tiny/report.md"' in session
+    assert text(merged_dir, "session.json") == session
+    assert text(merged_dir, "report.md") == text(whole, "report.md")
