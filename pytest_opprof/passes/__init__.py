@@ -104,9 +104,9 @@ REGISTRY: dict[str, PassSpec] = {
         ),
         _spec(
             "activation_substitution",
-            "aten",
+            "functional",
             activation_substitution.apply,
-            "tanh-form GELU replaced by aten.gelu(approximate='tanh')",
+            "tanh-form GELU replaced by one GELU (F.gelu(approximate='tanh'))",
         ),
         _spec(
             "batch_padding",

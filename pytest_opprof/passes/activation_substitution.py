@@ -1,31 +1,34 @@
-"""activation_substitution (aten level): the hand-written tanh GELU,
-``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))``, becomes one
-``aten.gelu(x, approximate="tanh")`` — one fused kernel instead of eight elementwise ops in
-eager-style execution.
+"""activation_substitution: the hand-written tanh GELU,
+``0.5 * x * (1 + tanh(sqrt(2/pi) * (x + 0.044715 * x**3)))``, becomes one fused GELU — one
+kernel instead of eight elementwise ops where nothing else fuses them (eager-style execution).
 
 Matched by hand rather than with Inductor's pattern matcher: people write this formula in many
 shapes (``x**3`` / ``x*x*x`` / ``pow``, either operand order, constants rounded to a few digits),
 and a traced search pattern matches only one literal arrangement with exact constants. Products
 are matched as multisets of factors, sums with either operand order, constants within 1e-4.
 
-Inside Inductor (``make_backend``'s inner compile, or as an Inductor custom pass) the pass finds
-the pattern but leaves it: ``aten.gelu`` is in Inductor's decomposition table and has no
+Registered at the functional level: on the Dynamo graph (torch functions, operators, tensor
+methods) the formula becomes ``F.gelu(x, approximate="tanh")``, which every backend then lowers
+its own way — Inductor decomposes it into this same formula and fuses it into one pointwise
+kernel, so there the rewrite changes which code states the GELU, and selection measures what,
+if anything, that buys. The same matcher works on aten graphs (make_fx, export, aot_eager),
+where the result is ``aten.gelu(x, approximate="tanh")``. Inside Inductor's inner compile it
+finds the pattern but leaves it: ``aten.gelu`` is in Inductor's decomposition table and has no
 lowering, so a post-decomposition ``aten.gelu`` makes Inductor fail ("both a fallback and a
-decomp for same op", torch 2.13 ``lowering.make_fallback``) — and Inductor's decomposition of
-``aten.gelu(approximate="tanh")`` is this very formula, which it already lowers as one fused
-pointwise kernel. The result is then ``NOT_APPLIED`` with the count found and that reason. Where
-a later torch adds a lowering for ``aten.gelu``, the rewrite applies there too. Elsewhere
-(aot_eager, export, eager-mode graphs) the rewrite applies.
+decomp for same op", torch 2.13 ``lowering.make_fallback``); the result is then ``NOT_APPLIED``
+with the count found and that reason.
 """
 
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx
+import torch.nn.functional as F
 
 from pytest_opprof.passes.base import (
     PassResult,
@@ -48,12 +51,38 @@ _CUBIC = 0.044715
 _TOL = 1e-4
 
 
+# What each step of the formula is called: on aten graphs an overload packet, on Dynamo graphs
+# a torch function, an operator or a tensor method.
+_OPS: dict[str, tuple[Any, tuple[Any, ...], tuple[str, ...]]] = {
+    "mul": (aten.mul, (operator.mul, torch.mul), ("mul", "__mul__", "__rmul__")),
+    "add": (aten.add, (operator.add, torch.add), ("add", "__add__", "__radd__")),
+    "tanh": (aten.tanh, (torch.tanh, F.tanh), ("tanh",)),
+    "pow": (aten.pow, (operator.pow, torch.pow), ("pow", "__pow__")),
+}
+
+
+def _is(node: Any, kind: str) -> bool:
+    """``node`` computes ``kind`` (mul, add, tanh, pow) with positional operands only."""
+    if not isinstance(node, torch.fx.Node) or node.kwargs:
+        return False
+    packet, functions, methods = _OPS[kind]
+    if node.op == "call_method":
+        return node.target in methods
+    return is_op(node, packet) or (node.op == "call_function" and node.target in functions)
+
+
+def _on_aten(node: torch.fx.Node) -> bool:
+    return isinstance(node.target, torch._ops.OpOverload)
+
+
 def apply(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> PassResult:
-    """Replace each tanh-form GELU with ``aten.gelu(approximate='tanh')``."""
-    if compile_target() == "inductor" and not _inductor_lowers_gelu():
-        found = sum(1 for n in gm.graph.nodes if is_op(n, aten.tanh) and _match(n) is not None)
-        if not found:
-            return not_applied(NAME, "no tanh-form GELU")
+    """Replace each tanh-form GELU with one GELU: ``F.gelu(x, approximate='tanh')`` on a Dynamo
+    graph, ``aten.gelu(x, approximate='tanh')`` on an aten graph."""
+    sites = [n for n in gm.graph.nodes if _is(n, "tanh") and _match(n) is not None]
+    if not sites:
+        return not_applied(NAME, "no tanh-form GELU")
+    if _on_aten(sites[0]) and compile_target() == "inductor" and not _inductor_lowers_gelu():
+        found = len(sites)
         reason = (
             "Inductor decomposes aten.gelu into this same formula and has no lowering for it "
             f"(torch {torch.__version__}); its fused pointwise kernel already is the substitution"
@@ -73,21 +102,23 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[i
     key = meta_key(graph)
     count = 0
     for tanh in list(graph.nodes):
-        if not is_op(tanh, aten.tanh):
+        if not _is(tanh, "tanh"):
             continue
         match = _match(tanh)
         if match is None:
             continue
         x, root, pattern_nodes = match
+        gelu_fn = aten.gelu.default if _on_aten(tanh) else F.gelu
         with graph.inserting_before(root):
-            gelu = graph.call_function(aten.gelu.default, (x,), {"approximate": "tanh"})
+            gelu = graph.call_function(gelu_fn, (x,), {"approximate": "tanh"})
             set_fake_value(gelu, key)
         root.replace_all_uses_with(gelu)
         _erase_dead(graph, pattern_nodes)
         count += 1
     if not count:
         return 0, "no tanh-form GELU"
-    return count, f"{count} tanh-form GELU(s) -> aten.gelu(approximate='tanh')"
+    target = "aten.gelu" if key == "val" else "F.gelu"
+    return count, f"{count} tanh-form GELU(s) -> {target}(approximate='tanh')"
 
 
 def _match(tanh: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, list[torch.fx.Node]] | None:
@@ -101,7 +132,7 @@ def _match(tanh: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, list[torc
         return None
     nodes += used
     poly = factors[0]
-    if not is_op(poly, aten.add) or poly.kwargs or single_user(poly) is None:
+    if not _is(poly, "add") or single_user(poly) is None:
         return None
     nodes.append(poly)
     a, b = poly.args
@@ -115,7 +146,7 @@ def _match(tanh: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, list[torc
         return None
     # outside: 0.5 * x * (1 + tanh)
     one_plus = single_user(tanh)
-    if one_plus is None or not is_op(one_plus, aten.add) or one_plus.kwargs:
+    if one_plus is None or not _is(one_plus, "add"):
         return None
     other = one_plus.args[1] if one_plus.args[0] is tanh else one_plus.args[0]
     if not _close(scalar(other), 1.0):
@@ -140,7 +171,7 @@ def _product(node: torch.fx.Node) -> tuple[list[Any], float, list[torch.fx.Node]
 
     def visit(n: Any, top: bool) -> None:
         nonlocal const
-        is_mul = isinstance(n, torch.fx.Node) and is_op(n, aten.mul) and not n.kwargs
+        is_mul = _is(n, "mul")
         if is_mul and (top or single_user(n) is not None):
             used.append(n)
             visit(n.args[0], False)
@@ -166,7 +197,7 @@ def _cubic_term(node: torch.fx.Node, x: torch.fx.Node) -> list[torch.fx.Node] | 
     for f in factors:
         if f is x:
             power += 1
-        elif is_op(f, aten.pow) and f.args[0] is x and scalar(f.args[1]) in (2.0, 3.0):
+        elif _is(f, "pow") and f.args[0] is x and scalar(f.args[1]) in (2.0, 3.0):
             if single_user(f) is None:
                 return None
             power += int(scalar(f.args[1]) or 0)
@@ -184,7 +215,7 @@ def _outer_product(
     """Climb the ``mul`` users of ``1 + tanh`` until the product is exactly
     ``0.5 * x * (1 + tanh)``."""
     node = one_plus
-    while (user := single_user(node)) is not None and is_op(user, aten.mul) and not user.kwargs:
+    while (user := single_user(node)) is not None and _is(user, "mul"):
         factors, const, used = _product(user)
         exact = len(factors) == 2 and one_plus in factors and x in factors
         if exact and _close(const, 0.5):

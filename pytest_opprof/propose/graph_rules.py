@@ -175,17 +175,19 @@ def activation_substitution(ctx: Context) -> list[Draft]:
     )
     rationale = (
         f"{len(matches)} tanh-form GELU(s) spelled out in {matches[0].info['ops']} elementwise "
-        "ops each; one gelu(approximate='tanh') computes the same function in one kernel."
+        "ops each; one gelu(approximate='tanh') computes the same function in one kernel "
+        "(a compiler that fuses the spelled-out ops already has one: selection measures it)."
     )
     steps = [
-        "aten level: match mul(x, 0.5) · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))",
-        "replace with aten.gelu(x, approximate='tanh'); erase the matched nodes",
+        "functional level (the Dynamo graph): match 0.5 · x · (1 + tanh(√(2/π) · "
+        "(x + 0.044715 · x³))) in any operand order, x³ as pow or products",
+        "replace with F.gelu(x, approximate='tanh'); erase the matched nodes",
         "graph.lint(); recompile",
     ]
     return [
         Draft(
             "activation_substitution",
-            "aten",
+            "functional",
             [n for m in matches for n in m.nodes],
             [e for m in matches[:MAX_EVIDENCE_PER_KIND] for e in m.evidence],
             steps,

@@ -1,4 +1,5 @@
-"""activation_substitution on aten graphs of the tanh GELU as people write it."""
+"""activation_substitution on the tanh GELU as people write it: on the Dynamo graph (where the
+pipeline runs it) and on aten graphs."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Callable
 import pytest
 import torch
 import torch.nn.functional as F
-from pass_helpers import AtenTrace, count
+from pass_helpers import AtenTrace, DynamoCapture, count, targets
 
 from pytest_opprof.passes import activation_substitution
 
@@ -28,7 +29,11 @@ def gelu_outer_half_last(x: torch.Tensor) -> torch.Tensor:
     return 0.5 * (x * (1 + torch.tanh(0.79788456 * (0.044715 * x**3 + x))))
 
 
-FORMS = [gelu_pow, gelu_cubed_by_hand, gelu_outer_half_last]
+def gelu_method_pow(x: torch.Tensor) -> torch.Tensor:  # examples/gpt2, x.pow(3) as a method
+    return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * x.pow(3))))
+
+
+FORMS = [gelu_pow, gelu_cubed_by_hand, gelu_outer_half_last, gelu_method_pow]
 
 
 @pytest.mark.parametrize("form", FORMS, ids=lambda f: f.__name__)
@@ -77,5 +82,43 @@ def test_leaves_graph_alone_without_the_pattern(
     gm = aten_graph(fn, x)
     code = gm.code
     result = activation_substitution.apply(gm, [x])
+    assert (result.status, result.matches) == ("NOT_APPLIED", 0)
+    assert gm.code == code
+
+
+@pytest.mark.parametrize("form", FORMS, ids=lambda f: f.__name__)
+def test_replaces_tanh_gelu_on_the_dynamo_graph(
+    dynamo_graph: DynamoCapture, form: Callable[..., torch.Tensor]
+) -> None:
+    lin = torch.nn.Linear(16, 16)
+
+    def block(x: torch.Tensor) -> torch.Tensor:
+        return form(lin(x)) - 1.0
+
+    x = torch.randn(4, 16) * 3
+    gm, inputs = dynamo_graph(block, x)
+    with torch.no_grad():
+        expected = block(x)
+
+    result = activation_substitution.apply(gm, inputs)
+
+    assert (result.status, result.matches) == ("APPLIED", 1)
+    assert "F.gelu" in result.detail
+    found = list(targets(gm))
+    assert found.count(F.gelu) == 1
+    assert not {torch.tanh, "tanh", "pow", torch.pow} & set(found)
+    (gelu,) = [n for n in gm.graph.nodes if n.target is F.gelu]
+    assert gelu.kwargs == {"approximate": "tanh"} and "example_value" in gelu.meta
+    with torch.no_grad():
+        torch.testing.assert_close(gm(*inputs)[0], expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("fn", [_erf_gelu, _wrong_constant, _tanh_read_twice])
+def test_leaves_the_dynamo_graph_alone_without_the_pattern(
+    dynamo_graph: DynamoCapture, fn: Callable[..., torch.Tensor]
+) -> None:
+    gm, inputs = dynamo_graph(fn, torch.randn(8))
+    code = gm.code
+    result = activation_substitution.apply(gm, inputs)
     assert (result.status, result.matches) == ("NOT_APPLIED", 0)
     assert gm.code == code

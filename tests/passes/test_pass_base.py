@@ -26,7 +26,7 @@ ALL_TYPES = {
     "qkv_fusion": "functional",
     "sdpa_replacement": "functional",
     "pretranspose_weights": "inductor_config",
-    "activation_substitution": "aten",
+    "activation_substitution": "functional",
     "batch_padding": "non_graph",
     "cuda_graphs": "inductor_config",
     "algorithm_selection": "inductor_config",
