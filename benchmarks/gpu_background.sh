@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# A benchmark run longer than one call of a lent machine, uncut: start gpu_session.sh in its own
+# process session (it outlives the call that started it, while the machine stays held), then
+# wait for it from later calls, each returning before the call limit.
+#   bash benchmarks/gpu_background.sh start one conv_block gpt2 -- --opprof-ncu=off
+#   bash benchmarks/gpu_background.sh wait one 540   # copies the results to $OUT when done
+# Environment for `start` (OPPROF_WORK, CUDA_VISIBLE_DEVICES, ...) passes on to gpu_session.sh.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+action=${1:?start or wait}; name=${2:?a name for the run}; shift 2
+dir=/tmp/opprof-background/$name
+case "$action" in
+  start)
+    mkdir -p "$dir"
+    OUT=$dir OPPROF_CALL_BUDGET=${OPPROF_CALL_BUDGET:-3600} setsid nohup \
+      bash benchmarks/gpu_session.sh "$@" > "$dir/session.out" 2>&1 < /dev/null &
+    echo $! > "$dir/pid"
+    echo "started $name (pid $!): bash benchmarks/gpu_background.sh wait $name SECONDS"
+    ;;
+  wait)
+    limit=${1:-540}
+    # gpu_session.sh's last line: the archive is complete
+    until grep -q "^packed: " "$dir/session.out" 2>/dev/null; do
+      if ! kill -0 "$(cat "$dir/pid" 2>/dev/null)" 2>/dev/null; then
+        echo "$name ended without its archive:"; tail -5 "$dir/session.out"
+        exit 1
+      fi
+      if [ "$SECONDS" -ge "$limit" ]; then
+        echo "still running after ${limit} s:"; tail -3 "$dir/pytest.log" 2>/dev/null
+        exit 0
+      fi
+      sleep 5
+    done
+    tail -4 "$dir/pytest.log"
+    if [ -n "${OUT:-}" ]; then
+      mkdir -p "$OUT/$name"
+      cp "$dir"/results.tar.xz "$dir"/pytest.log "$dir"/summary.md "$dir"/summary.json \
+        "$dir"/env.txt "$OUT/$name/" 2>/dev/null
+      echo "copied to $OUT/$name"
+    fi
+    ;;
+  *) echo "usage: gpu_background.sh start|wait NAME ..." >&2; exit 2 ;;
+esac
