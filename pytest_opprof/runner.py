@@ -262,6 +262,33 @@ def _timelines(
     return timelines, flags
 
 
+def _gpu_time(
+    calls: dict[str, Any],
+    inputs: Any,
+    device: str,
+    calls_per_sample: int,
+    samples: dict[str, list[float]],
+    timelines: list[Any],
+) -> dict[str, float]:
+    """The GPU time of each call with the host hidden (capture.timing.gpu_time), its first
+    attempt sized by the timing pass's latency and the timeline's kernels per call."""
+    import statistics
+
+    from pytest_opprof.capture.timing import gpu_time
+
+    timing_label = {"compiled": "compile"}
+    return gpu_time(
+        calls,
+        inputs,
+        device=device,
+        calls_per_sample=calls_per_sample,
+        latency_ms={k: statistics.median(v) for k, v in samples.items() if v},
+        launches={
+            timing_label.get(t.label, t.label): t.summary.kernels_per_iter for t in timelines
+        },
+    )
+
+
 def _timing(
     samples: dict[str, list[float]],
     device: str,
@@ -294,7 +321,7 @@ def task_capture(spec: dict[str, Any]) -> None:
     """Stage 0: graph summary, timing (eager vs compiled, interleaved), both timelines."""
     from pytest_opprof.capture.graph import capture_graph
     from pytest_opprof.capture.system import environment, resolve_device
-    from pytest_opprof.capture.timing import gpu_time, time_interleaved
+    from pytest_opprof.capture.timing import time_interleaved
     from pytest_opprof.schema import Profile, write_artifact
 
     _setup_torch()
@@ -315,7 +342,6 @@ def task_capture(spec: dict[str, Any]) -> None:
         calls_per_round=calls_per_round,
         rounds=_setting(spec, "rounds"),
     )
-    gpu_ms = gpu_time(baselines, w.inputs, device=device, calls_per_sample=calls_per_round)
     mode = f"torch.compile(backend={opts.compile_backend!r})"
     timelines, flags = _timelines(
         spec,
@@ -324,6 +350,7 @@ def task_capture(spec: dict[str, Any]) -> None:
         device,
         out_dir,
     )
+    gpu_ms = _gpu_time(baselines, w.inputs, device, calls_per_round, samples, timelines)
     phase("timed and profiled")
     timing = _timing(
         samples,
@@ -980,7 +1007,6 @@ def task_recapture(spec: dict[str, Any]) -> None:
     """Stage 4: the optimized workload through its backend, timed interleaved with eager and
     the compiled baseline (and, when the dtype changed, the same plan at the baseline dtype)."""
     from pytest_opprof.capture.system import environment, resolve_device
-    from pytest_opprof.capture.timing import gpu_time
     from pytest_opprof.schema import Profile, write_artifact
 
     _setup_torch()
@@ -990,9 +1016,6 @@ def task_recapture(spec: dict[str, Any]) -> None:
     info = environment(device)
     built = _optimized_calls(spec, device, w)
     samples = _time_calls(spec, built["calls"], w.inputs, device)
-    gpu_ms = gpu_time(
-        built["calls"], w.inputs, device=device, calls_per_sample=_setting(spec, "measure_iters")
-    )
     optimized = built["calls"]["optimized"]
     timelines, flags = _timelines(
         spec,
@@ -1001,6 +1024,9 @@ def task_recapture(spec: dict[str, Any]) -> None:
         device,
         out_dir,
         built["twins"],
+    )
+    gpu_ms = _gpu_time(
+        built["calls"], w.inputs, device, _setting(spec, "measure_iters"), samples, timelines
     )
     timing = _timing(
         samples,

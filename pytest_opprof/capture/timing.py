@@ -83,37 +83,54 @@ def _one_round(fn: Call, inputs: Sequence[torch.Tensor], device: str, n: int) ->
     return (time.perf_counter() - t0) * 1000.0 / n
 
 
+LAUNCH_QUEUE = 900
+"""Launches a sample may queue behind the sleep: CUDA holds about 1024 pending launches per
+stream before the host blocks, and a blocked host is a sample lost."""
+
+
 def gpu_time(
     calls: Mapping[str, Call],
     template: tuple[torch.Tensor, ...],
     *,
     device: str,
     calls_per_sample: int,
+    latency_ms: Mapping[str, float] | None = None,
+    launches: Mapping[str, float] | None = None,
     samples: int = 5,
     seed: int = 999,
 ) -> dict[str, float]:
     """Each callable's GPU time per call (ms, the median of ``samples``) with the host hidden;
     none on the CPU, and none for a callable the host never gets ahead of (one that
-    synchronizes with the host, or launches more than the launch queue holds)."""
+    synchronizes with the host, or launches more than the launch queue holds).
+
+    ``latency_ms`` (the timing pass's medians) and ``launches`` (kernels per call, from the
+    timeline) size the first attempt: a sleep long enough for the host, and no more calls than
+    the launch queue takes. Without them the first samples find both out by missing."""
     if device != "cuda":
         return {}
+    latency_ms, launches = latency_ms or {}, launches or {}
     out: dict[str, float] = {}
     with torch.no_grad():
         inputs = fresh_inputs(template, seed)
         for name, fn in calls.items():
-            ms = _gpu_time_of(fn, inputs, calls_per_sample, samples)
+            n = calls_per_sample
+            if launches.get(name):
+                n = max(1, min(n, int(LAUNCH_QUEUE // launches[name])))
+            ms = _gpu_time_of(fn, inputs, n, samples, latency_ms.get(name))
             if ms is not None:
                 out[name] = ms
     return out
 
 
-def _gpu_time_of(fn: Call, inputs: Sequence[torch.Tensor], n: int, samples: int) -> float | None:
+def _gpu_time_of(
+    fn: Call, inputs: Sequence[torch.Tensor], n: int, samples: int, latency_ms: float | None
+) -> float | None:
     """Sleep the GPU, enqueue ``n`` calls between two events, and keep the sample only where
     the start event was still pending when the host had enqueued them all: then no kernel of
     theirs waited on the host. A miss halves ``n`` and sleeps longer (the host's enqueue time
     of the miss, twice, with a floor); one call missing three times gives up."""
     per_call: list[float] = []
-    enqueue_ms = 5.0
+    enqueue_ms = latency_ms * n if latency_ms else 5.0
     misses_at_one = 0
     while len(per_call) < samples and misses_at_one < 3:
         start = torch.cuda.Event(enable_timing=True)

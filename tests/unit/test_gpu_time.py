@@ -107,6 +107,29 @@ def test_more_launches_than_the_queue_holds_fall_back_to_fewer_calls(gpu: FakeGP
     assert got["many_kernels"] == pytest.approx(0.2)
 
 
+def test_latency_and_kernel_counts_size_the_first_attempt(
+    gpu: FakeGPU, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Told the call's latency and launches, every attempt keeps its sample; not told, the
+    first attempts miss (a sleep too short, a queue too small) before the same figure."""
+    sleeps: list[int] = []
+    real_sleep = torch.cuda._sleep
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda c: (sleeps.append(c), real_sleep(c)))
+    monkeypatch.setattr(timing, "LAUNCH_QUEUE", 60)  # the fake queue holds 64
+    fn = gpu.call(0.5, [0.01] * 20)
+    args = ({"f": fn}, (torch.zeros(2),))
+
+    told = timing.gpu_time(
+        *args, device="cuda", calls_per_sample=30, latency_ms={"f": 0.5}, launches={"f": 20}
+    )
+    attempts_told = len(sleeps) - 2  # two calibrate the sleep
+    sleeps.clear()
+    untold = timing.gpu_time(*args, device="cuda", calls_per_sample=30)
+
+    assert told["f"] == pytest.approx(0.2) and untold["f"] == pytest.approx(0.2)
+    assert attempts_told == 5 < len(sleeps)
+
+
 def test_a_call_that_waits_on_the_host_has_no_gpu_time(gpu: FakeGPU) -> None:
     got = measure({"syncs": gpu.call(0.1, [0.05], sync=True), "fine": gpu.call(0.1, [0.05])})
     assert "syncs" not in got
