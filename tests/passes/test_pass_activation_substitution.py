@@ -122,3 +122,24 @@ def test_leaves_the_dynamo_graph_alone_without_the_pattern(
     result = activation_substitution.apply(gm, inputs)
     assert (result.status, result.matches) == ("NOT_APPLIED", 0)
     assert gm.code == code
+
+
+def test_on_the_gpt2_example(dynamo_graph: DynamoCapture) -> None:
+    """examples/gpt2 as Dynamo hands it to a backend: twelve GELUs, each replaced."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "examples" / "gpt2" / "gpt2.py"
+    spec = importlib.util.spec_from_file_location("gpt2_example", path)
+    assert spec is not None and spec.loader is not None
+    gpt2 = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpt2)
+    model = gpt2.GPT2Model(gpt2.GPT2Config()).eval()
+    ids = torch.randint(0, gpt2.GPT2Config.vocab_size, (1, 16))
+    with torch.no_grad():
+        expected = model(ids)
+        gm, inputs = dynamo_graph(model, ids)
+        result = activation_substitution.apply(gm, inputs)
+        assert (result.status, result.matches) == ("APPLIED", 12)
+        assert list(targets(gm)).count(F.gelu) == 12
+        torch.testing.assert_close(gm(*inputs)[0], expected, rtol=1e-4, atol=1e-4)
