@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -486,3 +487,15 @@ def test_importing_knowledge_imports_no_torch() -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True)
     assert result.returncode == 0, result.stderr.decode()
+
+
+def test_the_schema_page_names_each_artifacts_current_version() -> None:
+    """knowledge/schema-versions.md had gone stale by two minor versions of Profile."""
+    from pytest_opprof import schema
+
+    text = (KNOWLEDGE / "schema-versions.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `[^`]+` \| `(\w+)` \| ([\d.]+) \|", text, flags=re.M)
+    assert rows
+    for model, version in rows:
+        assert getattr(schema, model).SCHEMA_VERSION == version, model
+    assert f"`BackendSelection`,\n{schema.BackendSelection.SCHEMA_VERSION}" in text
