@@ -497,5 +497,5 @@ def test_the_schema_page_names_each_artifacts_current_version() -> None:
     rows = re.findall(r"^\| `[^`]+` \| `(\w+)` \| ([\d.]+) \|", text, flags=re.M)
     assert rows
     for model, version in rows:
-        assert getattr(schema, model).SCHEMA_VERSION == version, model
+        assert version == getattr(schema, model).SCHEMA_VERSION, model
     assert f"`BackendSelection`,\n{schema.BackendSelection.SCHEMA_VERSION}" in text
