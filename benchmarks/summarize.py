@@ -382,19 +382,20 @@ def markdown(result: dict[str, Any]) -> str:
             "as GPU time with the host hidden (calls queued behind a GPU sleep), beside the "
             "timeline's kernel time (sum) and busy time (union of kernel intervals) per "
             "iteration. kernel sum / GPU time near 1: the timeline saw the call's kernels and "
-            "only those; busy / latency near 1: the GPU never waited on the host:",
+            "only those (busy / GPU time where kernels overlap: a sum counts concurrent kernels "
+            "twice); busy / latency near 1: the GPU never waited on the host:",
             "",
             "| workload | timeline | latency | GPU time | kernel sum | busy | kernel sum / GPU "
-            "time | busy / latency |",
-            "|---|---|---|---|---|---|---|---|",
+            "time | busy / GPU time | busy / latency |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for name, per in agree.items():
             for label, g in per.items():
                 busy, gpu = g["busy_ms"], g.get("gpu_ms")
                 lines.append(
                     f"| {name} | {label} | {g['timing_ms']:.3f} | {_ms(gpu)} | "
-                    f"{g['kernel_ms']:.3f} | {_ms(busy)} | "
-                    f"{_ratio(g['kernel_ms'], gpu)} | {_ratio(busy, g['timing_ms'])} |"
+                    f"{g['kernel_ms']:.3f} | {_ms(busy)} | {_ratio(g['kernel_ms'], gpu)} | "
+                    f"{_ratio(busy, gpu)} | {_ratio(busy, g['timing_ms'])} |"
                 )
     counted = {n: r["counters"] for n, r in result["workloads"].items() if r.get("counters")}
     if counted:
