@@ -1295,6 +1295,43 @@ def _report_link(s: WorkloadSummary, out_dir: Path) -> str | None:
     return f"{s.name}/report.md" if default.is_file() else None
 
 
+def _gpus_measured(
+    items: Sequence[WorkloadSummary], out_dir: Path
+) -> dict[str, tuple[list[str], set[int | None]]]:
+    """GPU UUID -> (the workloads whose capture or recapture measured on it, the GPU counts
+    those processes saw), from each workload's two profiles; empty where none recorded a
+    UUID (CPU runs, profiles from before Profile 2.3)."""
+    from pytest_opprof.errors import ArtifactError
+    from pytest_opprof.schema import read_artifact
+
+    gpus: dict[str, tuple[list[str], set[int | None]]] = {}
+    for s in items:
+        for name in ("profile_optimized.json", "profile.json"):
+            path = Path(out_dir) / s.name / name
+            if not path.is_file():
+                continue
+            try:
+                meta = read_artifact(path, Profile).capture_metadata
+            except ArtifactError:
+                continue
+            if meta.device_uuid:
+                names, counts = gpus.setdefault(meta.device_uuid, ([], set()))
+                if s.name not in names:
+                    names.append(s.name)
+                counts.add(meta.device_count)
+    return gpus
+
+
+def _gpus_line(gpus: dict[str, tuple[list[str], set[int | None]]]) -> str:
+    counts = {c for _, seen in gpus.values() for c in seen}
+    alone = " Each process saw one GPU." if counts == {1} else ""
+    if len(gpus) == 1:
+        ((uuid, _),) = gpus.items()
+        return f"Measured on one GPU, `{uuid}`.{alone}"
+    parts = [f"`{uuid}`: {', '.join(names)}" for uuid, (names, _) in gpus.items()]
+    return f"Measured on {len(gpus)} GPUs: {'; '.join(parts)}.{alone}"
+
+
 def render_session_report(items: Sequence[WorkloadSummary], *, device: str, out_dir: Path) -> str:
     """The session's ``report.md``: one table of every workload, then links to their reports."""
     counts = {
@@ -1307,6 +1344,9 @@ def render_session_report(items: Sequence[WorkloadSummary], *, device: str, out_
         f"Device: {device} · {len(items)} workload{'s' if len(items) != 1 else ''}: {tally}",
         "",
     ]
+    gpus = _gpus_measured(items, out_dir)
+    if gpus:
+        lines += [_gpus_line(gpus), ""]
     if items:
         lines += table(
             [

@@ -613,3 +613,23 @@ def test_hardware_names_the_gpu_the_process_saw(full: WorkloadArtifacts) -> None
     full.profile = full.profile.model_copy(update={"capture_metadata": meta})
     hw = _section(render_workload_report(full, plots=False), "## Hardware context")
     assert "GPU-1234; 1 visible (CUDA_VISIBLE_DEVICES=1)" in hw
+
+
+def test_session_report_names_the_gpu_each_workload_was_measured_on(tmp_path: Path) -> None:
+    """From the -n 2 run on two H200s: each worker's profiles name its own GPU."""
+    run = Path(__file__).resolve().parents[2] / "benchmarks/results/h200x2-2026-11-30e/two-gpus"
+    session = read_artifact(run / "session.json", SessionSummary)
+    text = render_session_report(session.workloads, device=session.device, out_dir=run)
+    line = next(line for line in text.splitlines() if line.startswith("Measured on"))
+    assert line == (
+        "Measured on 2 GPUs: `GPU-10002e43-0f75-f087-41d2-b7c7f243a7c3`: conv_block, "
+        "depthwise_separable_conv, gpt2; `GPU-59a44747-2d72-d4af-0d1e-7ef69bc68257`: "
+        "embedding_projection, lstm_sequence_encoder, mlp_activations, sdpa_attention. "
+        "Each process saw one GPU."
+    )
+    # profiles without a UUID (the CPU, or before Profile 2.3) say nothing
+    session_cpu = _session()
+    (tmp_path / "conv_block").mkdir()
+    assert "Measured on" not in render_session_report(
+        session_cpu.workloads, device=session_cpu.device, out_dir=tmp_path
+    )
