@@ -318,7 +318,9 @@ def _timing(
 
 
 def task_capture(spec: dict[str, Any]) -> None:
-    """Stage 0: graph summary, timing (eager vs compiled, interleaved), both timelines."""
+    """Stage 0: graph summary, timing (eager vs compiled, interleaved), both timelines, and
+    each call's GPU time with the host hidden (what the timelines' kernel time is checked
+    against)."""
     from pytest_opprof.capture.graph import capture_graph
     from pytest_opprof.capture.system import environment, resolve_device
     from pytest_opprof.capture.timing import time_interleaved
@@ -1005,7 +1007,8 @@ def _time_calls(spec: dict[str, Any], calls: dict[str, Any], inputs: Any, device
 
 def task_recapture(spec: dict[str, Any]) -> None:
     """Stage 4: the optimized workload through its backend, timed interleaved with eager and
-    the compiled baseline (and, when the dtype changed, the same plan at the baseline dtype)."""
+    the compiled baseline (and, when the dtype changed, the same plan at the baseline dtype),
+    its timeline, and each call's GPU time with the host hidden."""
     from pytest_opprof.capture.system import environment, resolve_device
     from pytest_opprof.schema import Profile, write_artifact
 
