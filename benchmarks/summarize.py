@@ -23,6 +23,7 @@ from pytest_opprof.schema import (
     Profile,
     ValidationReport,
     read_artifact,
+    timing_variant,
 )
 
 # EXAMPLES.md: best hand-tuned latency (ms) and its ratio over torch.compile fp32.
@@ -72,9 +73,6 @@ def stage_seconds(junit_files: list[Path]) -> dict[str, dict[str, float]]:
     return out
 
 
-LABELS = {"eager": "eager", "compiled": "compile", "optimized": "optimized"}
-
-
 def _in_effect(where: Path, sel: BackendSelection, val: ValidationReport) -> list[str]:
     """The chosen plan's proposals that changed the program: without those whose pass
     validation recorded as NOT_APPLIED, and Inductor's CUDA graphs where one graph of the
@@ -108,13 +106,13 @@ def _gpu_time(*profiles: Profile) -> dict[str, dict[str, float | None]]:
     out: dict[str, dict[str, float | None]] = {}
     for profile in profiles:
         for t in profile.timelines:
-            stats = profile.timing.variants.get(LABELS.get(t.label, t.label))
+            stats = profile.timing.variants.get(timing_variant(t.label))
             if stats is None:
                 continue
             busy = t.summary.busy_time_per_iter_us
             out[t.label] = {
                 "timing_ms": stats.median_ms,
-                "gpu_ms": profile.timing.gpu_time_ms.get(LABELS.get(t.label, t.label)),
+                "gpu_ms": profile.timing.gpu_time_ms.get(timing_variant(t.label)),
                 "kernel_ms": t.summary.device_time_per_iter_us / 1000.0,
                 "busy_ms": busy / 1000.0 if busy is not None else None,
                 "idle_ms": t.summary.idle_time_per_iter_us / 1000.0,

@@ -275,17 +275,15 @@ def _gpu_time(
     import statistics
 
     from pytest_opprof.capture.timing import gpu_time
+    from pytest_opprof.schema import timing_variant
 
-    timing_label = {"compiled": "compile"}
     return gpu_time(
         calls,
         inputs,
         device=device,
         calls_per_sample=calls_per_sample,
         latency_ms={k: statistics.median(v) for k, v in samples.items() if v},
-        launches={
-            timing_label.get(t.label, t.label): t.summary.kernels_per_iter for t in timelines
-        },
+        launches={timing_variant(t.label): t.summary.kernels_per_iter for t in timelines},
     )
 
 

@@ -96,6 +96,12 @@ class Speedup(Model):
     )
 
 
+def timing_variant(timeline_label: str) -> str:
+    """The ``Timing.variants`` key of a timeline: its own label, except the compiled
+    baseline's (timeline ``compiled``, timing variant ``compile``)."""
+    return "compile" if timeline_label == "compiled" else timeline_label
+
+
 class Timing(Model):
     device: str
     clock: Literal["cuda_event", "perf_counter"]

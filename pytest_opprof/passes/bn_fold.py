@@ -151,7 +151,7 @@ def _affine_step(
         return _batch_norm_step(user, node, channels, constants)
     if not isinstance(val, torch.Tensor) or val.shape != out.shape:
         return None
-    if not val.dtype.is_floating_point:
+    if not val.dtype.is_floating_point:  # a cast to an integer or bool is no affine step
         return None
     if is_op(user, prims.convert_element_type):
         # a low-precision batch norm is decomposed in fp32 between two casts: a cast is the

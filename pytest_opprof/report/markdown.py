@@ -34,6 +34,7 @@ from pytest_opprof.schema import (
     Timing,
     WaterfallStep,
     WorkloadSummary,
+    timing_variant,
     write_text_atomic,
 )
 
@@ -48,7 +49,6 @@ DASH = "—"
 CPU_CAVEAT = "measured on the CPU; not a GPU figure; gate not enforced unless --opprof-gate-on-cpu"
 BASELINE_LABELS = {"eager": "eager", "compile": "torch.compile"}
 TIMELINE_LABELS = {"eager": ("eager",), "compile": ("compiled", "compile")}
-TIMING_LABELS = {"compiled": "compile"}  # a timeline's label -> its timing variant
 CANDIDATE_ORDER = ("optimized", "optimized_baseline_dtype")
 
 # ------------------------------------------------------------------------------ formatting
@@ -574,7 +574,7 @@ def _timeline_line(t: Timeline, artifact: str, index: int, timing: Timing) -> st
 def _gpu_time_agreement(t: Timeline, timing: Timing) -> str:
     """The timeline's kernel time against the timing pass's GPU time with the host hidden: an
     independent check that the timeline saw every kernel of the call, and only those."""
-    gpu_ms = timing.gpu_time_ms.get(TIMING_LABELS.get(t.label, t.label))
+    gpu_ms = timing.gpu_time_ms.get(timing_variant(t.label))
     if not gpu_ms:
         return ""
     return (
