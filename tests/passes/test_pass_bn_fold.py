@@ -130,4 +130,3 @@ def test_a_chain_that_ends_in_fp32_keeps_its_dtype(aten_graph: AtenTrace) -> Non
     assert got.dtype == torch.float32
     rtol, _ = tolerance_for("bfloat16")
     assert float(torch.linalg.norm(got - expected) / torch.linalg.norm(expected)) < rtol
-
