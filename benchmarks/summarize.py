@@ -504,8 +504,14 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.compare:
-        first, second = (json.loads(p.read_text()) for p in args.compare)
-        print(compare(first, second, (args.compare[0].parent.name, args.compare[1].parent.name)))
+        runs = []
+        for path in args.compare:
+            try:
+                runs.append(json.loads(path.read_text(encoding="utf-8")))
+            except (OSError, ValueError) as exc:
+                parser.error(f"{path}: not a summary JSON ({exc}); pass two summary.json files")
+        names = (args.compare[0].parent.name, args.compare[1].parent.name)
+        print(compare(runs[0], runs[1], names))
         return
     if not (args.folders and args.json and args.md):
         parser.error("give the run's folders, --json and --md (or --compare FIRST SECOND)")

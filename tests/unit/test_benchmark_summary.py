@@ -192,3 +192,26 @@ def json_of(path: Path) -> Any:
     import json
 
     return json.loads(path.read_text(encoding="utf-8"))
+
+
+def test_compare_says_what_it_needs(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    bad = tmp_path / "summary.json"
+    bad.write_text("{not json")
+    done = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "summarize.py"),
+            "--compare",
+            str(bad),
+            str(bad),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 2
+    assert "not a summary JSON" in done.stderr and "pass two summary.json files" in done.stderr
+    assert "Traceback" not in done.stderr
