@@ -10,8 +10,14 @@ probe splits the call's host path in each of N fresh processes:
 - ``eager_ms`` / ``graph_ms``: conv_block eager per call (CUDA events), and the same call
   replayed from a CUDA graph (no host path at all: the GPU's own speed).
 
-Whichever of the four moves with ``eager_ms`` across processes is where the variance lives.
-One JSON line per process.
+- ``compiled_ms``: the same call through ``torch.compile`` (Inductor, warm caches), the
+  baseline whose speed wandered most between processes.
+
+Whichever of these moves with ``eager_ms`` across processes is where the variance lives. The
+processes run in three groups: ``PYTHONHASHSEED=0``, ``=1`` and unset (random), so a per-process
+speed that string hashing decides (dict and set layouts of the dispatcher's Python) shows as
+groups steady within and apart between. Each line also names the CPU the process ended on and
+how many it may use. One JSON line per process.
 
     python benchmarks/launch_probe.py [N]
 """
@@ -19,6 +25,7 @@ One JSON line per process.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -76,16 +83,30 @@ with torch.no_grad():
     with torch.cuda.graph(graph):
         model(x)
     row["graph_ms"] = events(graph.replay)
+    compiled = torch.compile(model)
+    for _ in range(5):
+        compiled(x)
+    row["compiled_ms"] = events(lambda: compiled(x))
+import os
+row["cpu"] = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[36])
+row["cpus_allowed"] = len(os.sched_getaffinity(0))
 print(json.dumps(row))
 """
 
 
 def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 10
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 12
     for i in range(n):
-        done = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True)
+        seed = ("0", "1", None)[i * 3 // n]
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+        if seed is not None:
+            env["PYTHONHASHSEED"] = seed
+        done = subprocess.run(
+            [sys.executable, "-c", CHILD], capture_output=True, text=True, env=env
+        )
         line = done.stdout.strip().splitlines()[-1:] or [json.dumps({"error": done.stderr[-300:]})]
-        print(json.dumps({"process": i, **json.loads(line[0])}), flush=True)
+        row = {"process": i, "hash_seed": seed or "random", **json.loads(line[0])}
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":

@@ -31,6 +31,47 @@ def phase(what: str) -> None:
     print(f"[opprof] +{time.perf_counter() - _STARTED:7.1f} s  {what}", flush=True)
 
 
+_COMPILE_PARTS = (
+    ("trace", "bytecode_tracing"),
+    ("aot", "create_aot_dispatcher_function"),
+    ("inductor", "fx_codegen_and_compile"),
+    ("kernels", "async_compile.wait"),
+)
+
+
+def compile_clock() -> dict[str, float]:
+    """Dynamo's running totals of compile time by phase, and Inductor's FX graph cache hits and
+    misses so far; :func:`compile_note` reports the difference since a reading."""
+    try:
+        from torch._dynamo import utils
+    except ImportError:  # pragma: no cover - torch without Dynamo
+        return {}
+    totals = {
+        name: sum(utils.compilation_time_metrics.get(key, [])) for name, key in _COMPILE_PARTS
+    }
+    inductor = utils.counters["inductor"]
+    totals["cache_hit"] = float(inductor.get("fxgraph_cache_hit", 0))
+    totals["cache_miss"] = float(inductor.get("fxgraph_cache_miss", 0))
+    return totals
+
+
+def compile_note(before: dict[str, float]) -> str:
+    """Where a compile's time went since ``before`` (a :func:`compile_clock` reading): Dynamo's
+    trace, AOT autograd, Inductor's codegen and the wait for its kernels, and whether Inductor's
+    FX graph cache answered. Empty where Dynamo records nothing."""
+    now = compile_clock()
+    if not now or not before:
+        return ""
+
+    def since(name: str) -> float:  # torch._dynamo.reset() clears the totals in between
+        was = before.get(name, 0.0)
+        return now[name] - was if now[name] >= was else now[name]
+
+    parts = [f"{name} {since(name):.1f}" for name, _ in _COMPILE_PARTS]
+    hits, misses = int(since("cache_hit")), int(since("cache_miss"))
+    return f"{', '.join(parts)} s; FX graph cache {hits} hit, {misses} miss"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
     if len(args) != 1:
@@ -158,6 +199,7 @@ def _compile_timed(
     from pytest_opprof.errors import StageError
 
     fn = torch.compile(model, backend=backend)
+    clock = compile_clock()
     t0 = time.perf_counter()
     try:
         with torch.no_grad():
@@ -174,7 +216,11 @@ def _compile_timed(
             "compiler for the CPU, Triton for the GPU), or see the stage log"
         ) from None
     seconds = time.perf_counter() - t0
-    phase(f"compiled (backend={getattr(backend, '__name__', backend)!r}) in {seconds:.1f} s")
+    note = compile_note(clock)
+    phase(
+        f"compiled (backend={getattr(backend, '__name__', backend)!r}) in {seconds:.1f} s"
+        + (f" ({note})" if note else "")
+    )
     return fn, seconds
 
 
@@ -501,8 +547,11 @@ def task_select(spec: dict[str, Any]) -> None:
         for p in rung.proposals:
             plan = add_proposal(plan, p)
         name = "+".join(plan.proposals)
+        t0 = time.perf_counter()
         torch.manual_seed(0)
         fresh = _load_baseline(spec, device).model
+        t1 = time.perf_counter()
+        clock = compile_clock()
         try:
             built = build(fresh, w.inputs, plan)
             with torch.no_grad():
@@ -516,7 +565,11 @@ def task_select(spec: dict[str, Any]) -> None:
                     id=p.id, type=p.type, reason=f"failed to build: {reason[:200]}"
                 )
             return False
-        phase(f"built {name}")
+        note = compile_note(clock)
+        phase(
+            f"built {name}: model {t1 - t0:.1f} s, compile and first call "
+            f"{time.perf_counter() - t1:.1f} s" + (f" ({note})" if note else "")
+        )
         unchanged = _applied_nowhere(rung.proposals, built.results)
         if unchanged is not None:
             # Timing an identical program only measures noise; a lucky CI must not keep it.
