@@ -8,16 +8,17 @@ probe splits the call's host path in each of N fresh processes:
 - ``cpu_dispatch_us``: the model on tiny CPU tensors (Python + ATen dispatch, no CUDA);
 - ``launch_us``: host time per empty CUDA launch (``torch.cuda._sleep(0)``, the driver path);
 - ``eager_ms`` / ``graph_ms``: conv_block eager per call (CUDA events), and the same call
-  replayed from a CUDA graph (no host path at all: the GPU's own speed).
-
+  replayed from a CUDA graph (no host path at all: the GPU's own speed);
 - ``compiled_ms``: the same call through ``torch.compile`` (Inductor, warm caches), the
   baseline whose speed wandered most between processes.
 
 Whichever of these moves with ``eager_ms`` across processes is where the variance lives. The
-processes run in three groups: ``PYTHONHASHSEED=0``, ``=1`` and unset (random), so a per-process
-speed that string hashing decides (dict and set layouts of the dispatcher's Python) shows as
-groups steady within and apart between. Each line also names the CPU the process ended on and
-how many it may use. One JSON line per process.
+processes alternate between address-space randomisation on and off (``setarch -R``): where the
+per-process speed is the memory layout a process happened to get (cache-set and TLB conflicts
+of the dispatcher's hot data), the processes without it agree with each other. (A first run
+grouped them by ``PYTHONHASHSEED`` instead: processes of one seed differed as much as any, so
+string hashing is not it; benchmarks/results/h200x2-2026-11-30f.) Each line also names the
+CPU the process ended on and how many it may use. One JSON line per process.
 
     python benchmarks/launch_probe.py [N]
 """
@@ -25,7 +26,8 @@ how many it may use. One JSON line per process.
 from __future__ import annotations
 
 import json
-import os
+import platform
+import shutil
 import subprocess
 import sys
 
@@ -95,17 +97,16 @@ print(json.dumps(row))
 
 
 def main() -> None:
-    n = int(sys.argv[1]) if len(sys.argv) > 1 else 12
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 8
+    setarch = shutil.which("setarch")
     for i in range(n):
-        seed = ("0", "1", None)[i * 3 // n]
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
-        if seed is not None:
-            env["PYTHONHASHSEED"] = seed
-        done = subprocess.run(
-            [sys.executable, "-c", CHILD], capture_output=True, text=True, env=env
-        )
+        fixed = setarch is not None and i % 2 == 1
+        cmd = [sys.executable, "-c", CHILD]
+        if fixed:
+            cmd = [setarch, platform.machine(), "-R", *cmd]
+        done = subprocess.run(cmd, capture_output=True, text=True)
         line = done.stdout.strip().splitlines()[-1:] or [json.dumps({"error": done.stderr[-300:]})]
-        row = {"process": i, "hash_seed": seed or "random", **json.loads(line[0])}
+        row = {"process": i, "aslr": "off" if fixed else "on", **json.loads(line[0])}
         print(json.dumps(row), flush=True)
 
 

@@ -1,0 +1,53 @@
+"""The stage runner's helpers that selection leans on: a variant's copy of the baseline, and the
+compile-time split in the stage log."""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from pytest_opprof.runner import _pristine_copy, compile_clock, compile_note
+
+
+def test_a_variants_copy_is_independent_of_the_baseline() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).eval()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    copy = _pristine_copy(model, reload=lambda: None)
+    assert copy is not model
+    with torch.no_grad():
+        copy[0].weight.mul_(2)  # what a non-graph pass does to its model, in place
+    copy.to(memory_format=torch.channels_last)
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_a_model_that_cannot_be_copied_is_built_again_under_seed_0() -> None:
+    class Locked(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lock = threading.Lock()  # deepcopy refuses a lock
+            self.lin = torch.nn.Linear(2, 2)
+
+    def reload() -> torch.nn.Module:
+        return Locked()
+
+    torch.manual_seed(123)
+    first = _pristine_copy(Locked(), reload)
+    torch.manual_seed(0)
+    expected = Locked()
+    assert torch.equal(first.lin.weight, expected.lin.weight)
+
+
+def test_the_compile_note_splits_a_compile_and_counts_the_fx_graph_cache() -> None:
+    clock = compile_clock()
+    fn = torch.compile(torch.nn.Linear(3, 3), backend="inductor")
+    fn(torch.randn(2, 3))
+    note = compile_note(clock)
+    assert note.startswith("trace ")
+    for part in ("aot", "inductor", "kernels", "FX graph cache"):
+        assert part in note
+    hits, misses = (int(note.split("cache ")[1].split()[i]) for i in (0, 2))
+    assert hits + misses == 1  # one graph compiled, answered by the cache or not
+    assert compile_note({}) == ""
