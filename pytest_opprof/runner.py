@@ -448,7 +448,7 @@ def task_select(spec: dict[str, Any]) -> None:
     import torch
 
     from pytest_opprof.backend.build import build
-    from pytest_opprof.backend.plan import Rung, add_proposal, ladder
+    from pytest_opprof.backend.plan import Rung, add_proposal, inside_model_graph, ladder
     from pytest_opprof.capture.system import resolve_device
     from pytest_opprof.capture.timing import synchronize, time_interleaved
     from pytest_opprof.measure import latency_stats, speedup
@@ -546,6 +546,19 @@ def task_select(spec: dict[str, Any]) -> None:
 
     def attempt(rung: Rung, second_chance: bool) -> bool:
         plan = state["plan"]
+        nested = [p for p in rung.proposals if inside_model_graph(plan, p)]
+        if nested:
+            why = (
+                "the plan records the whole call as one CUDA graph (cuda_graphs-model), "
+                "inside which Inductor's CUDA graphs cannot run"
+            )
+            for p in rung.proposals:
+                before = dropped.get(p.id)
+                reason = (
+                    f"{before.reason}; not tried again: {why}" if before else f"not tried: {why}"
+                )
+                dropped[p.id] = DroppedProposal(id=p.id, type=p.type, reason=reason)
+            return False
         for p in rung.proposals:
             plan = add_proposal(plan, p)
         name = "+".join(plan.proposals)

@@ -80,6 +80,18 @@ def replaced_by_model_graph(plan: BackendPlan, kind: str, scope: Any) -> bool:
     return plan.cuda_graph_model and kind == "cuda_graphs" and scope != "model"
 
 
+def inside_model_graph(plan: BackendPlan, proposal: Proposal) -> bool:
+    """``proposal`` is Inductor's per-graph CUDA graphs and ``plan`` already records the whole
+    call as one CUDA graph: cudagraph trees cannot run inside another capture (on the H200,
+    "Cannot prepare for replay during capturing stage"), and the outer graph already holds
+    every kernel they would record, so there is nothing to build or time."""
+    return (
+        plan.cuda_graph_model
+        and proposal.type == "cuda_graphs"
+        and proposal.params.get("scope") != "model"
+    )
+
+
 # The graph rewrites, each its own rung in this order (a user pass after them, by name), so
 # that each one's gain is measured and reported on its own (gpt2's SDPA and GELU rewrites).
 GRAPH_ORDER: tuple[str, ...] = (

@@ -73,6 +73,18 @@ def test_whole_model_cuda_graph_replaces_inductor_graphs_in_the_plan() -> None:
     assert plan.proposals == ["cuda_graphs-selection", "cuda_graphs-model"]
 
 
+def test_inductor_cuda_graphs_are_not_tried_inside_a_whole_model_graph() -> None:
+    from pytest_opprof.backend.plan import add_proposal, inside_model_graph
+    from pytest_opprof.runner import _auto_cuda_graphs
+
+    trees, whole = _auto_cuda_graphs(), _auto_cuda_graphs(scope="model")
+    assert not inside_model_graph(BackendPlan(), trees)
+    assert not inside_model_graph(add_proposal(BackendPlan(), trees), whole)
+    in_one_graph = add_proposal(BackendPlan(), whole)
+    assert inside_model_graph(in_one_graph, trees)  # LSTM's second pass failed capturing this
+    assert not inside_model_graph(in_one_graph, whole)
+
+
 def test_optimize_records_no_graph_without_cuda() -> None:
     model = torch.nn.Linear(2, 2).eval()
     fn = runtime.optimize(model, "eager", compile=False, cuda_graph=True)

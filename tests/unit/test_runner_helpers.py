@@ -49,5 +49,7 @@ def test_the_compile_note_splits_a_compile_and_counts_the_fx_graph_cache() -> No
     for part in ("aot", "inductor", "kernels", "FX graph cache"):
         assert part in note
     hits, misses = (int(note.split("cache ")[1].split()[i]) for i in (0, 2))
-    assert hits + misses == 1  # one graph compiled, answered by the cache or not
+    assert hits + misses >= 1  # the graph was compiled, answered by the cache or not
+    # the difference since the reading, not the process's running totals
+    assert compile_note(compile_clock()).endswith("FX graph cache 0 hit, 0 miss")
     assert compile_note({}) == ""
