@@ -382,6 +382,7 @@ def _timing_note(timing: Timing) -> str:
     )
     if spread:
         note += " Each process's own ratio: " + "; ".join(spread) + "."
+    note += _host_bound_note(timing)
     alone = [n for n, v in timing.variants.items() if v.processes < processes]
     if alone:
         note += (
@@ -395,6 +396,38 @@ def _timing_note(timing: Timing) -> str:
             + "."
         )
     return note
+
+
+HOST_BOUND_SHARE = 0.8
+"""A baseline whose GPU time (host hidden) is below this share of its latency waits on the host."""
+PROCESS_SPREAD = 1.1
+"""Processes' ratios further apart than this (max / min) are explained where the host can be."""
+
+
+def _host_bound_note(timing: Timing) -> str:
+    """Why the processes' ratios disagree, where the baseline's call is host-bound: its latency
+    is the host CPU's speed in that process, and that speed differs between processes on a
+    shared host (benchmarks/launch_probe.py), while the GPU's does not."""
+    out = []
+    for r in timing.speedups:
+        if r.candidate != "optimized" or len(r.process_ratios) < 2 or min(r.process_ratios) <= 0:
+            continue
+        if max(r.process_ratios) / min(r.process_ratios) <= PROCESS_SPREAD:
+            continue
+        gpu_ms = timing.gpu_time_ms.get(r.baseline)
+        base = timing.variants.get(r.baseline)
+        if not gpu_ms or base is None or not base.median_ms:
+            continue
+        share = gpu_ms / base.median_ms
+        if share >= HOST_BOUND_SHARE:
+            continue
+        label = BASELINE_LABELS.get(r.baseline, r.baseline)
+        out.append(
+            f" The processes disagree against {label} because its call is host-bound: the GPU "
+            f"works {fmt_ms(gpu_ms)} of its {fmt_ms(base.median_ms)} ({share:.0%}), so its "
+            "latency, and the ratio, follow the speed of the CPU each process ran on."
+        )
+    return "".join(out)
 
 
 def section_headline(a: WorkloadArtifacts) -> list[str]:

@@ -605,6 +605,34 @@ def test_headline_says_when_timing_ran_in_several_processes(full: WorkloadArtifa
     assert "Timed in the first process only: the plan at the baseline dtype." in head
 
 
+def test_headline_explains_processes_that_disagree_on_a_host_bound_baseline(
+    full: WorkloadArtifacts,
+) -> None:
+    """conv_block on the H200: the torch.compile baseline ran at 0.35 ms in one process and
+    0.59 ms in another on 0.17 ms of GPU work, while the optimized call stayed put."""
+    from pytest_opprof.measure import pooled_timing
+
+    assert full.optimized is not None
+    timing = full.optimized.timing
+    slow_host = {
+        name: [x * (2.0 if name == "compile" else 1.0) for x in v.samples_ms]
+        for name, v in timing.variants.items()
+    }
+    compile_ms = timing.variants["compile"].median_ms
+    host_bound = {**timing.gpu_time_ms, "compile": 0.4 * compile_ms}
+    pooled = pooled_timing(timing, [slow_host]).model_copy(update={"gpu_time_ms": host_bound})
+    full.optimized = full.optimized.model_copy(update={"timing": pooled})
+    head = _section(render_workload_report(full, plots=False), "## Headline")
+    assert "The processes disagree against torch.compile because its call is host-bound" in head
+    assert "follow the speed of the CPU each process ran on" in head
+    # GPU-bound, the same spread is not put down to the host
+    gpu_bound = {**timing.gpu_time_ms, "compile": pooled.variants["compile"].median_ms}
+    pooled = pooled.model_copy(update={"gpu_time_ms": gpu_bound})
+    full.optimized = full.optimized.model_copy(update={"timing": pooled})
+    head = _section(render_workload_report(full, plots=False), "## Headline")
+    assert "host-bound" not in head
+
+
 def test_hardware_names_the_gpu_the_process_saw(full: WorkloadArtifacts) -> None:
     assert full.profile is not None
     meta = full.profile.capture_metadata.model_copy(
