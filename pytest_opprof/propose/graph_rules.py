@@ -16,6 +16,7 @@ from pytest_opprof.propose.context import (
     SCORE_MEDIUM,
     Context,
     Draft,
+    ev,
     pct,
     share_evidence,
     top,
@@ -178,6 +179,18 @@ def activation_substitution(ctx: Context) -> list[Draft]:
         "ops each; one gelu(approximate='tanh') computes the same function in one kernel "
         "(a compiler that fuses the spelled-out ops already has one: selection measures it)."
     )
+    evidence = [e for m in matches[:MAX_EVIDENCE_PER_KIND] for e in m.evidence]
+    score = 0.7
+    fused = _compiled_gelu_kernel(ctx)
+    if fused is not None:
+        name, source, ops = fused
+        evidence.append(ev("torch.compile kernel holding the chain", ops, source))
+        rationale += (
+            f" The torch.compile profile already runs the chain inside one kernel ({name}: "
+            f"{', '.join(ops)}), so the estimate holds against eager only; against torch.compile "
+            "expect no gain."
+        )
+        score = SCORE_LOW
     steps = [
         "functional level (the Dynamo graph): match 0.5 · x · (1 + tanh(√(2/π) · "
         "(x + 0.044715 · x³))) in any operand order, x³ as pow or products",
@@ -189,14 +202,32 @@ def activation_substitution(ctx: Context) -> list[Draft]:
             "activation_substitution",
             "functional",
             [n for m in matches for n in m.nodes],
-            [e for m in matches[:MAX_EVIDENCE_PER_KIND] for e in m.evidence],
+            evidence,
             steps,
             impact,
-            0.7,
+            score,
             rationale,
             {"replacement": "gelu_tanh"},
         )
     ]
+
+
+GELU_CHAIN_OPS = frozenset({"aten::tanh", "aten::mul", "aten::add"})
+"""ATen ops that one compiled kernel fuses where it holds a spelled-out tanh GELU."""
+
+
+def _compiled_gelu_kernel(ctx: Context) -> tuple[str, str, list[str]] | None:
+    """The first kernel of the torch.compile timeline whose Inductor provenance fuses a tanh
+    with the multiplies and adds around it (gpt2 on the H200:
+    ``triton_poi_fused_add_addmm_mul_pow_tanh_view_7``): its name, the evidence source of its
+    fused ops, and those ops. None without a compiled timeline or such a kernel."""
+    if ctx.compiled is None:
+        return None
+    for op in ctx.compiled.timeline.operators:
+        if GELU_CHAIN_OPS.issubset(op.fused_ops):
+            source = f"profile.json:timelines[{ctx.compiled.index}].operators[{op.name}].fused_ops"
+            return op.name, source, list(op.fused_ops)
+    return None
 
 
 def pretranspose_weights(ctx: Context) -> list[Draft]:

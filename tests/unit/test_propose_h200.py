@@ -120,3 +120,25 @@ def test_gpu_bound_workloads_get_no_cuda_graphs(name: str) -> None:
 def test_deterministic_on_real_profiles(name: str) -> None:
     first = run(name)[2].model_dump_json()
     assert run(name)[2].model_dump_json() == first
+
+
+@needs_profiles
+def test_activation_substitution_says_torch_compile_already_fuses_the_gelu() -> None:
+    """On the H200, gpt2's compiled timeline runs each spelled-out GELU inside one Triton
+    kernel, and selection measured the substitution at 1.000× against that: the proposal says
+    so, with the kernel's fused ops as evidence, and is not confident."""
+    if "gpt2" not in FOUND:
+        pytest.skip("no gpt2 profile in the H200 data")
+    profile, graph, opt = run("gpt2")
+    sub = next(p for p in opt.proposals if p.type == "activation_substitution")
+    assert "expect no gain" in sub.rationale and "tanh" in sub.rationale
+    held = [e for e in sub.evidence if e.metric == "torch.compile kernel holding the chain"]
+    assert len(held) == 1 and "aten::tanh" in str(held[0].value)
+    assert evidence_matches(held[0], profile, graph)
+    assert sub.confidence == "low"
+    # Without the compiled timeline the same graph gets the plain proposal.
+    eager_only = profile.model_copy(update={"timelines": profile.timelines[:1]})
+    plain = next(
+        p for p in propose(eager_only, graph).proposals if p.type == "activation_substitution"
+    )
+    assert "expect no gain" not in plain.rationale and plain.confidence != "low"
