@@ -150,6 +150,7 @@ class _Kernel:
     iteration: int
     attribution: Attribution = "none"
     fused_ops: list[str] = field(default_factory=list)
+    launched_at: float | None = None  # a replayed kernel: the host's graph launch (CPU clock)
 
 
 @dataclass(eq=False, slots=True)
@@ -463,6 +464,7 @@ def _attribute_kernels(
         enclosing = None if replayed else _enclosing_op(site)
         key = _provenance_key(event, enclosing, provenance)
         if key is None:
+            kernel.launched_at = site.ts
             (pending if replayed and twin is not None else iteration.unattributed).append(kernel)
             continue
         kernel.attribution = "medium"
@@ -513,12 +515,16 @@ def _join_twin(
             kernel.fused_ops = list(site.fused_ops)
             owner = ("twin", site.operator, site.call_index)
             call = iteration.calls.get(owner)
+            # Ordered among the iteration's calls as the provenance-placed replays are: at the
+            # graph launch on the host's clock, then by the kernel's start on the GPU's. A GPU
+            # time as ``ts`` would sort against host ops by how far the GPU lags the host.
+            event, launched = kernel.event, kernel.launched_at
+            at = event.ts if launched is None else launched
             if call is None:
-                event = kernel.event
-                call = _Call(site.operator, event.ts, event.end, event.ts, 0.0, [], "medium")
+                call = _Call(site.operator, at, event.end, event.ts, 0.0, [], "medium")
                 call.fused_ops = list(site.fused_ops)
                 iteration.calls[owner] = call
-            call.ts = min(call.ts, kernel.event.ts)
+            call.ts, call.order = min(call.ts, at), min(call.order, event.ts)
             call.kernels.append(kernel)
     return sorted(unjoined.values())
 
