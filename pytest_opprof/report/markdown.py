@@ -408,7 +408,7 @@ def _host_bound_note(timing: Timing) -> str:
     """Why the processes' ratios disagree, where the baseline's call is host-bound: its latency
     is the host CPU's speed in that process, and that speed differs between processes on a
     shared host (benchmarks/launch_probe.py), while the GPU's does not."""
-    out = []
+    parts = []
     for r in timing.speedups:
         if r.candidate != "optimized" or len(r.process_ratios) < 2 or min(r.process_ratios) <= 0:
             continue
@@ -419,15 +419,18 @@ def _host_bound_note(timing: Timing) -> str:
         if not gpu_ms or base is None or not base.median_ms:
             continue
         share = gpu_ms / base.median_ms
-        if share >= HOST_BOUND_SHARE:
-            continue
-        label = BASELINE_LABELS.get(r.baseline, r.baseline)
-        out.append(
-            f" The processes disagree against {label} because its call is host-bound: the GPU "
-            f"works {fmt_ms(gpu_ms)} of its {fmt_ms(base.median_ms)} ({share:.0%}), so its "
-            "latency, and the ratio, follow the speed of the CPU each process ran on."
-        )
-    return "".join(out)
+        if share < HOST_BOUND_SHARE:
+            label = BASELINE_LABELS.get(r.baseline, r.baseline)
+            parts.append(f"{fmt_ms(gpu_ms)} of {label}'s {fmt_ms(base.median_ms)} ({share:.0%})")
+    if not parts:
+        return ""
+    one = len(parts) == 1
+    return (
+        f" The processes disagree because the baseline{'' if one else 's'} "
+        f"{'is' if one else 'are'} host-bound: the GPU works {'; '.join(parts)}, so "
+        f"{'its latency' if one else 'their latencies'}, and the ratio, follow the speed of "
+        "the CPU each process ran on."
+    )
 
 
 def section_headline(a: WorkloadArtifacts) -> list[str]:
