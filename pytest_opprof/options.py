@@ -249,7 +249,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "measure-iters",
         parse_count("--opprof-measure-iters"),
         30,
-        "calls per timed round",
+        "calls per timed round, at most: fewer where a round would outlast 0.25 s",
         metavar="N",
     ),
     _opt(

@@ -380,16 +380,16 @@ def task_capture(spec: dict[str, Any]) -> None:
     info = environment(device)
     write_artifact(out_dir / "graph.json", capture_graph(w.model, w.inputs))
     compiled, compile_s = _compile_timed(w.model, opts.compile_backend, w.inputs, device)
-    calls_per_round = _setting(spec, "measure_iters")
     baselines = {"eager": w.model, "compile": compiled}
     samples = time_interleaved(
         baselines,
         w.inputs,
         device=device,
         warmup=_setting(spec, "warmup_iters"),
-        calls_per_round=calls_per_round,
+        calls_per_round=_setting(spec, "measure_iters"),
         rounds=_setting(spec, "rounds"),
     )
+    calls_per_round = samples.calls_per_round
     mode = f"torch.compile(backend={opts.compile_backend!r})"
     timelines, flags = _timelines(
         spec,
@@ -482,7 +482,7 @@ def task_select(spec: dict[str, Any]) -> None:
     brief = {"device": device, "warmup": 3, "calls_per_round": calls, "rounds": rounds}
 
     base = time_interleaved({"eager": eager, "compile": compiled}, w.inputs, **brief)
-    stats = {k: latency_stats(v, calls) for k, v in base.items()}
+    stats = {k: latency_stats(v, base.calls_per_round) for k, v in base.items()}
     ref_name = min(stats, key=lambda k: stats[k].median_ms)
     ref_ms = stats[ref_name].median_ms
     variants = [
@@ -614,7 +614,7 @@ def task_select(spec: dict[str, Any]) -> None:
         s = time_interleaved({"current": state["fn"], "candidate": built.fn}, w.inputs, **brief)
         gain = speedup("current", s["current"], "candidate", s["candidate"])
         phase(f"timed {name}: {gain.ratio:.3f}x")
-        cand = latency_stats(s["candidate"], calls)
+        cand = latency_stats(s["candidate"], s.calls_per_round)
         new_ms = state["ms"] / gain.ratio
         variants.append(
             VariantResult(
@@ -1110,12 +1110,12 @@ def task_recapture(spec: dict[str, Any]) -> None:
         built["twins"],
     )
     gpu_ms = _gpu_time(
-        built["calls"], w.inputs, device, _setting(spec, "measure_iters"), samples, timelines
+        built["calls"], w.inputs, device, samples.calls_per_round, samples, timelines
     )
     timing = _timing(
         samples,
         device,
-        _setting(spec, "measure_iters"),
+        samples.calls_per_round,
         built["pairs"],
         timelines,
         built["compile_s"],

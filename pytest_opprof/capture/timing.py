@@ -15,6 +15,7 @@ the GPU waits on the host (a launch-bound call's latency).
 from __future__ import annotations
 
 import functools
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -24,6 +25,32 @@ import torch
 from pytest_opprof.workload import fresh_inputs
 
 Call = Callable[..., Any]
+
+
+ROUND_SECONDS = 0.25
+"""How long one callable's round may last: a callable slow enough that ``calls_per_round`` calls
+would take longer gets fewer calls per round (never under ``MIN_CALLS``), as ``timeit``'s
+autorange sizes its loops the other way. The seven examples on an H200 stay at 30 calls (their
+slowest call is 6.5 ms); a 100 ms call on the CPU fallback gets 3, not 30."""
+MIN_CALLS = 3
+
+
+class RoundSamples(dict[str, list[float]]):
+    """Per-call milliseconds of each callable, one sample per round, and how many calls each
+    round made (``calls_per_round``, the same for every callable, so rounds stay paired)."""
+
+    def __init__(self, samples: Mapping[str, list[float]], calls_per_round: int) -> None:
+        super().__init__(samples)
+        self.calls_per_round = calls_per_round
+
+
+def calls_for(slowest_ms: float, calls_per_round: int, round_seconds: float = ROUND_SECONDS) -> int:
+    """Calls per round for callables whose slowest call takes ``slowest_ms``: at most
+    ``calls_per_round``, fewer where that many would outlast ``round_seconds``."""
+    if slowest_ms <= 0 or slowest_ms * calls_per_round <= round_seconds * 1000.0:
+        return calls_per_round
+    fit = math.ceil(round_seconds * 1000.0 / slowest_ms)
+    return max(min(MIN_CALLS, calls_per_round), min(calls_per_round, fit))
 
 
 def synchronize(device: str) -> None:
@@ -41,12 +68,14 @@ def time_interleaved(
     rounds: int,
     seed: int = 1000,
     warmup_seconds: float = 0.5,
-) -> dict[str, list[float]]:
+    round_seconds: float = ROUND_SECONDS,
+) -> RoundSamples:
     """Per-call milliseconds of each callable, one sample per round.
 
     Warmup runs at least ``warmup`` calls of each and at least ``warmup_seconds`` in all: an
     idle GPU starts at a low clock (an H200 read 345 MHz idle) and the first rounds of a short
-    workload otherwise measure the clock ramp, not the code.
+    workload otherwise measure the clock ramp, not the code. After it, one call of each is
+    timed and each round makes :func:`calls_for` calls of every callable.
     """
     with torch.no_grad():
         warm = fresh_inputs(template, seed)
@@ -58,11 +87,13 @@ def time_interleaved(
                     fn(*warm)
             synchronize(device)
             first = False
-        samples: dict[str, list[float]] = {name: [] for name in calls}
+        slowest = max((_one_round(fn, warm, device, 1) for fn in calls.values()), default=0.0)
+        n = calls_for(slowest, calls_per_round, round_seconds)
+        samples = RoundSamples({name: [] for name in calls}, n)
         for r in range(rounds):
             inputs = fresh_inputs(template, seed + 1 + r)
             for name, fn in calls.items():
-                samples[name].append(_one_round(fn, inputs, device, calls_per_round))
+                samples[name].append(_one_round(fn, inputs, device, n))
     return samples
 
 
