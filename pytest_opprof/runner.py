@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from pytest_opprof.capture.timing import RoundSamples
     from pytest_opprof.schema import IrLevel
 
 EXIT_USER_ERROR = 3
@@ -314,12 +315,12 @@ def _gpu_time(
     calls: dict[str, Any],
     inputs: Any,
     device: str,
-    calls_per_sample: int,
-    samples: dict[str, list[float]],
+    samples: RoundSamples,
     timelines: list[Any],
 ) -> dict[str, float]:
     """The GPU time of each call with the host hidden (capture.timing.gpu_time), its first
-    attempt sized by the timing pass's latency and the timeline's kernels per call."""
+    attempt sized by the timing pass (its calls per round and latencies, ``samples``) and the
+    timeline's kernels per call."""
     import statistics
 
     from pytest_opprof.capture.timing import gpu_time
@@ -329,16 +330,15 @@ def _gpu_time(
         calls,
         inputs,
         device=device,
-        calls_per_sample=calls_per_sample,
+        calls_per_sample=samples.calls_per_round,
         latency_ms={k: statistics.median(v) for k, v in samples.items() if v},
         launches={timing_variant(t.label): t.summary.kernels_per_iter for t in timelines},
     )
 
 
 def _timing(
-    samples: dict[str, list[float]],
+    samples: RoundSamples,
     device: str,
-    calls_per_round: int,
     pairs: list[tuple[str, str]],
     timelines: list[Any],
     compile_s: dict[str, float],
@@ -350,7 +350,7 @@ def _timing(
     return Timing(
         device=device,
         clock="cuda_event" if device == "cuda" else "perf_counter",
-        variants={k: latency_stats(v, calls_per_round) for k, v in samples.items()},
+        variants={k: latency_stats(v, samples.calls_per_round) for k, v in samples.items()},
         gpu_kernel_ms={t.label: t.summary.device_time_per_iter_us / 1000.0 for t in timelines},
         gpu_time_ms=gpu_ms,
         speedups=[
@@ -389,7 +389,6 @@ def task_capture(spec: dict[str, Any]) -> None:
         calls_per_round=_setting(spec, "measure_iters"),
         rounds=_setting(spec, "rounds"),
     )
-    calls_per_round = samples.calls_per_round
     mode = f"torch.compile(backend={opts.compile_backend!r})"
     timelines, flags = _timelines(
         spec,
@@ -398,12 +397,11 @@ def task_capture(spec: dict[str, Any]) -> None:
         device,
         out_dir,
     )
-    gpu_ms = _gpu_time(baselines, w.inputs, device, calls_per_round, samples, timelines)
+    gpu_ms = _gpu_time(baselines, w.inputs, device, samples, timelines)
     phase("timed and profiled")
     timing = _timing(
         samples,
         device,
-        calls_per_round,
         [("eager", "compile")],
         timelines,
         {"compile": compile_s},
@@ -546,8 +544,7 @@ def task_select(spec: dict[str, Any]) -> None:
 
     def attempt(rung: Rung, second_chance: bool) -> bool:
         plan = state["plan"]
-        nested = [p for p in rung.proposals if inside_model_graph(plan, p)]
-        if nested:
+        if any(inside_model_graph(plan, p) for p in rung.proposals):
             why = (
                 "the plan records the whole call as one CUDA graph (cuda_graphs-model), "
                 "inside which Inductor's CUDA graphs cannot run"
@@ -1109,13 +1106,10 @@ def task_recapture(spec: dict[str, Any]) -> None:
         out_dir,
         built["twins"],
     )
-    gpu_ms = _gpu_time(
-        built["calls"], w.inputs, device, samples.calls_per_round, samples, timelines
-    )
+    gpu_ms = _gpu_time(built["calls"], w.inputs, device, samples, timelines)
     timing = _timing(
         samples,
         device,
-        samples.calls_per_round,
         built["pairs"],
         timelines,
         built["compile_s"],

@@ -108,7 +108,7 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[i
         if match is None:
             continue
         x, root, pattern_nodes = match
-        gelu_fn = aten.gelu.default if _on_aten(tanh) else F.gelu
+        gelu_fn, target = (aten.gelu.default, "aten.gelu") if _on_aten(tanh) else (F.gelu, "F.gelu")
         with graph.inserting_before(root):
             gelu = graph.call_function(gelu_fn, (x,), {"approximate": "tanh"})
             set_fake_value(gelu, key)
@@ -117,7 +117,6 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[i
         count += 1
     if not count:
         return 0, "no tanh-form GELU"
-    target = "aten.gelu" if key == "val" else "F.gelu"
     return count, f"{count} tanh-form GELU(s) -> {target}(approximate='tanh')"
 
 
