@@ -82,8 +82,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _session(options: OpprofOptions):  # type: ignore[no-untyped-def]
+    from pytest_opprof.gpus import assign
     from pytest_opprof.session import OpprofSession
 
+    assign(options.device, None)  # measure under the GPU's lock, beside any pytest session
     return OpprofSession(options=options)
 
 

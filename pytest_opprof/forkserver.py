@@ -12,6 +12,8 @@ folder, killed when the server goes, which is killed when its parent goes.
 Protocol (a Unix socket, one request per connection, JSON lines): the client sends ``{"spec",
 "log", "env", "cwd"}``; the server answers ``{"pid"}`` once forked, then ``{"exit"}`` with the
 child's exit status (negative: the signal that killed it), as ``subprocess.Popen.returncode``.
+Requests are served side by side (one loop over the listener and every running child's
+connection), so a workload's timing processes compile at once.
 
 Linux only; where the server cannot start, or CUDA was initialised before a fork, ``run_child``
 falls back to a plain child process (``PLAIN``). ``OPPROF_FORKSERVER=0`` turns it off.
@@ -23,6 +25,7 @@ import atexit
 import contextlib
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -60,62 +63,84 @@ def serve(socket_path: str) -> int:
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(socket_path)
-    listener.listen(4)
+    listener.listen(16)
     print("ready", flush=True)  # the client waits for this line
+    running: dict[socket.socket, int] = {}  # a connection, and the pid of its child
     while True:
-        conn, _ = listener.accept()
-        # A client that went away (a timeout, an interrupt) is its own business: the server
-        # goes on to the next request whatever happened on this connection.
-        with contextlib.suppress(OSError, ValueError):
-            _serve_one(conn, listener, torch.cuda.is_initialized)
+        readable, _, _ = select.select([listener, *running], [], [], WATCH_INTERVAL_S)
+        for conn in readable:
+            if conn is listener:
+                accepted, _ = listener.accept()
+                # A client that went away (a timeout, an interrupt) is its own business: the
+                # server goes on with the others whatever happened on this connection.
+                with contextlib.suppress(OSError, ValueError):
+                    pid = _fork_one(accepted, listener, running, torch.cuda.is_initialized)
+                    if pid is not None:
+                        running[accepted] = pid
+                        continue
+                accepted.close()
+            else:
+                # The client sends nothing after its request: the connection turning readable
+                # means the client went away (interrupted, perhaps before it even read the
+                # pid). Its child is killed then: no stage outlives the session that asked.
+                try:
+                    gone = not conn.recv(1, socket.MSG_PEEK)
+                except OSError:
+                    gone = True
+                if gone:
+                    pid = running.pop(conn)
+                    kill_group(pid)
+                    os.waitpid(pid, 0)
+                    conn.close()
+        for conn, pid in list(running.items()):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                del running[conn]
+                code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+                with conn, contextlib.suppress(OSError):
+                    conn.sendall((json.dumps({"exit": code}) + "\n").encode())
 
 
-def _serve_one(conn: socket.socket, listener: socket.socket, cuda_initialized: Any) -> None:
-    """One request: fork its child, answer its pid, wait for it, answer its exit status."""
-    with conn, conn.makefile("rw", encoding="utf-8") as stream:
-        request = json.loads(stream.readline())
-        if cuda_initialized():  # never fork a CUDA context
-            stream.write(json.dumps({"error": "CUDA is initialised in the server"}) + "\n")
-            stream.flush()
-            return
-        sys.stdout.flush()
-        sys.stderr.flush()
-        pid = os.fork()
-        if pid == 0:
-            listener.close()
-            conn.close()
-            _child(request)  # never returns
-        try:
-            stream.write(json.dumps({"pid": pid}) + "\n")
-            stream.flush()
-        except OSError:  # the client went away: its child must not run on unwatched
-            kill_group(pid)
-        status = _wait_watching(pid, conn)
-        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
-        stream.write(json.dumps({"exit": code}) + "\n")
-        stream.flush()
+def _fork_one(
+    conn: socket.socket,
+    listener: socket.socket,
+    running: dict[socket.socket, int],
+    cuda_initialized: Any,
+) -> int | None:
+    """One request: fork its child and answer its pid (None where no child runs). Several
+    run at once: a workload's timing processes compile side by side (``devicelock``)."""
+    request = json.loads(_read_line(conn))
+    if cuda_initialized():  # never fork a CUDA context
+        conn.sendall((json.dumps({"error": "CUDA is initialised in the server"}) + "\n").encode())
+        return None
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        listener.close()
+        for other in (conn, *running):
+            other.close()
+        _child(request)  # never returns
+    try:
+        conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
+    except OSError:  # the client went away: its child must not run on unwatched
+        kill_group(pid)
+        os.waitpid(pid, 0)
+        return None
+    return pid
 
 
-def _wait_watching(pid: int, conn: socket.socket) -> int:
-    """The child's wait status; while it runs, the connection is watched: the client sends
-    nothing after its request, so the connection turning readable means the client went away
-    (interrupted, perhaps before it even read the pid). Its child is killed then: no stage
-    outlives the session that asked for it."""
-    import select
-
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return status
-        readable, _, _ = select.select([conn], [], [], WATCH_INTERVAL_S)
-        if readable:
-            try:
-                gone = not conn.recv(1, socket.MSG_PEEK)
-            except OSError:
-                gone = True
-            if gone:
-                kill_group(pid)
-                return os.waitpid(pid, 0)[1]
+def _read_line(conn: socket.socket) -> str:
+    """The request: one line, which the client writes at once after connecting."""
+    conn.settimeout(START_TIMEOUT_S)
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(65536)
+        if not chunk:
+            raise ValueError("the client closed the connection before its request")
+        data += chunk
+    conn.settimeout(None)
+    return data.decode("utf-8")
 
 
 def _child(request: dict[str, Any]) -> None:
@@ -174,8 +199,6 @@ class ForkServer:
             text=True,
             start_new_session=True,
         )
-        import select
-
         ready = ""
         if self.proc.stdout is not None:
             readable, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT_S)
@@ -246,7 +269,7 @@ def kill_group(pid: int) -> None:
 
 
 WATCH_INTERVAL_S = 0.2
-"""How often the server looks at a running child's connection for its client going away."""
+"""How often the server reaps its children and looks at their connections for a client gone."""
 
 _SERVER: ForkServer | None = None
 _FAILED = False

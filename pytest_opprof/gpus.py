@@ -1,5 +1,9 @@
-"""One GPU per pytest-xdist worker, chosen before CUDA starts (no torch import here), and
+"""A GPU for each pytest-xdist worker, chosen before CUDA starts (no torch import here), and
 its own share of the CPUs.
+
+Workers beyond the number of GPUs share them round-robin: their stage processes compile side by
+side and measure one at a time, under the GPU's lock (``devicelock``), which this module names
+from the GPU's UUID.
 
 The parent process never initialises CUDA (stages run in child processes), so setting
 ``CUDA_VISIBLE_DEVICES`` in a worker's ``pytest_configure`` is early enough for every child it
@@ -21,8 +25,7 @@ import functools
 import os
 import shutil
 import subprocess
-
-import pytest
+from typing import Any
 
 
 def visible_gpus(environ: dict[str, str] | None = None) -> list[str]:
@@ -41,16 +44,36 @@ def visible_gpus(environ: dict[str, str] | None = None) -> list[str]:
     return [str(i) for i, line in enumerate(out.stdout.splitlines()) if line.startswith("GPU ")]
 
 
-def worker_gpu(worker_id: str, worker_count: int, gpus: list[str]) -> str:
-    """The GPU of xdist worker ``worker_id`` (``gw0``, ``gw1``, …); never two workers on one."""
-    if worker_count > len(gpus):
-        raise pytest.UsageError(
-            f"-n {worker_count} starts more workers than the {len(gpus)} visible GPU(s) "
-            f"({','.join(gpus) or 'none'}); timing must never share a GPU: use -n "
-            f"{max(len(gpus), 1)} or -n auto"
-        )
+def worker_gpu(worker_id: str, gpus: list[str]) -> str:
+    """The GPU of xdist worker ``worker_id`` (``gw0``, ``gw1``, …): the K-th, round-robin."""
     index = int(worker_id.removeprefix("gw"))
-    return gpus[index]
+    return gpus[index % len(gpus)]
+
+
+def gpu_uuid(visible: str) -> str:
+    """The UUID of the GPU a ``CUDA_VISIBLE_DEVICES`` entry names (the entry itself where it is
+    one, or where nvidia-smi cannot tell): the name of its lock, the same for every session on
+    the host whatever its outer restriction."""
+    if visible.startswith(("GPU-", "MIG-")):
+        return visible
+    return _smi_first_line(["-i", visible, "--query-gpu=uuid", "--format=csv,noheader"]) or visible
+
+
+def assign(device: str, workerinput: dict[str, Any] | None) -> None:
+    """This process's GPU (an xdist worker's, round-robin) and CPU slice, and the lock its
+    stage processes measure under (``devicelock``), all by environment for the children; the
+    CPU slice also for this process."""
+    from pytest_opprof.devicelock import LOCK_ENV, lock_path
+
+    gpus = visible_gpus() if device != "cpu" else []
+    if workerinput is not None:
+        worker, count = workerinput["workerid"], int(workerinput["workercount"])
+        if gpus:
+            os.environ["CUDA_VISIBLE_DEVICES"] = worker_gpu(worker, gpus)
+        pin_worker(worker, count)  # timing never shares the CPU that launches kernels either
+    if gpus:
+        mine = os.environ.get("CUDA_VISIBLE_DEVICES", gpus[0]).split(",")[0].strip()
+        os.environ[LOCK_ENV] = str(lock_path(gpu_uuid(mine)))
 
 
 def nvidia_smi_query(field: str) -> str | None:

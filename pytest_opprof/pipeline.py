@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
@@ -28,12 +29,14 @@ import pytest
 
 from pytest_opprof import STAGES, __version__
 from pytest_opprof.backend.plan import EXTRA_PASSES_ENV, PassRegistry, extra_targets
+from pytest_opprof.devicelock import LOCK_ENV
 from pytest_opprof.errors import ArtifactError, OpprofError, StageBlocked, StageError, WorkloadError
 from pytest_opprof.measure import pooled_timing
 from pytest_opprof.options import BY_FIELD, OpprofOptions
 from pytest_opprof.schema import (
     VALIDATION_STEPS,
     BackendSelection,
+    CaptureMetadata,
     ChildFailure,
     FxGraphSummary,
     Numerics,
@@ -620,16 +623,40 @@ def stage_recapture(run: WorkloadRun) -> str:
     report = read_artifact(run.profiler_output / "validation_report.json", ValidationReport)
     if report.overall != "READY_FOR_PROFILING":
         raise StageBlocked(f"blocked by validate: {report.message}")
-    run.run_child("recapture", "recapture", generated=str(run.generated.resolve()))
+    baseline = read_artifact(run.out_dir / "profile.json", Profile).capture_metadata
+    processes = timing_processes(run, baseline.device_type)
+    together = processes > 1 and side_by_side(baseline, processes)
+    generated = str(run.generated.resolve())
+    with tempfile.TemporaryDirectory(prefix="opprof-retime-") as tmp:
+        if together:
+            # Each process compiles while the others do; they measure one at a time.
+            pool = ThreadPoolExecutor(processes - 1)
+            try:
+                pending = [pool.submit(_retime_one, run, i, Path(tmp)) for i in range(1, processes)]
+                run.run_child("recapture", "recapture", generated=generated)
+                replicas = [f.result() for f in pending]
+            finally:
+                pool.shutdown(wait=False, cancel_futures=True)
+        else:
+            run.run_child("recapture", "recapture", generated=generated)
+            replicas = [_retime_one(run, i, Path(tmp)) for i in range(1, processes)]
     path = run.out_dir / "profile_optimized.json"
     prof = read_artifact(path, Profile)
-    processes = timing_processes(run, prof.capture_metadata.device_type)
     if processes > 1:
-        prof = _retime(run, prof, processes)
+        warnings = list(prof.warnings)
+        warnings += [
+            f"timing process {i + 1} of {processes} failed: {r}"
+            for i, r in enumerate(replicas, start=1)
+            if isinstance(r, str)
+        ]
+        timing = pooled_timing(prof.timing, [r for r in replicas if not isinstance(r, str)])
+        prof = prof.model_copy(update={"timing": timing, "warnings": warnings})
         write_artifact(path, prof)
     opt = prof.timing.variants["optimized"]
-    where = f" ({opt.processes} processes)" if opt.processes > 1 else ""
-    return f"optimized {opt.median_ms:.4f} ms{where}"
+    if opt.processes == 1:
+        return f"optimized {opt.median_ms:.4f} ms"
+    how = "side by side" if together else "one after another"
+    return f"optimized {opt.median_ms:.4f} ms ({opt.processes} processes, {how})"
 
 
 TIMING_PROCESSES_GPU = 3
@@ -645,29 +672,37 @@ def timing_processes(run: WorkloadRun, device_type: str) -> int:
     return int(chosen)
 
 
-def _retime(run: WorkloadRun, prof: Profile, processes: int) -> Profile:
-    """Time the recapture's calls again in ``processes - 1`` fresh processes and pool them
-    with the recapture's own rounds. A process that fails adds a warning, not an error: the
-    recapture's own timing stands."""
-    replicas: list[dict[str, list[float]]] = []
-    warnings = list(prof.warnings)
-    with tempfile.TemporaryDirectory(prefix="opprof-retime-") as tmp:
-        for i in range(1, processes):
-            result = Path(tmp) / f"retime{i}.json"
-            try:
-                run.run_child(
-                    "retime",
-                    "recapture",
-                    log_name=f"retime{i}",
-                    generated=str(run.generated.resolve()),
-                    result=result,
-                )
-                replicas.append(json.loads(result.read_text(encoding="utf-8"))["samples"])
-            except (OpprofError, OSError, ValueError, KeyError) as exc:
-                first = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-                warnings.append(f"timing process {i + 1} of {processes} failed: {first}")
-    timing = pooled_timing(prof.timing, replicas)
-    return prof.model_copy(update={"timing": timing, "warnings": warnings})
+SIDE_BY_SIDE_MEMORY = 0.8
+"""The share of the GPU's memory a workload's timing processes may plan on together, each
+counted at twice the capture's peak (it holds the optimized plan besides both baselines)."""
+
+
+def side_by_side(baseline: CaptureMetadata, processes: int) -> bool:
+    """Whether the recapture's timing processes start together: only under a GPU lock, which
+    keeps their measurements apart (``devicelock``), and where the capture's peak memory says
+    they all fit."""
+    if not os.environ.get(LOCK_ENV):
+        return False
+    peak, total = baseline.peak_memory_bytes, baseline.device_memory_bytes
+    return bool(peak and total and 2 * peak * processes <= SIDE_BY_SIDE_MEMORY * total)
+
+
+def _retime_one(run: WorkloadRun, i: int, folder: Path) -> dict[str, list[float]] | str:
+    """The recapture's calls timed again in a fresh process: its samples, or why it failed (a
+    process that fails adds a warning, not an error: the others' timing stands)."""
+    result = folder / f"retime{i}.json"
+    try:
+        run.run_child(
+            "retime",
+            "recapture",
+            log_name=f"retime{i}",
+            generated=str(run.generated.resolve()),
+            result=result,
+        )
+        samples: dict[str, list[float]] = json.loads(result.read_text(encoding="utf-8"))["samples"]
+        return samples
+    except (OpprofError, OSError, ValueError, KeyError) as exc:
+        return str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
 
 
 STAGE_FUNCTIONS: dict[str, Callable[[WorkloadRun], str]] = {

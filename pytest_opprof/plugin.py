@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -69,15 +68,9 @@ def pytest_configure(config: pytest.Config) -> None:
     if not config.getoption("opprof"):
         return
     options = _options(config)  # raises pytest.UsageError naming the accepted values
-    workerinput = getattr(config, "workerinput", None)
-    if workerinput is not None:
-        from pytest_opprof.gpus import pin_worker, visible_gpus, worker_gpu
+    from pytest_opprof.gpus import assign
 
-        worker, count = workerinput["workerid"], int(workerinput["workercount"])
-        gpus = visible_gpus() if options.device != "cpu" else []
-        if gpus:
-            os.environ["CUDA_VISIBLE_DEVICES"] = worker_gpu(worker, count, gpus)
-        pin_worker(worker, count)  # timing never shares the CPU that launches kernels either
+    assign(options.device, getattr(config, "workerinput", None))
     if importlib.util.find_spec("torch") is None:
         raise pytest.UsageError(
             "--opprof needs PyTorch, which is not installed here: `pip install torch` (a CUDA "

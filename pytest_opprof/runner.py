@@ -18,6 +18,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pytest_opprof.devicelock import measuring
+
 if TYPE_CHECKING:
     from collections.abc import Callable
 
@@ -83,12 +85,18 @@ def main(argv: list[str] | None = None) -> int:
     spec_path = Path(args[0])
     _die_with_parent()
     spec = json.loads(spec_path.read_text(encoding="utf-8"))
+    from pytest_opprof import devicelock
     from pytest_opprof.errors import OpprofError
     from pytest_opprof.schema import ChildFailure, write_artifact
 
     try:
+        devicelock.join()
         TASKS[spec["task"]](spec)
-        phase(f"task {spec['task']} done")
+        waited = devicelock.waited_s()
+        phase(
+            f"task {spec['task']} done"
+            + (f", {waited:.1f} s of it waiting for the GPU" * (waited >= 0.05))
+        )
     except OpprofError as exc:
         write_artifact(
             spec_path.with_name("failure.json"),
@@ -228,6 +236,8 @@ def _compile_timed(
 
 
 def _metadata(spec: dict[str, Any], w: Any, device: str, info: dict[str, Any]) -> Any:
+    import torch
+
     from pytest_opprof.capture.system import fingerprint
     from pytest_opprof.schema import CaptureMetadata
     from pytest_opprof.workload import WorkloadSpec
@@ -259,6 +269,10 @@ def _metadata(spec: dict[str, Any], w: Any, device: str, info: dict[str, Any]) -
         visible_devices=info.get("visible_devices"),
         device_count=info.get("device_count"),
         device_uuid=info.get("device_uuid"),
+        peak_memory_bytes=torch.cuda.max_memory_reserved() if device == "cuda" else None,
+        device_memory_bytes=torch.cuda.get_device_properties(0).total_memory
+        if device == "cuda"
+        else None,
     )
 
 
@@ -369,7 +383,6 @@ def task_capture(spec: dict[str, Any]) -> None:
     against)."""
     from pytest_opprof.capture.graph import capture_graph
     from pytest_opprof.capture.system import environment, resolve_device
-    from pytest_opprof.capture.timing import time_interleaved
     from pytest_opprof.schema import Profile, write_artifact
 
     _setup_torch()
@@ -381,23 +394,17 @@ def task_capture(spec: dict[str, Any]) -> None:
     write_artifact(out_dir / "graph.json", capture_graph(w.model, w.inputs))
     compiled, compile_s = _compile_timed(w.model, opts.compile_backend, w.inputs, device)
     baselines = {"eager": w.model, "compile": compiled}
-    samples = time_interleaved(
-        baselines,
-        w.inputs,
-        device=device,
-        warmup=_setting(spec, "warmup_iters"),
-        calls_per_round=_setting(spec, "measure_iters"),
-        rounds=_setting(spec, "rounds"),
-    )
     mode = f"torch.compile(backend={opts.compile_backend!r})"
-    timelines, flags = _timelines(
-        spec,
-        {"eager": (w.model, "eager"), "compiled": (compiled, mode)},
-        w.inputs,
-        device,
-        out_dir,
-    )
-    gpu_ms = _gpu_time(baselines, w.inputs, device, samples, timelines)
+    with measuring():
+        samples = _time_calls(spec, baselines, w.inputs, device)
+        timelines, flags = _timelines(
+            spec,
+            {"eager": (w.model, "eager"), "compiled": (compiled, mode)},
+            w.inputs,
+            device,
+            out_dir,
+        )
+        gpu_ms = _gpu_time(baselines, w.inputs, device, samples, timelines)
     phase("timed and profiled")
     timing = _timing(
         samples,
@@ -479,7 +486,8 @@ def task_select(spec: dict[str, Any]) -> None:
     rounds = max(5, min(9, _setting(spec, "rounds")))
     brief = {"device": device, "warmup": 3, "calls_per_round": calls, "rounds": rounds}
 
-    base = time_interleaved({"eager": eager, "compile": compiled}, w.inputs, **brief)
+    with measuring():
+        base = time_interleaved({"eager": eager, "compile": compiled}, w.inputs, **brief)
     stats = {k: latency_stats(v, base.calls_per_round) for k, v in base.items()}
     ref_name = min(stats, key=lambda k: stats[k].median_ms)
     ref_ms = stats[ref_name].median_ms
@@ -608,7 +616,8 @@ def task_select(spec: dict[str, Any]) -> None:
                     ),
                 )
             return False
-        s = time_interleaved({"current": state["fn"], "candidate": built.fn}, w.inputs, **brief)
+        with measuring():
+            s = time_interleaved({"current": state["fn"], "candidate": built.fn}, w.inputs, **brief)
         gain = speedup("current", s["current"], "candidate", s["candidate"])
         phase(f"timed {name}: {gain.ratio:.3f}x")
         cand = latency_stats(s["candidate"], s.calls_per_round)
@@ -1096,17 +1105,18 @@ def task_recapture(spec: dict[str, Any]) -> None:
     w = _load_baseline(spec, device)
     info = environment(device)
     built = _optimized_calls(spec, device, w)
-    samples = _time_calls(spec, built["calls"], w.inputs, device)
     optimized = built["calls"]["optimized"]
-    timelines, flags = _timelines(
-        spec,
-        {"optimized": (optimized, f"torch.compile(backend={built['backend']!r})")},
-        w.inputs,
-        device,
-        out_dir,
-        built["twins"],
-    )
-    gpu_ms = _gpu_time(built["calls"], w.inputs, device, samples, timelines)
+    with measuring():
+        samples = _time_calls(spec, built["calls"], w.inputs, device)
+        timelines, flags = _timelines(
+            spec,
+            {"optimized": (optimized, f"torch.compile(backend={built['backend']!r})")},
+            w.inputs,
+            device,
+            out_dir,
+            built["twins"],
+        )
+        gpu_ms = _gpu_time(built["calls"], w.inputs, device, samples, timelines)
     timing = _timing(
         samples,
         device,
@@ -1137,7 +1147,8 @@ def task_retime(spec: dict[str, Any]) -> None:
     device = resolve_device(_options(spec).device)
     w = _load_baseline(spec, device)
     built = _optimized_calls(spec, device, w, retime=True)
-    samples = _time_calls(spec, built["calls"], w.inputs, device)
+    with measuring():
+        samples = _time_calls(spec, built["calls"], w.inputs, device)
     phase("timed again")
     write_text_atomic(Path(spec["result"]), json.dumps({"samples": samples}))
 

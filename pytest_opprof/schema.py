@@ -231,6 +231,12 @@ class CaptureMetadata(Model):
         default=None, description="GPUs the measuring process could see (torch.cuda)"
     )
     device_uuid: str | None = Field(default=None, description="the measured GPU's UUID")
+    peak_memory_bytes: int | None = Field(
+        default=None,
+        description="the most GPU memory the measuring process reserved "
+        "(torch.cuda.max_memory_reserved), models, compiles and timing included",
+    )
+    device_memory_bytes: int | None = Field(default=None, description="the GPU's memory")
 
 
 class Profile(Artifact):
@@ -240,8 +246,8 @@ class Profile(Artifact):
     # 2.1: summary.busy_time_per_iter_us; 2.2: kernels' shared_memory and counters_source;
     # 2.3: capture_metadata's visible_devices, device_count, device_uuid; timing from several
     # processes (variants' processes / samples_per_process, speedups' process_ratios);
-    # 2.4: timing.gpu_time_ms
-    SCHEMA_VERSION: ClassVar[str] = "2.4"
+    # 2.4: timing.gpu_time_ms; 2.5: capture_metadata's peak_memory_bytes, device_memory_bytes
+    SCHEMA_VERSION: ClassVar[str] = "2.5"
     capture_metadata: CaptureMetadata
     timing: Timing
     timelines: list[Timeline]

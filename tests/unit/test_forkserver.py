@@ -201,3 +201,35 @@ def test_disabled_for_the_rest_of_the_process(monkeypatch: pytest.MonkeyPatch) -
     forkserver.disable("a test")
     assert forkserver.get() is None
     monkeypatch.setattr(forkserver, "_FAILED", False)  # the next session may try again
+
+
+def test_requests_are_served_side_by_side(server: forkserver.ForkServer, tmp_path: Path) -> None:
+    """A workload's timing processes run at once (they compile together and measure one at a
+    time under the GPU's lock): two children of one server are alive together."""
+    import threading
+
+    pid_files = [tmp_path / "a" / "pid", tmp_path / "b" / "pid"]
+    codes: list[int] = []
+    threads = []
+    for pid_file in pid_files:
+        pid_file.parent.mkdir()
+        spec = _spec(pid_file.parent, _sleeper(pid_file))
+        log = pid_file.parent / "log"
+        threads.append(
+            threading.Thread(
+                target=lambda s=spec, lg=log: codes.append(
+                    server.run(s, lg, dict(os.environ), timeout=120)
+                )
+            )
+        )
+    for t in threads:
+        t.start()
+    _wait_until(lambda: all(p.exists() and p.read_text() for p in pid_files), 60)
+    pids = [int(p.read_text()) for p in pid_files]
+    assert all(_alive(pid) for pid in pids)  # both at once
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    for t in threads:
+        t.join(timeout=30)
+    assert codes == [-signal.SIGKILL, -signal.SIGKILL]
+    assert _still_serves(server, tmp_path)

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_opprof.gpus import visible_gpus, worker_gpu
+from pytest_opprof import devicelock
+from pytest_opprof.gpus import assign, gpu_uuid, visible_gpus, worker_gpu
 from pytest_opprof.schema import SessionSummary, WorkloadSummary, read_artifact, write_artifact
 from pytest_opprof.session import merge_sessions
 
@@ -17,13 +18,37 @@ from pytest_opprof.session import merge_sessions
 def test_workers_get_distinct_gpus_within_the_outer_restriction() -> None:
     gpus = visible_gpus({"CUDA_VISIBLE_DEVICES": "3,5"})
     assert gpus == ["3", "5"]
-    assert [worker_gpu(f"gw{i}", 2, gpus) for i in range(2)] == ["3", "5"]
+    assert [worker_gpu(f"gw{i}", gpus) for i in range(2)] == ["3", "5"]
     assert visible_gpus({"CUDA_VISIBLE_DEVICES": ""}) == []
 
 
-def test_more_workers_than_gpus_is_a_usage_error() -> None:
-    with pytest.raises(pytest.UsageError, match="timing must never share a GPU"):
-        worker_gpu("gw0", 3, ["0", "1"])
+def test_more_workers_than_gpus_share_them_round_robin() -> None:
+    assert [worker_gpu(f"gw{i}", ["0", "1"]) for i in range(5)] == ["0", "1", "0", "1", "0"]
+
+
+def test_each_worker_measures_under_the_lock_of_its_gpu(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Workers sharing a GPU name the same lock, by the GPU's UUID; a UUID entry is its own
+    name; no GPU, no lock."""
+    monkeypatch.setattr("pytest_opprof.gpus.pin_worker", lambda worker, count: None)
+    monkeypatch.setattr("pytest_opprof.gpus._smi_first_line", lambda args: f"GPU-uuid-of-{args[1]}")
+    locks = []
+    for worker in ("gw0", "gw1", "gw2"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+        assign("auto", {"workerid": worker, "workercount": 3})
+        locks.append((os.environ["CUDA_VISIBLE_DEVICES"], os.environ[devicelock.LOCK_ENV]))
+    assert [gpu for gpu, _ in locks] == ["0", "1", "0"]
+    assert locks[0][1] == locks[2][1] != locks[1][1]
+    assert locks[0][1].endswith("GPU-uuid-of-0.lock")
+    assert gpu_uuid("GPU-1234-abcd") == "GPU-1234-abcd"
+    monkeypatch.delenv(devicelock.LOCK_ENV)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assign("auto", None)
+    assert devicelock.LOCK_ENV not in os.environ
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assign("cpu", None)
+    assert devicelock.LOCK_ENV not in os.environ
 
 
 def _shard(folder: Path, names: list[str], status: str = "passed") -> None:

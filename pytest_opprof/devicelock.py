@@ -1,0 +1,132 @@
+"""One GPU, several processes: they compile side by side and measure one at a time.
+
+Every stage process on a GPU holds that GPU's lock *shared* while it works (loads the model,
+compiles, validates, reads counters) and takes it *exclusively* while it measures (timing
+rounds, timelines, GPU time). A measurement therefore never runs beside another process's GPU
+work or compile, on this GPU, from this session or any other on the host, while the compiles of
+several workloads (pytest-xdist workers sharing the GPU, or one workload's timing processes) run
+at once. The GPU idles during a compile anyway: what parallel compiles save is wall time, not
+accuracy.
+
+The lock is ``flock(2)`` on a file named after the GPU's UUID, so the kernel releases it when a
+process dies, however it dies. Waiting measurers come first: a process about to measure takes
+a turnstile that new work must pass (the classic writer-preferring lock), so a stream of new
+compiles cannot keep a measurement waiting; the compiles already running finish first.
+
+A process that joins removes :data:`LOCK_ENV` from its own environment, so the processes it
+starts (ncu's target, Inductor's compile workers) work under its share instead of waiting on a
+measurement that waits on them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock, one process per GPU as before
+    fcntl = None  # type: ignore[assignment]
+
+LOCK_ENV = "OPPROF_DEVICE_LOCK"
+"""The lock file of the GPU a stage process measures on; set by the session for its children."""
+
+
+class DeviceLock:
+    """A writer-preferring reader-writer lock on two files: ``path`` and ``path.turn``."""
+
+    def __init__(self, path: Path) -> None:
+        if not path.parent.is_dir():
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with contextlib.suppress(OSError):  # every user's sessions share the GPU
+                path.parent.chmod(0o1777)
+        self.path = path
+        self._main = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        self._turn = os.open(path.with_name(path.name + ".turn"), os.O_RDWR | os.O_CREAT, 0o666)
+        self.held: str | None = None
+        self.waited_s = 0.0
+
+    def _through_turnstile(self, mode: int) -> None:
+        """Take ``path`` in ``mode``; never called while holding it (no deadlock on the turn)."""
+        t0 = time.perf_counter()
+        fcntl.flock(self._turn, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._main, mode)
+        finally:
+            fcntl.flock(self._turn, fcntl.LOCK_UN)
+        self.waited_s += time.perf_counter() - t0
+
+    def share(self) -> None:
+        if self.held != "shared":
+            self.release()
+            self._through_turnstile(fcntl.LOCK_SH)
+            self.held = "shared"
+
+    def exclusive(self) -> None:
+        if self.held != "exclusive":
+            self.release()
+            self._through_turnstile(fcntl.LOCK_EX)
+            self.held = "exclusive"
+
+    def release(self) -> None:
+        if self.held is not None:
+            fcntl.flock(self._main, fcntl.LOCK_UN)
+            self.held = None
+
+    def close(self) -> None:
+        self.release()
+        os.close(self._main)
+        os.close(self._turn)
+
+
+_LOCK: DeviceLock | None = None
+
+
+def join() -> DeviceLock | None:
+    """Hold this process's GPU lock shared, where the session named one (:data:`LOCK_ENV`).
+    Returns it, or None where there is none to take (the CPU, a lock the process cannot open:
+    then nothing is shared, as with one process per GPU)."""
+    global _LOCK
+    name = os.environ.pop(LOCK_ENV, "")
+    if _LOCK is not None or not name or fcntl is None:
+        return _LOCK
+    try:
+        lock = DeviceLock(Path(name))
+    except OSError:
+        return None
+    lock.share()
+    _LOCK = lock
+    return lock
+
+
+@contextlib.contextmanager
+def measuring() -> Iterator[None]:
+    """The GPU to this process alone for the block (a no-op where :func:`join` took no lock);
+    shared again after it."""
+    lock = _LOCK
+    if lock is None:
+        yield
+        return
+    lock.exclusive()
+    try:
+        yield
+    finally:
+        lock.share()
+
+
+def waited_s() -> float:
+    """Seconds this process has waited on its GPU's lock so far."""
+    return _LOCK.waited_s if _LOCK is not None else 0.0
+
+
+def lock_path(gpu_id: str, root: Path | None = None) -> Path:
+    """The lock file of one GPU (its UUID, or the ``CUDA_VISIBLE_DEVICES`` entry where
+    nvidia-smi cannot name it), in a folder every user of the host can reach."""
+    import tempfile
+
+    base = root or Path(tempfile.gettempdir()) / "pytest-opprof-gpu-locks"
+    safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in gpu_id)
+    return base / f"{safe}.lock"

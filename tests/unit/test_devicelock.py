@@ -1,0 +1,197 @@
+"""The GPU lock: processes work side by side and measure alone, waiting measurers come first,
+and a dead holder never blocks the GPU. Real processes on a real ``flock``."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from pytest_opprof import devicelock
+from pytest_opprof.devicelock import DeviceLock, lock_path
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="flock is POSIX")
+
+# A process that joins the lock (shared), works `work` s, then measures `measure` s, writing
+# when each phase began to `log` (one line per event: name, event, time).
+WORKER = """
+import os, sys, time
+from pytest_opprof import devicelock
+name, work, measure, log = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+def note(event):
+    with open(log, "a") as fh:
+        fh.write(f"{name} {event} {time.time():.4f}\\n")
+devicelock.join()
+note("work")
+time.sleep(work)
+note("wait")
+with devicelock.measuring():
+    note("measure")
+    time.sleep(measure)
+    note("measured")
+note("done")
+"""
+
+
+def _start(lock: Path, log: Path, name: str, work: float, measure: float) -> subprocess.Popen[str]:
+    env = {**os.environ, devicelock.LOCK_ENV: str(lock)}
+    return subprocess.Popen(
+        [sys.executable, "-c", WORKER, name, str(work), str(measure), str(log)], env=env, text=True
+    )
+
+
+def _events(log: Path) -> dict[tuple[str, str], float]:
+    out = {}
+    for line in log.read_text().splitlines():
+        name, event, t = line.split()
+        out[(name, event)] = float(t)
+    return out
+
+
+def test_measurements_never_overlap_each_other_or_anyones_work(tmp_path: Path) -> None:
+    lock, log = tmp_path / "gpu.lock", tmp_path / "log"
+    procs = [_start(lock, log, f"p{i}", work, 0.4) for i, work in enumerate((0.2, 0.5, 1.0))]
+    for p in procs:
+        assert p.wait(timeout=60) == 0
+    ev = _events(log)
+    names = [f"p{i}" for i in range(3)]
+    measured = sorted((ev[(n, "measure")], ev[(n, "measured")]) for n in names)
+    for (_, end), (start, _) in itertools.pairwise(measured):
+        assert start >= end  # one at a time
+    for n in names:
+        for other in names:
+            if other != n:  # nobody worked while n measured
+                assert ev[(other, "wait")] <= ev[(n, "measure")]
+    # the works ran side by side: all three had begun before the first measurement
+    assert max(ev[(n, "work")] for n in names) < measured[0][0]
+
+
+def test_a_waiting_measurer_goes_before_new_work(tmp_path: Path) -> None:
+    path = tmp_path / "gpu.lock"
+    holder = DeviceLock(path)
+    holder.share()  # someone at work
+    log = tmp_path / "log"
+    measurer = _start(path, log, "m", 0.0, 0.3)
+    time.sleep(1.0)  # m has joined and now waits to measure
+    late = _start(path, log, "late", 0.0, 0.0)  # new work arriving while m waits
+    time.sleep(1.0)
+    assert not (tmp_path / "log").exists() or ("late", "work") not in _events(log)
+    holder.release()
+    assert measurer.wait(timeout=30) == 0 and late.wait(timeout=30) == 0
+    ev = _events(log)
+    assert ev[("late", "work")] >= ev[("m", "measure")]
+    assert holder.waited_s < 0.1  # it never waited: the lock was free
+    holder.close()
+
+
+def test_a_killed_holder_releases_the_gpu(tmp_path: Path) -> None:
+    path, log = tmp_path / "gpu.lock", tmp_path / "log"
+    stuck = _start(path, log, "stuck", 0.0, 300.0)
+    deadline = time.monotonic() + 30
+    while not (log.exists() and ("stuck", "measure") in _events(log)):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.kill(stuck.pid, signal.SIGKILL)
+    stuck.wait(timeout=10)
+    lock = DeviceLock(path)
+    lock.exclusive()  # would block for 300 s had the kernel kept the dead process's lock
+    assert lock.held == "exclusive"
+    lock.close()
+
+
+def test_join_without_a_lock_leaves_measuring_a_no_op(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(devicelock.LOCK_ENV, raising=False)
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    assert devicelock.join() is None
+    with devicelock.measuring():
+        pass
+    assert devicelock.waited_s() == 0.0
+
+
+def test_join_hands_no_lock_to_the_processes_it_starts(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """ncu's target runs under its parent's share: were it to queue behind a measurer that
+    waits for that parent, neither would ever run."""
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "locks" / "gpu.lock"))
+    lock = devicelock.join()
+    try:
+        assert lock is not None and lock.held == "shared"
+        assert devicelock.LOCK_ENV not in os.environ
+        with devicelock.measuring():
+            assert lock.held == "exclusive"
+        assert lock.held == "shared"
+    finally:
+        assert lock is not None
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+def test_lock_names_are_file_names(tmp_path: Path) -> None:
+    assert lock_path("GPU-12ab-34cd", tmp_path) == tmp_path / "GPU-12ab-34cd.lock"
+    assert lock_path("../0", tmp_path).parent == tmp_path
+
+
+TINY = """
+import torch
+def get_model_and_input():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU()).eval(), torch.randn(4, 16)
+"""
+
+
+def test_a_stage_process_measures_only_once_the_gpu_is_its_alone(tmp_path: Path) -> None:
+    """The capture process: it loads and compiles beside another process at work, then
+    waits for that work to end before it times and profiles, and says how long it waited."""
+    import json
+
+    from pytest_opprof.options import OpprofOptions
+
+    workload = tmp_path / "tiny.py"
+    workload.write_text(TINY, encoding="utf-8")
+    spec = tmp_path / "spec.json"
+    options = OpprofOptions(device="cpu", warmup_iters=1, measure_iters=2, rounds=3)
+    spec.write_text(
+        json.dumps(
+            {
+                "task": "capture",
+                "workload": str(workload),
+                "out_dir": str(tmp_path / "out"),
+                "options": options.to_child(),
+                "overrides": {},
+            }
+        ),
+        encoding="utf-8",
+    )
+    path = tmp_path / "gpu.lock"
+    other = DeviceLock(path)
+    other.share()
+    log = tmp_path / "capture.log"
+    with log.open("w") as fh:
+        child = subprocess.Popen(
+            [sys.executable, "-m", "pytest_opprof.runner", str(spec)],
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, devicelock.LOCK_ENV: str(path)},
+        )
+    try:
+        deadline = time.monotonic() + 240
+        while "compiled (backend='inductor')" not in log.read_text():
+            assert child.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        time.sleep(2.0)
+        assert child.poll() is None and "timed and profiled" not in log.read_text()
+    finally:
+        other.close()
+    assert child.wait(timeout=240) == 0, log.read_text()
+    text = log.read_text()
+    assert "timed and profiled" in text
+    assert "s of it waiting for the GPU" in text.splitlines()[-1]
+    assert (tmp_path / "out" / "profile.json").exists()

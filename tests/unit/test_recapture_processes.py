@@ -1,0 +1,119 @@
+"""The recapture's timing processes: started together under a GPU lock where the capture's
+peak memory says they fit (they compile side by side and measure one at a time), one after
+another otherwise; pooled either way, a failed one a warning. The children here are stand-ins
+that sleep and write real artifacts from the H200 run; the lock itself is tested with real
+processes in test_devicelock.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_opprof import pipeline
+from pytest_opprof.devicelock import LOCK_ENV
+from pytest_opprof.errors import StageError
+from pytest_opprof.schema import Profile, read_artifact, write_artifact
+
+H200 = Path(__file__).parents[2] / "examples" / "conv_block" / "h200"
+GIB = 1 << 30
+
+
+class StandIn:
+    """What ``stage_recapture`` uses of a ``WorkloadRun``; each child sleeps ``seconds``."""
+
+    def __init__(self, folder: Path, processes: int, fail_retime: bool = False) -> None:
+        self.out_dir = folder / "out"
+        self.profiler_output = self.out_dir / "profiler_output"
+        self.profiler_output.mkdir(parents=True)
+        self.generated = folder / "conv_block_optimized.py"
+        self.processes = processes
+        self.fail_retime = fail_retime
+        self.children: list[tuple[str, float, float]] = []
+        self._guard = threading.Lock()
+        shutil.copy(H200 / "validation_report.json", self.profiler_output)
+
+    def setting(self, name: str) -> Any:
+        return self.processes if name == "timing_processes" else None
+
+    def run_child(self, task: str, stage: str, *, log_name: str = "", **extra: Any) -> None:
+        start = time.monotonic()
+        time.sleep(0.5)
+        optimized = read_artifact(H200 / "profile_optimized.json", Profile)
+        if task == "recapture":
+            write_artifact(self.out_dir / "profile_optimized.json", optimized)
+        elif self.fail_retime:
+            raise StageError("the retime process failed (exit 1)")
+        else:
+            samples = {k: v.samples_ms[:5] for k, v in optimized.timing.variants.items()}
+            Path(extra["result"]).write_text(json.dumps({"samples": samples}))
+        with self._guard:
+            self.children.append((log_name or task, start, time.monotonic()))
+
+
+def _baseline(run: StandIn, peak: int | None) -> None:
+    base = read_artifact(H200 / "profile.json", Profile)
+    meta = base.capture_metadata.model_copy(
+        update={"peak_memory_bytes": peak, "device_memory_bytes": 140 * GIB}
+    )
+    write_artifact(run.out_dir / "profile.json", base.model_copy(update={"capture_metadata": meta}))
+
+
+def _overlapping(children: list[tuple[str, float, float]]) -> bool:
+    return max(start for _, start, _ in children) < min(end for _, _, end in children)
+
+
+def test_under_a_gpu_lock_the_timing_processes_start_together(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(LOCK_ENV, str(tmp_path / "gpu.lock"))
+    run = StandIn(tmp_path, processes=3)
+    _baseline(run, peak=2 * GIB)
+    said = pipeline.stage_recapture(run)  # type: ignore[arg-type]
+    assert len(run.children) == 3 and _overlapping(run.children)
+    assert "side by side" in said
+    before = read_artifact(H200 / "profile_optimized.json", Profile).timing.variants["optimized"]
+    pooled = read_artifact(run.out_dir / "profile_optimized.json", Profile)
+    assert pooled.timing.variants["optimized"].processes == before.processes + 2
+
+
+@pytest.mark.parametrize(
+    ("lock", "peak"),
+    [(False, 2 * GIB), (True, None), (True, 30 * GIB)],
+    ids=["no lock", "peak unknown", "would not fit"],
+)
+def test_otherwise_one_after_another(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lock: bool, peak: int | None
+) -> None:
+    """Without a lock their measurements could overlap; without room they could run out of
+    memory: the recapture first, then each retime, as before."""
+    if lock:
+        monkeypatch.setenv(LOCK_ENV, str(tmp_path / "gpu.lock"))
+    else:
+        monkeypatch.delenv(LOCK_ENV, raising=False)
+    run = StandIn(tmp_path, processes=3)
+    _baseline(run, peak=peak)
+    said = pipeline.stage_recapture(run)  # type: ignore[arg-type]
+    assert [name for name, _, _ in run.children] == ["recapture", "retime1", "retime2"]
+    for (_, _, end), (_, start, _) in zip(run.children, run.children[1:], strict=False):
+        assert start >= end
+    assert "one after another" in said
+
+
+def test_a_failed_timing_process_is_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(LOCK_ENV, str(tmp_path / "gpu.lock"))
+    run = StandIn(tmp_path, processes=2, fail_retime=True)
+    _baseline(run, peak=GIB)
+    pipeline.stage_recapture(run)  # type: ignore[arg-type]
+    prof = read_artifact(run.out_dir / "profile_optimized.json", Profile)
+    assert any(
+        w.startswith("timing process 2 of 2 failed: the retime process failed")
+        for w in prof.warnings
+    )
