@@ -268,10 +268,14 @@ def _shortfall_line(name: str, r: dict[str, Any]) -> str:
 STAGE_LOGS = ("capture", "select", "validate", "recapture")
 
 
+TASK_DONE = re.compile(r"^task \S+ done(?:, ([\d.]+) s of it waiting for the GPU)?$")
+
+
 def child_seconds(where: Path) -> dict[str, float]:
     """Each stage child's own duration from its log's last "[opprof] +  N s  task … done" line
     (the stage JUnit adds the parent's share; a call cut short loses its JUnit, not its logs),
-    the counters pass inside the capture, and the recapture's extra timing processes summed."""
+    the counters pass inside the capture, the recapture's extra timing processes summed, and
+    ``waiting``: the seconds all of them waited for the GPU's lock (runs sharing a GPU)."""
     out: dict[str, float] = {}
     logs = [(s, where / "profiler_output" / f"{s}.log") for s in STAGE_LOGS]
     logs += [("retime", p) for p in sorted((where / "profiler_output").glob("retime*.log"))]
@@ -282,8 +286,10 @@ def child_seconds(where: Path) -> dict[str, float]:
             r"^\[opprof\] \+\s*([\d.]+) s  (.*)$", log.read_text(errors="replace"), re.M
         )
         for i, (at, what) in enumerate(marks):
-            if what.startswith("task ") and what.endswith(" done"):
+            if done := TASK_DONE.match(what):
                 out[stage] = out.get(stage, 0.0) + float(at) if stage == "retime" else float(at)
+                if done.group(1):
+                    out["waiting"] = out.get("waiting", 0.0) + float(done.group(1))
             elif what == "counters pass" and i:
                 out["counters"] = float(at) - float(marks[i - 1][0])
     return out
@@ -434,16 +440,18 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             "",
             "Stage children's own time (s, from their logs; counters is the Nsight Compute pass "
-            "inside capture, retime the recapture's extra timing processes; the stage JUnit "
-            "below adds the parent's share):",
+            "inside capture, retime the recapture's extra timing processes summed, which run "
+            "beside the recapture where they start together; waiting, the part of all of it "
+            "spent waiting for the GPU's lock; the stage JUnit below adds the parent's share):",
             "",
-            "| workload | " + " | ".join(names) + " | sum |",
-            "|---|" + "---|" * (len(names) + 1),
+            "| workload | " + " | ".join(names) + " | sum | waiting |",
+            "|---|" + "---|" * (len(names) + 2),
         ]
         for name, st in children.items():
             cells = [f"{st[n]:.1f}" if n in st else "—" for n in names]
-            total = sum(v for k, v in st.items() if k != "counters")
-            lines.append(f"| {name} | " + " | ".join(cells) + f" | {total:.1f} |")
+            total = sum(v for k, v in st.items() if k not in ("counters", "waiting"))
+            waited = f"{st['waiting']:.1f}" if "waiting" in st else "—"
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {total:.1f} | {waited} |")
     if timed:
         names = ["capture", "propose", "backend", "validate", "recapture", "speedup"]
         lines += ["", "Pipeline wall time per stage (s, from the stage JUnit):", ""]

@@ -160,6 +160,16 @@ def test_child_seconds_from_stage_logs(tmp_path: Path) -> None:
     assert got == pytest.approx(
         {"capture": 36.1, "counters": 30.0, "recapture": 7.5, "retime": 9.5}
     )
+    # processes sharing a GPU say how long they waited for its lock
+    (logs / "recapture.log").write_text(
+        "[opprof] +   49.2 s  task recapture done, 38.8 s of it waiting for the GPU\n"
+    )
+    (logs / "retime1.log").write_text(
+        "[opprof] +   49.1 s  task retime done, 41.4 s of it waiting for the GPU\n"
+    )
+    got = tool.child_seconds(tmp_path)
+    assert got["recapture"] == 49.2 and got["retime"] == pytest.approx(49.1 + 5.5)
+    assert got["waiting"] == pytest.approx(38.8 + 41.4)
 
 
 TIMED = ROOT / "benchmarks" / "results" / "h200x2-2026-11-30e"
@@ -167,10 +177,18 @@ TIMED = ROOT / "benchmarks" / "results" / "h200x2-2026-11-30e"
 timed again (--opprof-from=recapture), counters off."""
 
 
-@pytest.mark.parametrize("run", ["one-gpu", "two-gpus", "retime"])
-def test_the_committed_tables_of_the_timed_runs_are_what_the_tool_writes(run: str) -> None:
+SHARED = ROOT / "benchmarks" / "results" / "h200-2026-11-30g"
+"""Four workers sharing one or two GPUs under their lock, counters off and on."""
+
+
+@pytest.mark.parametrize(
+    "folder",
+    [TIMED / "one-gpu", TIMED / "two-gpus", TIMED / "retime"]
+    + [SHARED / r for r in ("one-gpu", "one-gpu-counters", "one-gpu-warm", "two-gpus")],
+    ids=lambda f: f"{f.parent.name}/{f.name}",
+)
+def test_the_committed_tables_of_the_timed_runs_are_what_the_tool_writes(folder: Path) -> None:
     tool = _summarize()
-    folder = TIMED / run
     result = tool.summarize([folder], [folder / "opprof-junit.xml"])
     assert tool.markdown(result) == (folder / "summary.md").read_text(encoding="utf-8")
     for name, row in result["workloads"].items():
