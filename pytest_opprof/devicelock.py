@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 try:
@@ -33,6 +33,7 @@ except ImportError:  # not POSIX: no lock, one process per GPU as before
 
 LOCK_ENV = "OPPROF_DEVICE_LOCK"
 """The lock file of the GPU a stage process measures on; set by the session for its children."""
+WAITING = "waiting for the GPU: another process on it is at work or measuring"
 
 
 class DeviceLock:
@@ -48,16 +49,39 @@ class DeviceLock:
         self._turn = os.open(path.with_name(path.name + ".turn"), os.O_RDWR | os.O_CREAT, 0o666)
         self.held: str | None = None
         self.waited_s = 0.0
+        self.note: Callable[[str], None] | None = None
 
     def _through_turnstile(self, mode: int) -> None:
-        """Take ``path`` in ``mode``; never called while holding it (no deadlock on the turn)."""
+        """Take ``path`` in ``mode``; never called while holding it (no deadlock on the turn).
+        A wait is told to ``note`` as it starts and ends, so a stage log shows it."""
         t0 = time.perf_counter()
+        if self._at_once(mode):
+            return
+        if self.note is not None:
+            self.note(WAITING)
         fcntl.flock(self._turn, fcntl.LOCK_EX)
         try:
             fcntl.flock(self._main, mode)
         finally:
             fcntl.flock(self._turn, fcntl.LOCK_UN)
-        self.waited_s += time.perf_counter() - t0
+        waited = time.perf_counter() - t0
+        self.waited_s += waited
+        if self.note is not None:
+            self.note(f"had the GPU after {waited:.1f} s")
+
+    def _at_once(self, mode: int) -> bool:
+        """Take ``path`` in ``mode`` if nobody is in the way (nobody waits at the turnstile)."""
+        try:
+            fcntl.flock(self._turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        try:
+            fcntl.flock(self._main, mode | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        finally:
+            fcntl.flock(self._turn, fcntl.LOCK_UN)
 
     def share(self) -> None:
         if self.held != "shared":
@@ -85,10 +109,10 @@ class DeviceLock:
 _LOCK: DeviceLock | None = None
 
 
-def join() -> DeviceLock | None:
-    """Hold this process's GPU lock shared, where the session named one (:data:`LOCK_ENV`).
-    Returns it, or None where there is none to take (the CPU, a lock the process cannot open:
-    then nothing is shared, as with one process per GPU)."""
+def join(note: Callable[[str], None] | None = None) -> DeviceLock | None:
+    """Hold this process's GPU lock shared, where the session named one (:data:`LOCK_ENV`),
+    telling ``note`` of every wait. Returns it, or None where there is none to take (the CPU,
+    a lock the process cannot open: then nothing is shared, as with one process per GPU)."""
     global _LOCK
     name = os.environ.pop(LOCK_ENV, "")
     if _LOCK is not None or not name or fcntl is None:
@@ -97,6 +121,7 @@ def join() -> DeviceLock | None:
         lock = DeviceLock(Path(name))
     except OSError:
         return None
+    lock.note = note
     lock.share()
     _LOCK = lock
     return lock

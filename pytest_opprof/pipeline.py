@@ -29,7 +29,7 @@ import pytest
 
 from pytest_opprof import STAGES, __version__
 from pytest_opprof.backend.plan import EXTRA_PASSES_ENV, PassRegistry, extra_targets
-from pytest_opprof.devicelock import LOCK_ENV
+from pytest_opprof.devicelock import LOCK_ENV, WAITING
 from pytest_opprof.errors import ArtifactError, OpprofError, StageBlocked, StageError, WorkloadError
 from pytest_opprof.measure import pooled_timing
 from pytest_opprof.options import BY_FIELD, OpprofOptions
@@ -306,10 +306,16 @@ class WorkloadRun:
             try:
                 code = _start_child(spec_path, log, env, timeout)
             except subprocess.TimeoutExpired:
+                why = (
+                    "it was waiting for its GPU, which other processes shared — run fewer "
+                    "pytest-xdist workers per GPU or raise --opprof-timeout"
+                    if _last_phase(log) == WAITING
+                    else "the workload hangs or is too slow — raise --opprof-timeout or "
+                    "OPPROF['timeout']"
+                )
                 raise StageError(
                     f"{self.spec.path.name}: {stage} did not finish within {timeout:.0f} s "
-                    f"and was stopped; the workload hangs or is too slow — raise "
-                    f"--opprof-timeout or OPPROF['timeout'] (log: {_rel(log)})"
+                    f"and was stopped; {why} (log: {_rel(log)})"
                 ) from None
             failure = spec_path.with_name("failure.json")
             if failure.exists():
@@ -332,6 +338,16 @@ class WorkloadRun:
                 f"{self.spec.path.name}: the {stage} process failed (exit {code}); this is "
                 f"likely a bug in pytest-opprof or torch. Last lines of {_rel(log)}:\n{tail}"
             )
+
+
+def _last_phase(log: Path) -> str | None:
+    """The last ``[opprof] +  N s  what`` line of a stage log: what its process was doing."""
+    try:
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError:
+        return None
+    marks = [line.split(" s  ", 1)[-1] for line in lines if line.startswith("[opprof] +")]
+    return marks[-1] if marks else None
 
 
 def _device_identity() -> str | None:

@@ -90,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
     from pytest_opprof.schema import ChildFailure, write_artifact
 
     try:
-        devicelock.join()
+        devicelock.join(note=phase)
         TASKS[spec["task"]](spec)
         waited = devicelock.waited_s()
         phase(

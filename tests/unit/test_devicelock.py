@@ -194,4 +194,34 @@ def test_a_stage_process_measures_only_once_the_gpu_is_its_alone(tmp_path: Path)
     text = log.read_text()
     assert "timed and profiled" in text
     assert "s of it waiting for the GPU" in text.splitlines()[-1]
+    lines = text.splitlines()
+    waiting = next(i for i, line in enumerate(lines) if line.endswith(devicelock.WAITING))
+    assert "timed and profiled" not in "".join(lines[:waiting])  # it waited before measuring
+    assert "had the GPU after" in lines[waiting + 1]
     assert (tmp_path / "out" / "profile.json").exists()
+
+
+def test_a_stage_that_times_out_waiting_for_the_gpu_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its log shows the wait, and the stage's error names it instead of a hung workload."""
+    from pytest_opprof.errors import StageError
+    from pytest_opprof.options import OpprofOptions
+    from pytest_opprof.pipeline import WorkloadRun
+    from pytest_opprof.workload import WorkloadSpec
+
+    workload = tmp_path / "tiny.py"
+    workload.write_text(TINY, encoding="utf-8")
+    path = tmp_path / "gpu.lock"
+    other = DeviceLock(path)
+    other.exclusive()  # another process measuring for longer than the stage may run
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
+    options = OpprofOptions(device="cpu", out=tmp_path / "out", timeout=6.0)
+    run = WorkloadRun(spec=WorkloadSpec(workload), options=options, name="tiny")
+    try:
+        with pytest.raises(StageError, match="it was waiting for its GPU, which other processes"):
+            run.run_child("capture", "capture")
+    finally:
+        other.close()
+    log = (run.profiler_output / "capture.log").read_text()
+    assert devicelock.WAITING in log
