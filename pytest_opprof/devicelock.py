@@ -119,7 +119,9 @@ def join(note: Callable[[str], None] | None = None) -> DeviceLock | None:
         return _LOCK
     try:
         lock = DeviceLock(Path(name))
-    except OSError:
+    except OSError as exc:
+        if note is not None:
+            note(f"no GPU lock ({exc}): measuring beside whatever else runs on the GPU")
         return None
     lock.note = note
     lock.share()

@@ -134,6 +134,18 @@ def test_join_hands_no_lock_to_the_processes_it_starts(
         monkeypatch.setattr(devicelock, "_LOCK", None)
 
 
+def test_a_lock_that_cannot_be_opened_is_said_and_skipped(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    blocker = tmp_path / "not-a-folder"
+    blocker.write_text("")
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(blocker / "gpu.lock"))
+    said: list[str] = []
+    assert devicelock.join(note=said.append) is None
+    assert len(said) == 1 and said[0].startswith("no GPU lock (")
+
+
 def test_lock_names_are_file_names(tmp_path: Path) -> None:
     assert lock_path("GPU-12ab-34cd", tmp_path) == tmp_path / "GPU-12ab-34cd.lock"
     assert lock_path("../0", tmp_path).parent == tmp_path
