@@ -45,8 +45,8 @@ class DeviceLock:
             with contextlib.suppress(OSError):  # every user's sessions share the GPU
                 path.parent.chmod(0o1777)
         self.path = path
-        self._main = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-        self._turn = os.open(path.with_name(path.name + ".turn"), os.O_RDWR | os.O_CREAT, 0o666)
+        self._main = _open_shared(path)
+        self._turn = _open_shared(path.with_name(path.name + ".turn"))
         self.held: str | None = None
         self.waited_s = 0.0
         self.note: Callable[[str], None] | None = None
@@ -104,6 +104,14 @@ class DeviceLock:
         self.release()
         os.close(self._main)
         os.close(self._turn)
+
+
+def _open_shared(path: Path) -> int:
+    """A lock file every user of the host can open (the umask would leave it the creator's)."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    with contextlib.suppress(OSError):  # another user's file: theirs to set, already 0o666
+        os.fchmod(fd, 0o666)
+    return fd
 
 
 _LOCK: DeviceLock | None = None
