@@ -647,12 +647,16 @@ def stage_recapture(run: WorkloadRun) -> str:
         if together:
             # Each process compiles while the others do; they measure one at a time.
             pool = ThreadPoolExecutor(processes - 1)
+            pending = [pool.submit(_retime_one, run, i, Path(tmp)) for i in range(1, processes)]
             try:
-                pending = [pool.submit(_retime_one, run, i, Path(tmp)) for i in range(1, processes)]
                 run.run_child("recapture", "recapture", generated=generated)
-                replicas = [f.result() for f in pending]
-            finally:
-                pool.shutdown(wait=False, cancel_futures=True)
+            except BaseException as exc:
+                # A failed recapture waits for its timing processes (none outlives its stage
+                # or its folder); an interrupt does not (the session's end stops them).
+                pool.shutdown(wait=not isinstance(exc, KeyboardInterrupt), cancel_futures=True)
+                raise
+            replicas = [f.result() for f in pending]
+            pool.shutdown()
         else:
             run.run_child("recapture", "recapture", generated=generated)
             replicas = [_retime_one(run, i, Path(tmp)) for i in range(1, processes)]

@@ -27,13 +27,16 @@ GIB = 1 << 30
 class StandIn:
     """What ``stage_recapture`` uses of a ``WorkloadRun``; each child sleeps ``seconds``."""
 
-    def __init__(self, folder: Path, processes: int, fail_retime: bool = False) -> None:
+    def __init__(
+        self, folder: Path, processes: int, fail_retime: bool = False, fail_recapture: bool = False
+    ) -> None:
         self.out_dir = folder / "out"
         self.profiler_output = self.out_dir / "profiler_output"
         self.profiler_output.mkdir(parents=True)
         self.generated = folder / "conv_block_optimized.py"
         self.processes = processes
         self.fail_retime = fail_retime
+        self.fail_recapture = fail_recapture
         self.children: list[tuple[str, float, float]] = []
         self._guard = threading.Lock()
         shutil.copy(H200 / "validation_report.json", self.profiler_output)
@@ -43,6 +46,9 @@ class StandIn:
 
     def run_child(self, task: str, stage: str, *, log_name: str = "", **extra: Any) -> None:
         start = time.monotonic()
+        if task == "recapture" and self.fail_recapture:
+            time.sleep(0.1)  # before the others end
+            raise StageError("the recapture process failed (exit 1)")
         time.sleep(0.5)
         optimized = read_artifact(H200 / "profile_optimized.json", Profile)
         if task == "recapture":
@@ -117,3 +123,16 @@ def test_a_failed_timing_process_is_a_warning(
         w.startswith("timing process 2 of 2 failed: the retime process failed")
         for w in prof.warnings
     )
+
+
+def test_a_failed_recapture_waits_for_its_timing_processes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """None of them outlives the stage (or writes into its deleted folder)."""
+    monkeypatch.setenv(LOCK_ENV, str(tmp_path / "gpu.lock"))
+    run = StandIn(tmp_path, processes=3, fail_recapture=True)
+    _baseline(run, peak=GIB)
+    with pytest.raises(StageError, match="the recapture process failed"):
+        pipeline.stage_recapture(run)  # type: ignore[arg-type]
+    assert sorted(name for name, _, _ in run.children) == ["retime1", "retime2"]
+    assert all(end <= time.monotonic() for _, _, end in run.children)
