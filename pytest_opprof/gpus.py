@@ -7,8 +7,8 @@ from the GPU's UUID.
 
 The parent process never initialises CUDA (stages run in child processes), so setting
 ``CUDA_VISIBLE_DEVICES`` in a worker's ``pytest_configure`` is early enough for every child it
-starts. An outer restriction is honoured: worker ``gwK`` gets the K-th of the GPUs already
-visible.
+starts. An outer restriction is honoured: of the G GPUs already visible, worker ``gwK`` gets
+the (K mod G)-th.
 
 The CPUs are split too. On two H200s, two runs of the same examples gave optimized (CUDA-
 graphed) latencies within 0.1% of each other while the launch-bound torch.compile baselines,
