@@ -447,11 +447,20 @@ def markdown(result: dict[str, Any]) -> str:
             "| workload | " + " | ".join(names) + " | sum | waiting |",
             "|---|" + "---|" * (len(names) + 2),
         ]
+        totals = {"sum": 0.0, "waiting": 0.0}
         for name, st in children.items():
             cells = [f"{st[n]:.1f}" if n in st else "—" for n in names]
             total = sum(v for k, v in st.items() if k not in ("counters", "waiting"))
             waited = f"{st['waiting']:.1f}" if "waiting" in st else "—"
             lines.append(f"| {name} | " + " | ".join(cells) + f" | {total:.1f} | {waited} |")
+            totals["sum"] += total
+            totals["waiting"] += st.get("waiting", 0.0)
+        if totals["waiting"]:
+            lines += [
+                "",
+                f"All stage processes: {totals['sum']:,.0f} process-seconds, "
+                f"{totals['waiting']:,.0f} of them waiting for the GPU.",
+            ]
     if timed:
         names = ["capture", "propose", "backend", "validate", "recapture", "speedup"]
         lines += ["", "Pipeline wall time per stage (s, from the stage JUnit):", ""]
