@@ -260,7 +260,22 @@ def preflight() -> int:
             "run with --opprof-ncu-sudo=true, or set the driver option "
             "NVreg_RestrictProfilingToAdminUsers=0",
         )
+    if has_torch and torch.cuda.is_available():
+        line(*_lock_folder_usable(), "make it writable by every user of the runner (chmod 1777)")
     return 1 if problems else 0
+
+
+def _lock_folder_usable() -> tuple[bool, str]:
+    """Whether this user can open GPU locks (``devicelock``): without one, processes sharing a
+    GPU measure beside each other's work."""
+    from pytest_opprof.devicelock import DeviceLock, lock_path
+
+    probe = lock_path("preflight")
+    try:
+        DeviceLock(probe).close()
+    except OSError as exc:
+        return False, f"GPU lock folder {probe.parent}: {exc.strerror or exc}"
+    return True, f"GPU lock folder {probe.parent} usable"
 
 
 def cmd_merge(ns: argparse.Namespace, options: OpprofOptions) -> int:

@@ -237,3 +237,18 @@ def test_a_stage_that_times_out_waiting_for_the_gpu_says_so(
         other.close()
     log = (run.profiler_output / "capture.log").read_text()
     assert devicelock.WAITING in log
+
+
+def test_preflight_says_whether_this_user_can_open_gpu_locks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pytest_opprof.cli import _lock_folder_usable
+
+    monkeypatch.setattr(devicelock, "lock_path", lambda gpu: tmp_path / "locks" / f"{gpu}.lock")
+    ok, said = _lock_folder_usable()
+    assert ok and said == f"GPU lock folder {tmp_path / 'locks'} usable"
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    monkeypatch.setattr(devicelock, "lock_path", lambda gpu: blocker / f"{gpu}.lock")
+    ok, said = _lock_folder_usable()
+    assert not ok and said.startswith(f"GPU lock folder {blocker}: ")
