@@ -270,9 +270,7 @@ def _metadata(spec: dict[str, Any], w: Any, device: str, info: dict[str, Any]) -
         device_count=info.get("device_count"),
         device_uuid=info.get("device_uuid"),
         peak_memory_bytes=torch.cuda.max_memory_reserved() if device == "cuda" else None,
-        device_memory_bytes=torch.cuda.get_device_properties(0).total_memory
-        if device == "cuda"
-        else None,
+        device_memory_bytes=info.get("device_memory"),
     )
 
 

@@ -84,12 +84,9 @@ def inside_model_graph(plan: BackendPlan, proposal: Proposal) -> bool:
     """``proposal`` is Inductor's per-graph CUDA graphs and ``plan`` already records the whole
     call as one CUDA graph: cudagraph trees cannot run inside another capture (on the H200,
     "Cannot prepare for replay during capturing stage"), and the outer graph already holds
-    every kernel they would record, so there is nothing to build or time."""
-    return (
-        plan.cuda_graph_model
-        and proposal.type == "cuda_graphs"
-        and proposal.params.get("scope") != "model"
-    )
+    every kernel they would record, so there is nothing to build or time. The same test as
+    :func:`replaced_by_model_graph`, asked before the rung is built."""
+    return replaced_by_model_graph(plan, proposal.type, proposal.params.get("scope"))
 
 
 # The graph rewrites, each its own rung in this order (a user pass after them, by name), so

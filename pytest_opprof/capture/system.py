@@ -44,12 +44,14 @@ def environment(device: str) -> dict[str, Any]:
         "visible_devices": None,
         "device_count": None,
         "device_uuid": None,
+        "device_memory": None,
     }
     if device == "cuda":
         props = torch.cuda.get_device_properties(0)
         info["device_name"] = props.name
         info["sm_count"] = props.multi_processor_count
         info["compute_capability"] = f"{props.major}.{props.minor}"
+        info["device_memory"] = props.total_memory
         info["driver"] = _driver_version()
         # Which GPU this process measured, and how many it saw: the evidence that an xdist
         # worker owned exactly one.

@@ -70,6 +70,16 @@ def _baseline(run: StandIn, peak: int | None) -> None:
     write_artifact(run.out_dir / "profile.json", base.model_copy(update={"capture_metadata": meta}))
 
 
+def _under_a_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, peak: int | None, **stand_in: Any
+) -> StandIn:
+    """A stand-in run whose session named a GPU lock, its capture's peak memory ``peak``."""
+    monkeypatch.setenv(LOCK_ENV, str(tmp_path / "gpu.lock"))
+    run = StandIn(tmp_path, **stand_in)
+    _baseline(run, peak=peak)
+    return run
+
+
 def _overlapping(children: list[tuple[str, float, float]]) -> bool:
     return max(start for _, start, _ in children) < min(end for _, _, end in children)
 
@@ -77,9 +87,7 @@ def _overlapping(children: list[tuple[str, float, float]]) -> bool:
 def test_under_a_gpu_lock_the_timing_processes_start_together(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(LOCK_ENV, str(tmp_path / "gpu.lock"))
-    run = StandIn(tmp_path, processes=3)
-    _baseline(run, peak=2 * GIB)
+    run = _under_a_lock(tmp_path, monkeypatch, 2 * GIB, processes=3)
     said = pipeline.stage_recapture(run)  # type: ignore[arg-type]
     assert len(run.children) == 3 and _overlapping(run.children)
     assert "side by side" in said
@@ -114,9 +122,7 @@ def test_otherwise_one_after_another(
 def test_a_failed_timing_process_is_a_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv(LOCK_ENV, str(tmp_path / "gpu.lock"))
-    run = StandIn(tmp_path, processes=2, fail_retime=True)
-    _baseline(run, peak=GIB)
+    run = _under_a_lock(tmp_path, monkeypatch, GIB, processes=2, fail_retime=True)
     pipeline.stage_recapture(run)  # type: ignore[arg-type]
     prof = read_artifact(run.out_dir / "profile_optimized.json", Profile)
     assert any(
@@ -129,9 +135,7 @@ def test_a_failed_recapture_waits_for_its_timing_processes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """None of them outlives the stage (or writes into its deleted folder)."""
-    monkeypatch.setenv(LOCK_ENV, str(tmp_path / "gpu.lock"))
-    run = StandIn(tmp_path, processes=3, fail_recapture=True)
-    _baseline(run, peak=GIB)
+    run = _under_a_lock(tmp_path, monkeypatch, GIB, processes=3, fail_recapture=True)
     with pytest.raises(StageError, match="the recapture process failed"):
         pipeline.stage_recapture(run)  # type: ignore[arg-type]
     assert sorted(name for name, _, _ in run.children) == ["retime1", "retime2"]
