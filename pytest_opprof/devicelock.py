@@ -129,7 +129,11 @@ def join(note: Callable[[str], None] | None = None) -> DeviceLock | None:
         lock = DeviceLock(Path(name))
     except OSError as exc:
         if note is not None:
-            note(f"no GPU lock ({exc}): measuring beside whatever else runs on the GPU")
+            note(
+                f"no GPU lock ({exc}): measuring beside whatever else runs on the GPU; make "
+                f"{Path(name).parent} writable by every user of the host (opprof preflight "
+                "checks it)"
+            )
         return None
     lock.note = note
     lock.share()

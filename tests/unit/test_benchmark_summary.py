@@ -237,3 +237,14 @@ def test_compare_says_what_it_needs(tmp_path: Path) -> None:
     assert done.returncode == 2
     assert "not a summary JSON" in done.stderr and "pass two summary.json files" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_the_shared_runs_recorded_the_memory_their_timing_processes_were_sized_by() -> None:
+    """Profile 2.5 on the H200: each capture's peak and the GPU's memory, which decided that a
+    workload's three timing processes fit side by side (6 × peak within 80%)."""
+    from pytest_opprof.schema import Profile, read_artifact
+
+    for profile in sorted((SHARED / "two-gpus").glob("*/profile.json")):
+        meta = read_artifact(profile, Profile).capture_metadata
+        assert meta.peak_memory_bytes and meta.device_memory_bytes, profile
+        assert 6 * meta.peak_memory_bytes <= 0.8 * meta.device_memory_bytes
