@@ -11,7 +11,10 @@ accuracy.
 The lock is ``flock(2)`` on a file named after the GPU's UUID, so the kernel releases it when a
 process dies, however it dies. Waiting measurers come first: a process about to measure takes
 a turnstile that new work must pass (the classic writer-preferring lock), so a stream of new
-compiles cannot keep a measurement waiting; the compiles already running finish first.
+compiles cannot keep a measurement waiting; the compiles already running finish first. Between
+its steps (one compile, one selection rung) a working process :func:`makes way <make_way>`: where
+a measurer waits, it steps aside until the measurement is done. So a measurer waits for the step
+each neighbour is in, not for the neighbour's next measurement or its end.
 
 A process that joins removes :data:`LOCK_ENV` from its own environment, so the processes it
 starts (ncu's target, Inductor's compile workers) work under its share instead of waiting on a
@@ -95,6 +98,20 @@ class DeviceLock:
             self._through_turnstile(fcntl.LOCK_EX)
             self.held = "exclusive"
 
+    def make_way(self) -> None:
+        """Held shared: where a measurer waits at the turnstile, let it measure first, then
+        share again. Costs two system calls where nobody waits."""
+        if self.held != "shared":
+            return
+        try:
+            fcntl.flock(self._turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a measurer waits (or someone passes through this instant)
+            self.release()
+            self._through_turnstile(fcntl.LOCK_SH)
+            self.held = "shared"
+            return
+        fcntl.flock(self._turn, fcntl.LOCK_UN)
+
     def release(self) -> None:
         if self.held is not None:
             fcntl.flock(self._main, fcntl.LOCK_UN)
@@ -154,6 +171,13 @@ def measuring() -> Iterator[None]:
         yield
     finally:
         lock.share()
+
+
+def make_way() -> None:
+    """A step of this process's work is done and its GPU work finished (the caller has
+    synchronized): a measurer waiting on the GPU goes first (:meth:`DeviceLock.make_way`)."""
+    if _LOCK is not None:
+        _LOCK.make_way()
 
 
 def waited_s() -> float:

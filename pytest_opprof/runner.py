@@ -18,6 +18,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pytest_opprof import devicelock
 from pytest_opprof.devicelock import measuring
 
 if TYPE_CHECKING:
@@ -85,7 +86,6 @@ def main(argv: list[str] | None = None) -> int:
     spec_path = Path(args[0])
     _die_with_parent()
     spec = json.loads(spec_path.read_text(encoding="utf-8"))
-    from pytest_opprof import devicelock
     from pytest_opprof.errors import OpprofError
     from pytest_opprof.schema import ChildFailure, write_artifact
 
@@ -201,6 +201,15 @@ def _import_generated(path: Path) -> Any:
     return module
 
 
+def _step_done(device: str) -> None:
+    """A step of this process's work (a compile, a build, the generated tests) is over: once
+    its GPU work has finished, a measurer waiting on the GPU goes first."""
+    from pytest_opprof.capture.timing import synchronize
+
+    synchronize(device)
+    devicelock.make_way()
+
+
 def _compile_timed(
     model: Any, backend: Any, inputs: tuple[Any, ...], device: str
 ) -> tuple[Any, float]:
@@ -232,6 +241,7 @@ def _compile_timed(
         f"compiled (backend={getattr(backend, '__name__', backend)!r}) in {seconds:.1f} s"
         + (f" ({note})" if note else "")
     )
+    devicelock.make_way()  # synchronized above
     return fn, seconds
 
 
@@ -419,6 +429,7 @@ def task_capture(spec: dict[str, Any]) -> None:
         spec, timelines, info, opts, meta.dtype, device
     )
     phase("counters pass")
+    _step_done(device)
     profile = Profile(
         capture_metadata=meta,
         counters=counters,
@@ -565,6 +576,7 @@ def task_select(spec: dict[str, Any]) -> None:
         for p in rung.proposals:
             plan = add_proposal(plan, p)
         name = "+".join(plan.proposals)
+        _step_done(device)
         t0 = time.perf_counter()
         fresh = _pristine_copy(eager, lambda: _load_baseline(spec, device).model)
         t1 = time.perf_counter()
@@ -816,6 +828,9 @@ def task_validate(spec: dict[str, Any]) -> None:
     if module is not None:
         steps["tests"] = _generated_tests(spec)
         phase("generated tests")
+        from pytest_opprof.capture.system import resolve_device
+
+        _step_done(resolve_device(_options(spec).device))
     if module is None or steps["tests"].status == "fail":
         _write_steps(spec, steps)
         return
@@ -946,6 +961,7 @@ def _validate_run(spec: dict[str, Any], module: Any, steps: dict[str, Any]) -> N
             status="pass",
             detail=(f"1 warmup + 1 measured call ran ({(time.perf_counter() - t0) * 1000:.3f} ms)"),
         )
+        _step_done(device)
     except BaseException as exc:
         steps["smoke"] = StepResult(status="fail", detail=f"{type(exc).__name__}: {exc}"[:500])
         steps["numerics"] = StepResult(status="skipped", detail="blocked by smoke")
@@ -1045,6 +1061,7 @@ def _optimized_calls(
             optimized(*w.inputs)  # warmup and recording
         compile_s["cuda_graph_capture"] = time.perf_counter() - t0
         twins["optimized"] = uncaptured(optimized)
+        _step_done(device)
     calls: dict[str, Any] = {"eager": w.model, "compile": compiled, "optimized": optimized}
     pairs = [("eager", "compile"), ("eager", "optimized"), ("compile", "optimized")]
     selection_path = out_dir / "profiler_output" / "backend_selection.json"
@@ -1056,6 +1073,7 @@ def _optimized_calls(
             patches = {k: v for k, v in plan.config_patches.items() if k != "triton.cudagraphs"}
             without = plan.model_copy(update={"config_patches": patches})
             twins["optimized"] = build(_load_baseline(spec, device).model, w.inputs, without).fn
+            _step_done(device)
         if not retime and plan.dtype not in (None, "float32"):
             torch.manual_seed(0)
             same = build(_load_baseline(spec, device).model, w.inputs, plan.without_dtype())
@@ -1063,6 +1081,7 @@ def _optimized_calls(
                 t0 = time.perf_counter()
                 same.fn(*w.inputs)
             compile_s["optimized_baseline_dtype"] = time.perf_counter() - t0
+            _step_done(device)
             calls["optimized_baseline_dtype"] = same.fn
             pairs += [
                 ("eager", "optimized_baseline_dtype"),

@@ -90,6 +90,42 @@ def test_a_waiting_measurer_goes_before_new_work(tmp_path: Path) -> None:
     holder.close()
 
 
+# A process at work in `steps` steps of `step` s each, making way between them.
+STEPPER = """
+import sys, time
+from pytest_opprof import devicelock
+name, steps, step, log = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+def note(event):
+    with open(log, "a") as fh:
+        fh.write(f"{name} {event} {time.time():.4f}\\n")
+devicelock.join()
+for i in range(steps):
+    note(f"step{i}")
+    time.sleep(step)
+    note(f"stepped{i}")
+    devicelock.make_way()
+note("done")
+"""
+
+
+def test_a_process_at_work_makes_way_between_its_steps(tmp_path: Path) -> None:
+    """A measurer waits for the step a neighbour is in, not for the neighbour's whole work,
+    and no step of the neighbour's runs while it measures."""
+    path, log = tmp_path / "gpu.lock", tmp_path / "log"
+    env = {**os.environ, devicelock.LOCK_ENV: str(path)}
+    stepper = subprocess.Popen(
+        [sys.executable, "-c", STEPPER, "s", "12", "0.25", str(log)], env=env, text=True
+    )
+    measurer = _start(path, log, "m", 0.8, 0.4)
+    assert measurer.wait(timeout=60) == 0 and stepper.wait(timeout=60) == 0
+    ev = _events(log)
+    start, end = ev[("m", "measure")], ev[("m", "measured")]
+    assert start < ev[("s", "done")] - 1.0  # it did not wait for all twelve steps
+    assert start - ev[("m", "wait")] < 0.25 + 0.5  # at most one step, and process noise
+    for i in range(12):  # no step overlaps the measurement
+        assert ev[("s", f"stepped{i}")] <= start or ev[("s", f"step{i}")] >= end
+
+
 def test_a_killed_holder_releases_the_gpu(tmp_path: Path) -> None:
     path, log = tmp_path / "gpu.lock", tmp_path / "log"
     stuck = _start(path, log, "stuck", 0.0, 300.0)

@@ -39,12 +39,36 @@ def test_records_the_whole_compiled_call_and_replays_fresh_inputs() -> None:
     graphed = ModelGraph(torch.compile(model))
     first, second = torch.randn(4, 8, 16, device="cuda"), torch.randn(4, 8, 16, device="cuda")
     with torch.no_grad():
-        out1 = graphed(first)
+        out1 = graphed(first).clone()
         out2 = graphed(second)
         torch.testing.assert_close(out1, model(first), rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(out2, model(second), rtol=1e-4, atol=1e-5)
         assert graphed.captured and graphed.replays == 2 and graphed.fallbacks == 0
-        assert out1.data_ptr() != out2.data_ptr()  # callers get their own tensors
         with pytest.warns(ModelGraphWarning, match="differ in shape"):
             other = graphed(torch.randn(2, 8, 16, device="cuda"))
         assert other.shape == (2, 32) and graphed.fallbacks == 1
+
+
+@pytest.mark.gpu
+def test_an_output_kept_across_calls_is_released_not_silently_overwritten() -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.GELU()).cuda().eval()
+    graphed = ModelGraph(torch.compile(model))
+    a, b = torch.randn(8, 16, device="cuda"), torch.randn(8, 16, device="cuda")
+    with torch.no_grad():
+        out_a = graphed(a)
+        row = out_a[1]  # a view shares the handed-out storage
+        kept = out_a.clone()
+        torch.testing.assert_close(kept, model(a), rtol=1e-4, atol=1e-5)
+        out_b = graphed(b)  # replays into the same memory
+        for stale in (out_a, row):
+            with pytest.raises(RuntimeError, match="no longer valid"):
+                stale.sum()
+        torch.testing.assert_close(kept, model(a), rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out_b, model(b), rtol=1e-4, atol=1e-5)
+        # An output fed back as the next input is read before the replay releases it.
+        out_c = graphed(out_b)
+        torch.testing.assert_close(out_c, model(model(b)), rtol=1e-4, atol=1e-5)
+        del graphed  # the recorded memory goes with the graph
+        with pytest.raises(RuntimeError, match="no longer valid"):
+            out_c.sum()
