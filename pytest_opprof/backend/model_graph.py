@@ -24,14 +24,26 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_map_only, tree_unflatten
 
 from pytest_opprof.errors import OpprofWarning
 
 Signature = tuple[Any, ...]
+
+
+class Layout(NamedTuple):
+    """Where a recorded output lies."""
+
+    data_ptr: int
+    device: torch.device
+    nbytes: int
+    dtype: torch.dtype
+    offset: int
+    shape: torch.Size
+    stride: tuple[int, ...]
 
 
 STALE = (
@@ -74,6 +86,9 @@ class ModelGraph:
         self._signature: Signature | None = None
         self._inputs: list[Any] = []
         self._outputs: Any = None
+        self._layouts: list[Layout | Any] = []
+        """Each recorded output's :data:`Layout`, or the non-tensor output itself."""
+        self._tree: TreeSpec | None = None
         self._handed_out: list[torch.Tensor] = []
         """The last call's outputs. Held (they own no memory) so that the next replay can
         release them even where the caller kept only a view."""
@@ -114,17 +129,16 @@ class ModelGraph:
         self.replays += 1
         if not self._release:
             return tree_map_only(torch.Tensor, torch.clone, self._outputs)
-        return tree_map_only(torch.Tensor, self._hand_out, self._outputs)
+        leaves = [self._hand_out(x) if isinstance(x, Layout) else x for x in self._layouts]
+        return leaves[0] if self._tree is None else tree_unflatten(leaves, self._tree)
 
-    def _hand_out(self, static: torch.Tensor) -> torch.Tensor:
-        """A new tensor over ``static``'s memory, on a storage of its own that the next replay
-        releases (views the caller takes share that storage, so they are released too)."""
-        storage = static.untyped_storage()
-        own = torch._C._construct_storage_from_data_pointer(
-            storage.data_ptr(), static.device, storage.nbytes()
-        )
-        out = torch.empty(0, dtype=static.dtype, device=static.device)
-        out.set_(own, static.storage_offset(), static.shape, static.stride())
+    def _hand_out(self, layout: Layout) -> torch.Tensor:
+        """A new tensor over a recorded output's memory, on a storage of its own that the next
+        replay releases (views the caller takes share that storage, so they are released too).
+        About 2 µs of host time, where a clone of a 51 MB output costs 26 µs of GPU time."""
+        ptr, device, nbytes, dtype, offset, shape, stride = layout
+        own = torch._C._construct_storage_from_data_pointer(ptr, device, nbytes)
+        out = torch.empty(0, dtype=dtype, device=device).set_(own, offset, shape, stride)
         self._handed_out.append(out)
         return out
 
@@ -136,7 +150,7 @@ class ModelGraph:
     def __del__(self) -> None:
         # The recorded memory goes back to the allocator with the graph: nothing handed out
         # may point into it afterwards.
-        if getattr(self, "_handed_out", None):
+        if getattr(self, "_handed_out", None) and self._release:
             self._release_handed_out()
 
     def _capture(self, args: tuple[Any, ...], signature: Signature) -> None:
@@ -154,6 +168,22 @@ class ModelGraph:
             outputs = self.fn(*inputs)
         self._graph, self._signature = graph, signature
         self._inputs, self._outputs = inputs, outputs
+        leaves, tree = tree_flatten(outputs)
+        self._tree = None if tree.is_leaf() else tree
+        self._layouts = [_layout(x) if isinstance(x, torch.Tensor) else x for x in leaves]
+
+
+def _layout(t: torch.Tensor) -> Layout:
+    storage = t.untyped_storage()
+    return Layout(
+        storage.data_ptr(),
+        t.device,
+        storage.nbytes(),
+        t.dtype,
+        int(t.storage_offset()),
+        t.shape,
+        tuple(t.stride()),
+    )
 
 
 def uncaptured(fn: Any) -> Any:

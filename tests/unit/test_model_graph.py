@@ -72,3 +72,19 @@ def test_an_output_kept_across_calls_is_released_not_silently_overwritten() -> N
         del graphed  # the recorded memory goes with the graph
         with pytest.raises(RuntimeError, match="no longer valid"):
             out_c.sum()
+
+
+def test_a_handed_out_output_is_the_recorded_memory_under_its_own_storage() -> None:
+    """The layout recorded once and the tensor built from it per call (CPU memory here: only
+    the release on the next replay needs CUDA's bindings)."""
+    from pytest_opprof.backend.model_graph import _layout
+
+    graphed = ModelGraph(torch.nn.Identity())
+    recorded = torch.arange(24.0).reshape(4, 6)[1:, ::2]  # offset, strided
+    out = graphed._hand_out(_layout(recorded))
+    assert out.data_ptr() == recorded.data_ptr() and out.stride() == recorded.stride()
+    torch.testing.assert_close(out, recorded, rtol=0, atol=0)
+    assert out.untyped_storage()._cdata != recorded.untyped_storage()._cdata
+    recorded.add_(1)  # the next replay's values show through: it is the same memory
+    torch.testing.assert_close(out, recorded, rtol=0, atol=0)
+    assert graphed._handed_out == [out]
