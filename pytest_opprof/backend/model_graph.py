@@ -12,7 +12,7 @@ Outputs are not copied: each call returns fresh tensors over the recorded output
 an output across calls cannot read overwritten values by mistake, the previous call's outputs
 (and every view of them) are released before each replay: reading one raises an error that says
 to clone it. A 51 MB output costs no copy (26 µs on an H200). Where this torch lacks the
-bindings for that (``_set_storage_access_error_msg``), each output is cloned instead.
+bindings for that (``_set_storage_data_ptr_access_error_msg``), each output is cloned instead.
 
 Preconditions, checked on every call: CUDA tensors only, autograd off, and the same shapes,
 dtypes, strides and non-tensor arguments as the recorded call. A call that differs runs the
@@ -51,7 +51,7 @@ STALE = (
     "call replayed the graph into its memory, or the model was freed (backend.model_graph); "
     "clone an output you keep across calls: out = model(x).clone()"
 )
-_CAN_RELEASE = hasattr(torch._C, "_set_storage_access_error_msg") and hasattr(
+_CAN_RELEASE = hasattr(torch._C, "_set_storage_data_ptr_access_error_msg") and hasattr(
     torch._C, "_construct_storage_from_data_pointer"
 )
 
@@ -89,9 +89,9 @@ class ModelGraph:
         self._layouts: list[Layout | Any] = []
         """Each recorded output's :data:`Layout`, or the non-tensor output itself."""
         self._tree: TreeSpec | None = None
-        self._handed_out: list[torch.Tensor] = []
-        """The last call's outputs. Held (they own no memory) so that the next replay can
-        release them even where the caller kept only a view."""
+        self._handed_out: list[Any] = []
+        """The storages of the last call's outputs. Held (they own no memory) so that the next
+        replay can release them, and with them every view the caller took."""
         self._release = _CAN_RELEASE
         """Whether calls return the recorded outputs' memory (and release it on the next
         replay) rather than a clone of it."""
@@ -138,13 +138,12 @@ class ModelGraph:
         About 2 µs of host time, where a clone of a 51 MB output costs 26 µs of GPU time."""
         ptr, device, nbytes, dtype, offset, shape, stride = layout
         own = torch._C._construct_storage_from_data_pointer(ptr, device, nbytes)
-        out = torch.empty(0, dtype=dtype, device=device).set_(own, offset, shape, stride)
-        self._handed_out.append(out)
-        return out
+        self._handed_out.append(own)
+        return torch.empty(0, dtype=dtype, device=device).set_(own, offset, shape, stride)
 
     def _release_handed_out(self) -> None:
-        for out in self._handed_out:
-            torch._C._set_storage_access_error_msg(out, STALE)
+        for own in self._handed_out:
+            torch._C._set_storage_data_ptr_access_error_msg(own._cdata, STALE)
         self._handed_out.clear()
 
     def __del__(self) -> None:
