@@ -83,7 +83,8 @@ def render_optimized(
     if plan.cuda_graph_model:
         registration += (
             "\n# Each call replays one CUDA graph of the whole compiled call, which measured\n"
-            "# faster than without: backend.model_graph.\nCUDA_GRAPH = True"
+            "# faster than without: backend.model_graph. Its outputs are the graph's memory,\n"
+            "# overwritten by the next call: .clone() one you keep.\nCUDA_GRAPH = True"
         )
     else:
         registration += "\nCUDA_GRAPH = False"
