@@ -268,14 +268,18 @@ def _shortfall_line(name: str, r: dict[str, Any]) -> str:
 STAGE_LOGS = ("capture", "select", "validate", "recapture")
 
 
-TASK_DONE = re.compile(r"^task \S+ done(?:, ([\d.]+) s of it waiting for the GPU)?$")
+TASK_DONE = re.compile(
+    r"^task \S+ done(?:, ([\d.]+) s of it waiting for the GPU)?"
+    r"(?:, ([\d.]+) s with the GPU to itself)?$"
+)
 
 
 def child_seconds(where: Path) -> dict[str, float]:
     """Each stage child's own duration from its log's last "[opprof] +  N s  task … done" line
     (the stage JUnit adds the parent's share; a call cut short loses its JUnit, not its logs),
     the counters pass inside the capture, the recapture's extra timing processes summed, and
-    ``waiting``: the seconds all of them waited for the GPU's lock (runs sharing a GPU)."""
+    ``waiting``: the seconds all of them waited for the GPU's lock (runs sharing a GPU), and
+    ``alone``: the seconds they held it exclusively, measuring."""
     out: dict[str, float] = {}
     logs = [(s, where / "profiler_output" / f"{s}.log") for s in STAGE_LOGS]
     logs += [("retime", p) for p in sorted((where / "profiler_output").glob("retime*.log"))]
@@ -290,6 +294,8 @@ def child_seconds(where: Path) -> dict[str, float]:
                 out[stage] = out.get(stage, 0.0) + float(at) if stage == "retime" else float(at)
                 if done.group(1):
                     out["waiting"] = out.get("waiting", 0.0) + float(done.group(1))
+                if done.group(2):
+                    out["alone"] = out.get("alone", 0.0) + float(done.group(2))
             elif what == "counters pass" and i:
                 out["counters"] = float(at) - float(marks[i - 1][0])
     return out
@@ -437,29 +443,43 @@ def markdown(result: dict[str, Any]) -> str:
     }
     if children:
         names = ["capture", "counters", "select", "validate", "recapture", "retime"]
+        alone = any("alone" in st for st in children.values())
         lines += [
             "",
             "Stage children's own time (s, from their logs; counters is the Nsight Compute pass "
             "inside capture, retime the recapture's extra timing processes summed, which run "
             "beside the recapture where they start together; waiting, the part of all of it "
-            "spent waiting for the GPU's lock; the stage JUnit below adds the parent's share):",
+            "spent waiting for the GPU's lock"
+            + ("; alone, the part spent holding it exclusively, measuring" if alone else "")
+            + "; the stage JUnit below adds the parent's share):",
             "",
-            "| workload | " + " | ".join(names) + " | sum | waiting |",
-            "|---|" + "---|" * (len(names) + 2),
+            "| workload | "
+            + " | ".join(names)
+            + " | sum | waiting |"
+            + (" alone |" if alone else ""),
+            "|---|" + "---|" * (len(names) + 2 + alone),
         ]
-        totals = {"sum": 0.0, "waiting": 0.0}
+        totals = {"sum": 0.0, "waiting": 0.0, "alone": 0.0}
         for name, st in children.items():
             cells = [f"{st[n]:.1f}" if n in st else "—" for n in names]
-            total = sum(v for k, v in st.items() if k not in ("counters", "waiting"))
-            waited = f"{st['waiting']:.1f}" if "waiting" in st else "—"
-            lines.append(f"| {name} | " + " | ".join(cells) + f" | {total:.1f} | {waited} |")
+            total = sum(v for k, v in st.items() if k not in ("counters", "waiting", "alone"))
+            extra = [st.get("waiting")] + ([st.get("alone")] if alone else [])
+            shown = " | ".join(f"{v:.1f}" if v is not None else "—" for v in extra)
+            lines.append(f"| {name} | " + " | ".join(cells) + f" | {total:.1f} | {shown} |")
             totals["sum"] += total
             totals["waiting"] += st.get("waiting", 0.0)
+            totals["alone"] += st.get("alone", 0.0)
         if totals["waiting"]:
             lines += [
                 "",
                 f"All stage processes: {totals['sum']:,.0f} process-seconds, "
-                f"{totals['waiting']:,.0f} of them waiting for the GPU.",
+                f"{totals['waiting']:,.0f} of them waiting for the GPU"
+                + (
+                    f" and {totals['alone']:,.0f} with it to themselves (measuring: no sharing "
+                    "overlaps these)."
+                    if alone
+                    else "."
+                ),
             ]
     if timed:
         names = ["capture", "propose", "backend", "validate", "recapture", "speedup"]

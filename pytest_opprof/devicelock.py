@@ -52,6 +52,9 @@ class DeviceLock:
         self._turn = _open_shared(path.with_name(path.name + ".turn"))
         self.held: str | None = None
         self.waited_s = 0.0
+        self.alone_s = 0.0
+        """Seconds this process has held the GPU exclusively (its measurements)."""
+        self._since = 0.0
         self.note: Callable[[str], None] | None = None
 
     def _through_turnstile(self, mode: int) -> None:
@@ -97,6 +100,7 @@ class DeviceLock:
             self.release()
             self._through_turnstile(fcntl.LOCK_EX)
             self.held = "exclusive"
+            self._since = time.perf_counter()
 
     def make_way(self) -> None:
         """Held shared: where a measurer waits at the turnstile, let it measure first, then
@@ -115,6 +119,8 @@ class DeviceLock:
     def release(self) -> None:
         if self.held is not None:
             fcntl.flock(self._main, fcntl.LOCK_UN)
+            if self.held == "exclusive":
+                self.alone_s += time.perf_counter() - self._since
             self.held = None
 
     def close(self) -> None:
@@ -183,6 +189,12 @@ def make_way() -> None:
 def waited_s() -> float:
     """Seconds this process has waited on its GPU's lock so far."""
     return _LOCK.waited_s if _LOCK is not None else 0.0
+
+
+def alone_s() -> float:
+    """Seconds this process has held its GPU's lock exclusively so far: what, summed over
+    every process on a GPU, no amount of sharing can overlap."""
+    return _LOCK.alone_s if _LOCK is not None else 0.0
 
 
 def lock_path(gpu_id: str, root: Path | None = None) -> Path:

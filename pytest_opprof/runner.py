@@ -92,10 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         devicelock.join(note=phase)
         TASKS[spec["task"]](spec)
-        waited = devicelock.waited_s()
+        waited, alone = devicelock.waited_s(), devicelock.alone_s()
         phase(
             f"task {spec['task']} done"
             + (f", {waited:.1f} s of it waiting for the GPU" * (waited >= 0.05))
+            + (f", {alone:.1f} s with the GPU to itself" * (alone >= 0.05))
         )
     except OpprofError as exc:
         write_artifact(

@@ -171,6 +171,25 @@ def test_child_seconds_from_stage_logs(tmp_path: Path) -> None:
     got = tool.child_seconds(tmp_path)
     assert got["recapture"] == 49.2 and got["retime"] == pytest.approx(49.1 + 5.5)
     assert got["waiting"] == pytest.approx(38.8 + 41.4)
+    assert "alone" not in got
+    # and how long they held it alone, measuring
+    (logs / "recapture.log").write_text(
+        "[opprof] +   49.2 s  task recapture done, 38.8 s of it waiting for the GPU, "
+        "2.5 s with the GPU to itself\n"
+    )
+    (logs / "retime2.log").write_text(
+        "[opprof] +    5.5 s  task retime done, 1.5 s with the GPU to itself\n"
+    )
+    got = tool.child_seconds(tmp_path)
+    assert got["waiting"] == pytest.approx(38.8 + 41.4) and got["alone"] == pytest.approx(4.0)
+    run = ROOT / "benchmarks" / "results" / "h200-2026-11-30h" / "one-gpu"
+    result = tool.summarize([run], [run / "opprof-junit.xml"])
+    for row in result["workloads"].values():
+        row["child_seconds"] = got
+    table = tool.markdown(result)
+    assert "| sum | waiting | alone |" in table
+    assert "| 139.9 | 80.2 | 4.0 |" in table  # 36.1 + 49.2 + 54.6: not waiting, alone
+    assert "of them waiting for the GPU and 28 with it to themselves" in table  # 7 x 4.0
 
 
 TIMED = ROOT / "benchmarks" / "results" / "h200x2-2026-11-30e"

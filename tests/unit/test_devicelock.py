@@ -163,7 +163,13 @@ def test_join_hands_no_lock_to_the_processes_it_starts(
         assert devicelock.LOCK_ENV not in os.environ
         with devicelock.measuring():
             assert lock.held == "exclusive"
+            time.sleep(0.2)
         assert lock.held == "shared"
+        # the time it held the GPU alone, and only that, is counted
+        assert 0.2 <= devicelock.alone_s() < 1.0
+        time.sleep(0.2)
+        devicelock.make_way()  # nobody waits: it keeps its share
+        assert lock.held == "shared" and devicelock.alone_s() < 1.0
     finally:
         assert lock is not None
         lock.close()
@@ -242,6 +248,7 @@ def test_a_stage_process_measures_only_once_the_gpu_is_its_alone(tmp_path: Path)
     text = log.read_text()
     assert "timed and profiled" in text
     assert "s of it waiting for the GPU" in text.splitlines()[-1]
+    assert "s with the GPU to itself" in text.splitlines()[-1]  # its timing and profiling
     lines = text.splitlines()
     waiting = next(i for i, line in enumerate(lines) if line.endswith(devicelock.WAITING))
     assert "timed and profiled" not in "".join(lines[:waiting])  # it waited before measuring
