@@ -40,9 +40,16 @@ TARGETS = {
 
 def _find(folder: Path, name: str) -> Path | None:
     for candidate in (folder / name, folder / name / "h200", folder / "examples" / name / "h200"):
-        if (candidate / "profile_optimized.json").exists():
+        if _artifact(candidate, "profile_optimized.json").exists():
             return candidate
     return None
+
+
+def _artifact(where: Path, name: str) -> Path:
+    """``where/name``, or its gzip copy (``name.gz``) where the results were archived so."""
+    plain = where / name
+    packed = where / f"{name}.gz"
+    return packed if not plain.exists() and packed.exists() else plain
 
 
 CACHED_S = 0.015
@@ -309,8 +316,8 @@ def summarize(folders: list[Path], junit_files: list[Path] | None = None) -> dic
         if where is None:
             rows[name] = {"status": "missing"}
             continue
-        base = read_artifact(where / "profile.json", Profile)
-        opt = read_artifact(where / "profile_optimized.json", Profile)
+        base = read_artifact(_artifact(where, "profile.json"), Profile)
+        opt = read_artifact(_artifact(where, "profile_optimized.json"), Profile)
         sel = read_artifact(where / "profiler_output" / "backend_selection.json", BackendSelection)
         val = read_artifact(where / "profiler_output" / "validation_report.json", ValidationReport)
         v = opt.timing.variants

@@ -7,6 +7,7 @@ what each version holds. Pure Python: no torch here.
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
 import tempfile
@@ -524,16 +525,21 @@ def first_error(exc: ValidationError) -> tuple[str, str, int]:
 
 
 def read_artifact(path: Path, model: type[A]) -> A:
-    """Read and validate; any problem is an ``ArtifactError`` naming the file and the field."""
+    """Read and validate; any problem is an ``ArtifactError`` naming the file and the field. A
+    ``.gz`` file is read through gzip (archived results keep their profiles so)."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        if path.suffix == ".gz":
+            text = gzip.decompress(path.read_bytes()).decode("utf-8")
+        else:
+            text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ArtifactError(
             f"{path}: not found; run the stage that writes it (or drop --opprof-from)"
         ) from None
-    except OSError as exc:
-        raise ArtifactError(f"{path}: cannot be read ({exc.strerror})") from None
+    except (OSError, EOFError, UnicodeDecodeError) as exc:
+        why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ArtifactError(f"{path}: cannot be read ({why})") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -268,7 +268,9 @@ def test_the_shared_runs_recorded_the_memory_their_timing_processes_were_sized_b
     workload's three timing processes fit side by side (6 × peak within 80%)."""
     from pytest_opprof.schema import Profile, read_artifact
 
-    for profile in sorted((SHARED / "two-gpus").glob("*/profile.json")):
+    profiles = sorted((SHARED / "two-gpus").glob("*/profile.json.gz"))  # archived gzipped
+    assert len(profiles) == 7
+    for profile in profiles:
         meta = read_artifact(profile, Profile).capture_metadata
         assert meta.peak_memory_bytes and meta.device_memory_bytes, profile
         assert 6 * meta.peak_memory_bytes <= 0.8 * meta.device_memory_bytes

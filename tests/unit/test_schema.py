@@ -67,3 +67,18 @@ def test_real_graph_summaries_validate() -> None:
     for f in files:
         g = read_artifact(f, FxGraphSummary)
         assert g.parameters
+
+
+def test_a_gzipped_artifact_reads_as_its_json_and_a_broken_one_says_so(tmp_path: Path) -> None:
+    import gzip
+
+    path = write_artifact(tmp_path / "s.json", _session())
+    packed = tmp_path / "s.json.gz"
+    packed.write_bytes(gzip.compress(path.read_bytes()))
+    assert read_artifact(packed, SessionSummary) == _session()
+    packed.write_bytes(gzip.compress(path.read_bytes())[:30])  # cut short
+    with pytest.raises(ArtifactError, match=r"s\.json\.gz: cannot be read"):
+        read_artifact(packed, SessionSummary)
+    packed.write_bytes(b"not gzip at all")
+    with pytest.raises(ArtifactError, match=r"s\.json\.gz: cannot be read"):
+        read_artifact(packed, SessionSummary)
