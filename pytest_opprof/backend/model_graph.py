@@ -53,6 +53,8 @@ STALE = (
     "call replayed the graph into its memory, or the model was freed (backend.model_graph); "
     "clone an output you keep across calls: out = model(x).clone()"
 )
+# The bindings cudagraph trees invalidate stale outputs with (torch/csrc/cuda/Module.cpp):
+# present in CUDA builds (torch 2.11 on the H200), absent from CPU-only ones (2.13+cpu here).
 _CAN_RELEASE = hasattr(torch._C, "_set_storage_data_ptr_access_error_msg") and hasattr(
     torch._C, "_construct_storage_from_data_pointer"
 )
