@@ -96,7 +96,8 @@ def optimize(
 ) -> Any:
     """The model compiled with ``backend`` (or itself where ``compile`` is false: nothing beat
     eager, so the baseline is shipped), recorded as one CUDA graph where ``cuda_graph`` and
-    CUDA is present (``backend.model_graph``)."""
+    CUDA is present (``backend.model_graph``: its outputs are the graph's memory until the next
+    call, as with ``mode="reduce-overhead"``; clone one you keep)."""
     fn: Any = torch.compile(model, backend=backend) if compile else model
     if cuda_graph and torch.cuda.is_available():
         fn = ModelGraph(fn)
