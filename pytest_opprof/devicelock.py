@@ -111,8 +111,7 @@ class DeviceLock:
             fcntl.flock(self._turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # a measurer waits (or someone passes through this instant)
             self.release()
-            self._through_turnstile(fcntl.LOCK_SH)
-            self.held = "shared"
+            self.share()  # through the turnstile: after the measurer
             return
         fcntl.flock(self._turn, fcntl.LOCK_UN)
 

@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_opprof import devicelock
-from pytest_opprof.devicelock import measuring
 
 if TYPE_CHECKING:
     from collections.abc import Callable
@@ -404,7 +403,7 @@ def task_capture(spec: dict[str, Any]) -> None:
     compiled, compile_s = _compile_timed(w.model, opts.compile_backend, w.inputs, device)
     baselines = {"eager": w.model, "compile": compiled}
     mode = f"torch.compile(backend={opts.compile_backend!r})"
-    with measuring():
+    with devicelock.measuring():
         samples = _time_calls(spec, baselines, w.inputs, device)
         timelines, flags = _timelines(
             spec,
@@ -496,7 +495,7 @@ def task_select(spec: dict[str, Any]) -> None:
     rounds = max(5, min(9, _setting(spec, "rounds")))
     brief = {"device": device, "warmup": 3, "calls_per_round": calls, "rounds": rounds}
 
-    with measuring():
+    with devicelock.measuring():
         base = time_interleaved({"eager": eager, "compile": compiled}, w.inputs, **brief)
     stats = {k: latency_stats(v, base.calls_per_round) for k, v in base.items()}
     ref_name = min(stats, key=lambda k: stats[k].median_ms)
@@ -627,7 +626,7 @@ def task_select(spec: dict[str, Any]) -> None:
                     ),
                 )
             return False
-        with measuring():
+        with devicelock.measuring():
             s = time_interleaved({"current": state["fn"], "candidate": built.fn}, w.inputs, **brief)
         gain = speedup("current", s["current"], "candidate", s["candidate"])
         phase(f"timed {name}: {gain.ratio:.3f}x")
@@ -1124,7 +1123,7 @@ def task_recapture(spec: dict[str, Any]) -> None:
     info = environment(device)
     built = _optimized_calls(spec, device, w)
     optimized = built["calls"]["optimized"]
-    with measuring():
+    with devicelock.measuring():
         samples = _time_calls(spec, built["calls"], w.inputs, device)
         timelines, flags = _timelines(
             spec,
@@ -1165,7 +1164,7 @@ def task_retime(spec: dict[str, Any]) -> None:
     device = resolve_device(_options(spec).device)
     w = _load_baseline(spec, device)
     built = _optimized_calls(spec, device, w, retime=True)
-    with measuring():
+    with devicelock.measuring():
         samples = _time_calls(spec, built["calls"], w.inputs, device)
     phase("timed again")
     write_text_atomic(Path(spec["result"]), json.dumps({"samples": samples}))

@@ -18,16 +18,23 @@ from pytest_opprof.devicelock import DeviceLock, lock_path
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="flock is POSIX")
 
-# A process that joins the lock (shared), works `work` s, then measures `measure` s, writing
-# when each phase began to `log` (one line per event: name, event, time).
-WORKER = """
-import os, sys, time
+# Each script below joins the lock (shared) and writes when each phase began to its last
+# argument, a log (one line per event: name, event, time); its first argument is its name.
+PRELUDE = """
+import sys, time
 from pytest_opprof import devicelock
-name, work, measure, log = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+name, log = sys.argv[1], sys.argv[-1]
 def note(event):
     with open(log, "a") as fh:
         fh.write(f"{name} {event} {time.time():.4f}\\n")
 devicelock.join()
+"""
+
+# It works `work` s, then measures `measure` s.
+WORKER = (
+    PRELUDE
+    + """
+work, measure = float(sys.argv[2]), float(sys.argv[3])
 note("work")
 time.sleep(work)
 note("wait")
@@ -37,13 +44,31 @@ with devicelock.measuring():
     note("measured")
 note("done")
 """
+)
+
+# It works in `steps` steps of `step` s each, making way between them.
+STEPPER = (
+    PRELUDE
+    + """
+steps, step = int(sys.argv[2]), float(sys.argv[3])
+for i in range(steps):
+    note(f"step{i}")
+    time.sleep(step)
+    note(f"stepped{i}")
+    devicelock.make_way()
+note("done")
+"""
+)
+
+
+def _spawn(script: str, lock: Path, log: Path, *args: object) -> subprocess.Popen[str]:
+    env = {**os.environ, devicelock.LOCK_ENV: str(lock)}
+    argv = [sys.executable, "-c", script, *map(str, args), str(log)]
+    return subprocess.Popen(argv, env=env, text=True)
 
 
 def _start(lock: Path, log: Path, name: str, work: float, measure: float) -> subprocess.Popen[str]:
-    env = {**os.environ, devicelock.LOCK_ENV: str(lock)}
-    return subprocess.Popen(
-        [sys.executable, "-c", WORKER, name, str(work), str(measure), str(log)], env=env, text=True
-    )
+    return _spawn(WORKER, lock, log, name, work, measure)
 
 
 def _events(log: Path) -> dict[tuple[str, str], float]:
@@ -90,32 +115,11 @@ def test_a_waiting_measurer_goes_before_new_work(tmp_path: Path) -> None:
     holder.close()
 
 
-# A process at work in `steps` steps of `step` s each, making way between them.
-STEPPER = """
-import sys, time
-from pytest_opprof import devicelock
-name, steps, step, log = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
-def note(event):
-    with open(log, "a") as fh:
-        fh.write(f"{name} {event} {time.time():.4f}\\n")
-devicelock.join()
-for i in range(steps):
-    note(f"step{i}")
-    time.sleep(step)
-    note(f"stepped{i}")
-    devicelock.make_way()
-note("done")
-"""
-
-
 def test_a_process_at_work_makes_way_between_its_steps(tmp_path: Path) -> None:
     """A measurer waits for the step a neighbour is in, not for the neighbour's whole work,
     and no step of the neighbour's runs while it measures."""
     path, log = tmp_path / "gpu.lock", tmp_path / "log"
-    env = {**os.environ, devicelock.LOCK_ENV: str(path)}
-    stepper = subprocess.Popen(
-        [sys.executable, "-c", STEPPER, "s", "12", "0.25", str(log)], env=env, text=True
-    )
+    stepper = _spawn(STEPPER, path, log, "s", 12, 0.25)
     measurer = _start(path, log, "m", 0.8, 0.4)
     assert measurer.wait(timeout=60) == 0 and stepper.wait(timeout=60) == 0
     ev = _events(log)
