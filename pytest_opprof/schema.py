@@ -539,7 +539,10 @@ def read_artifact(path: Path, model: type[A]) -> A:
         ) from None
     except (OSError, EOFError, UnicodeDecodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ArtifactError(f"{path}: cannot be read ({why})") from None
+        raise ArtifactError(
+            f"{path}: cannot be read ({why}); check its permissions, or delete it and re-run "
+            "the stage that writes it"
+        ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 
 from pytest_opprof.runner import _pristine_copy, compile_clock, compile_note
@@ -53,3 +54,18 @@ def test_the_compile_note_splits_a_compile_and_counts_the_fx_graph_cache() -> No
     # the difference since the reading, not the process's running totals
     assert compile_note(compile_clock()).endswith("FX graph cache 0 hit, 0 miss")
     assert compile_note({}) == ""
+
+
+def test_a_compile_is_a_step_after_which_a_waiting_measurer_goes_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Stage processes sharing a GPU make way at the end of each compile (devicelock)."""
+    from pytest_opprof import devicelock, runner
+
+    made_way: list[bool] = []
+    monkeypatch.setattr(devicelock, "make_way", lambda: made_way.append(True))
+    model = torch.nn.Linear(4, 2).eval()
+    _, seconds = runner._compile_timed(model, "eager", (torch.randn(3, 4),), "cpu")
+    assert made_way == [True] and seconds >= 0
+    runner._step_done("cpu")  # any other step: the same, once its GPU work has finished
+    assert made_way == [True, True]
