@@ -16,6 +16,14 @@ its steps (one compile, one selection rung) a working process :func:`makes way <
 a measurer waits, it steps aside until the measurement is done. So a measurer waits for the step
 each neighbour is in, not for the neighbour's next measurement or its end.
 
+Measurements go in batches. Every measurer holds a third file, ``path.want``, shared from the
+moment it asks until it has measured, and work resumes only once nobody holds it. So the
+measurers that queue while the GPU drains all measure before any work starts again, and one
+drain (the neighbours finishing their steps) serves them all; otherwise each would wait for a
+neighbour's fresh step in turn. A measurement that ends a process's use of the GPU
+(``measuring(share_after=False)``) does not queue to share again: its process is done, or
+shares again (:func:`resume`) right before its next GPU work.
+
 A process that joins removes :data:`LOCK_ENV` from its own environment, so the processes it
 starts (ncu's target, Inductor's compile workers) work under its share instead of waiting on a
 measurement that waits on them.
@@ -40,7 +48,8 @@ WAITING = "waiting for the GPU: another process on it is at work or measuring"
 
 
 class DeviceLock:
-    """A writer-preferring reader-writer lock on two files: ``path`` and ``path.turn``."""
+    """A writer-preferring reader-writer lock on three files: ``path``, ``path.turn`` and
+    ``path.want``."""
 
     def __init__(self, path: Path) -> None:
         if not path.parent.is_dir():
@@ -50,6 +59,7 @@ class DeviceLock:
         self.path = path
         self._main = _open_shared(path)
         self._turn = _open_shared(path.with_name(path.name + ".turn"))
+        self._want = _open_shared(path.with_name(path.name + ".want"))
         self.held: str | None = None
         self.waited_s = 0.0
         self.alone_s = 0.0
@@ -59,12 +69,17 @@ class DeviceLock:
 
     def _through_turnstile(self, mode: int) -> None:
         """Take ``path`` in ``mode``; never called while holding it (no deadlock on the turn).
-        A wait is told to ``note`` as it starts and ends, so a stage log shows it."""
+        Work (``LOCK_SH``) first waits until no measurer wants the GPU. A wait is told to
+        ``note`` as it starts and ends, so a stage log shows it."""
         t0 = time.perf_counter()
-        if self._at_once(mode):
+        work = mode == fcntl.LOCK_SH
+        if (not work or not self._measurer_waits()) and self._at_once(mode):
             return
         if self.note is not None:
             self.note(WAITING)
+        if work:  # after every measurer queued now (they hold it shared until measured)
+            fcntl.flock(self._want, fcntl.LOCK_EX)
+            fcntl.flock(self._want, fcntl.LOCK_UN)
         fcntl.flock(self._turn, fcntl.LOCK_EX)
         try:
             fcntl.flock(self._main, mode)
@@ -74,6 +89,16 @@ class DeviceLock:
         self.waited_s += waited
         if self.note is not None:
             self.note(f"had the GPU after {waited:.1f} s")
+
+    def _measurer_waits(self) -> bool:
+        """Whether a measurer has asked for the GPU and not yet measured (or another process
+        is checking this same thing this instant: then it only costs a needless wait)."""
+        try:
+            fcntl.flock(self._want, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(self._want, fcntl.LOCK_UN)
+        return False
 
     def _at_once(self, mode: int) -> bool:
         """Take ``path`` in ``mode`` if nobody is in the way (nobody waits at the turnstile)."""
@@ -98,34 +123,32 @@ class DeviceLock:
     def exclusive(self) -> None:
         if self.held != "exclusive":
             self.release()
+            fcntl.flock(self._want, fcntl.LOCK_SH)  # work waits from now on
             self._through_turnstile(fcntl.LOCK_EX)
             self.held = "exclusive"
             self._since = time.perf_counter()
 
     def make_way(self) -> None:
-        """Held shared: where a measurer waits at the turnstile, let it measure first, then
-        share again. Costs two system calls where nobody waits."""
-        if self.held != "shared":
+        """Held shared, between two steps of work: where a measurer waits, let it (and every
+        measurer queued behind it) measure first, then share again. Costs two system calls
+        where nobody waits."""
+        if self.held != "shared" or not self._measurer_waits():
             return
-        try:
-            fcntl.flock(self._turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:  # a measurer waits (or someone passes through this instant)
-            self.release()
-            self.share()  # through the turnstile: after the measurer
-            return
-        fcntl.flock(self._turn, fcntl.LOCK_UN)
+        self.release()
+        self.share()  # after the measurers
 
     def release(self) -> None:
         if self.held is not None:
             fcntl.flock(self._main, fcntl.LOCK_UN)
             if self.held == "exclusive":
                 self.alone_s += time.perf_counter() - self._since
+                fcntl.flock(self._want, fcntl.LOCK_UN)
             self.held = None
 
     def close(self) -> None:
         self.release()
-        os.close(self._main)
-        os.close(self._turn)
+        for fd in (self._main, self._turn, self._want):
+            os.close(fd)
 
 
 def _open_shared(path: Path) -> int:
@@ -164,9 +187,11 @@ def join(note: Callable[[str], None] | None = None) -> DeviceLock | None:
 
 
 @contextlib.contextmanager
-def measuring() -> Iterator[None]:
+def measuring(*, share_after: bool = True) -> Iterator[None]:
     """The GPU to this process alone for the block (a no-op where :func:`join` took no lock);
-    shared again after it."""
+    shared again after it, or, with ``share_after=False``, released: for a measurement after
+    which the process does no GPU work until it calls :func:`resume` (or none at all), so it
+    does not wait for the measurers queued behind it to share again."""
     lock = _LOCK
     if lock is None:
         yield
@@ -175,7 +200,10 @@ def measuring() -> Iterator[None]:
     try:
         yield
     finally:
-        lock.share()
+        if share_after:
+            lock.share()
+        else:
+            lock.release()
 
 
 def make_way() -> None:
@@ -183,6 +211,13 @@ def make_way() -> None:
     synchronized): a measurer waiting on the GPU goes first (:meth:`DeviceLock.make_way`)."""
     if _LOCK is not None:
         _LOCK.make_way()
+
+
+def resume() -> None:
+    """Share the GPU again before GPU work that follows ``measuring(share_after=False)``;
+    nothing where the process holds it already."""
+    if _LOCK is not None and _LOCK.held is None:
+        _LOCK.share()
 
 
 def waited_s() -> float:

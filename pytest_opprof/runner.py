@@ -352,7 +352,7 @@ def _gpu_time(
         calls,
         inputs,
         device=device,
-        calls_per_sample=samples.calls_per_round,
+        calls_per_sample=samples.calls,
         latency_ms={k: statistics.median(v) for k, v in samples.items() if v},
         launches={timing_variant(t.label): t.summary.kernels_per_iter for t in timelines},
     )
@@ -372,7 +372,7 @@ def _timing(
     return Timing(
         device=device,
         clock="cuda_event" if device == "cuda" else "perf_counter",
-        variants={k: latency_stats(v, samples.calls_per_round) for k, v in samples.items()},
+        variants={k: latency_stats(v, samples.calls[k]) for k, v in samples.items()},
         gpu_kernel_ms={t.label: t.summary.device_time_per_iter_us / 1000.0 for t in timelines},
         gpu_time_ms=gpu_ms,
         speedups=[
@@ -403,7 +403,8 @@ def task_capture(spec: dict[str, Any]) -> None:
     compiled, compile_s = _compile_timed(w.model, opts.compile_backend, w.inputs, device)
     baselines = {"eager": w.model, "compile": compiled}
     mode = f"torch.compile(backend={opts.compile_backend!r})"
-    with devicelock.measuring():
+    # The counters pass, if it runs, shares the GPU again first (counters_for_capture).
+    with devicelock.measuring(share_after=False):
         samples = _time_calls(spec, baselines, w.inputs, device)
         timelines, flags = _timelines(
             spec,
@@ -429,7 +430,7 @@ def task_capture(spec: dict[str, Any]) -> None:
         spec, timelines, info, opts, meta.dtype, device
     )
     phase("counters pass")
-    _step_done(device)
+    _step_done(device)  # after the Nsight Compute pass, if it ran
     profile = Profile(
         capture_metadata=meta,
         counters=counters,
@@ -495,9 +496,10 @@ def task_select(spec: dict[str, Any]) -> None:
     rounds = max(5, min(9, _setting(spec, "rounds")))
     brief = {"device": device, "warmup": 3, "calls_per_round": calls, "rounds": rounds}
 
-    with devicelock.measuring():
+    # Each rung shares the GPU again as it starts (attempt()); after the last, nothing runs.
+    with devicelock.measuring(share_after=False):
         base = time_interleaved({"eager": eager, "compile": compiled}, w.inputs, **brief)
-    stats = {k: latency_stats(v, base.calls_per_round) for k, v in base.items()}
+    stats = {k: latency_stats(v, base.calls[k]) for k, v in base.items()}
     ref_name = min(stats, key=lambda k: stats[k].median_ms)
     ref_ms = stats[ref_name].median_ms
     variants = [
@@ -576,7 +578,8 @@ def task_select(spec: dict[str, Any]) -> None:
         for p in rung.proposals:
             plan = add_proposal(plan, p)
         name = "+".join(plan.proposals)
-        _step_done(device)
+        _step_done(device)  # after the rung before, built and dropped without a measurement
+        devicelock.resume()  # or measured: then the GPU was released
         t0 = time.perf_counter()
         fresh = _pristine_copy(eager, lambda: _load_baseline(spec, device).model)
         t1 = time.perf_counter()
@@ -626,11 +629,11 @@ def task_select(spec: dict[str, Any]) -> None:
                     ),
                 )
             return False
-        with devicelock.measuring():
+        with devicelock.measuring(share_after=False):
             s = time_interleaved({"current": state["fn"], "candidate": built.fn}, w.inputs, **brief)
         gain = speedup("current", s["current"], "candidate", s["candidate"])
         phase(f"timed {name}: {gain.ratio:.3f}x")
-        cand = latency_stats(s["candidate"], s.calls_per_round)
+        cand = latency_stats(s["candidate"], s.calls["candidate"])
         new_ms = state["ms"] / gain.ratio
         variants.append(
             VariantResult(
@@ -1123,7 +1126,7 @@ def task_recapture(spec: dict[str, Any]) -> None:
     info = environment(device)
     built = _optimized_calls(spec, device, w)
     optimized = built["calls"]["optimized"]
-    with devicelock.measuring():
+    with devicelock.measuring(share_after=False):  # the last GPU work of this process
         samples = _time_calls(spec, built["calls"], w.inputs, device)
         timelines, flags = _timelines(
             spec,
@@ -1164,7 +1167,7 @@ def task_retime(spec: dict[str, Any]) -> None:
     device = resolve_device(_options(spec).device)
     w = _load_baseline(spec, device)
     built = _optimized_calls(spec, device, w, retime=True)
-    with devicelock.measuring():
+    with devicelock.measuring(share_after=False):  # the last GPU work of this process
         samples = _time_calls(spec, built["calls"], w.inputs, device)
     phase("timed again")
     write_text_atomic(Path(spec["result"]), json.dumps({"samples": samples}))

@@ -962,6 +962,9 @@ def counters_for_capture(
     replay = options.ncu_replay
     if replay == "auto":
         replay = "unique" if sum(map(len, replayed.values())) > UNIQUE_ABOVE else "all"
+    from pytest_opprof import devicelock
+
+    devicelock.resume()  # the capture's measurements released the GPU; ncu replays on it
     started = time.perf_counter()
     results = run_counters_many(
         spec,

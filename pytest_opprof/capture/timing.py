@@ -27,29 +27,31 @@ from pytest_opprof.workload import fresh_inputs
 Call = Callable[..., Any]
 
 
-ROUND_SECONDS = 0.25
+ROUND_SECONDS = 0.05
 """How long one callable's round may last: a callable slow enough that ``calls_per_round`` calls
 would take longer gets fewer calls per round (never under ``MIN_CALLS``), as ``timeit``'s
-autorange sizes its loops the other way. The seven examples on an H200 stay at 30 calls (their
-slowest call is 6.5 ms); a 100 ms call on the CPU fallback gets 3, not 30."""
+autorange sizes its loops the other way. Each callable is sized by its own first call, so in one
+round a 6 ms baseline makes 9 calls and a 0.6 ms CUDA-graph replay the full 30. On an H200 the
+examples' calls under 1.7 ms keep 30 calls; a 100 ms call on the CPU fallback gets 3."""
 MIN_CALLS = 3
 
 
 class RoundSamples(dict[str, list[float]]):
     """Per-call milliseconds of each callable, one sample per round, and how many calls each
-    round made (``calls_per_round``, the same for every callable, so rounds stay paired)."""
+    round made of each (``calls``). Rounds stay paired: round ``i`` of every callable ran
+    back to back, whatever its number of calls."""
 
-    def __init__(self, samples: Mapping[str, list[float]], calls_per_round: int) -> None:
+    def __init__(self, samples: Mapping[str, list[float]], calls: Mapping[str, int]) -> None:
         super().__init__(samples)
-        self.calls_per_round = calls_per_round
+        self.calls = dict(calls)
 
 
-def calls_for(slowest_ms: float, calls_per_round: int, round_seconds: float = ROUND_SECONDS) -> int:
-    """Calls per round for callables whose slowest call takes ``slowest_ms``: at most
+def calls_for(call_ms: float, calls_per_round: int, round_seconds: float = ROUND_SECONDS) -> int:
+    """Calls per round for a callable whose call takes ``call_ms``: at most
     ``calls_per_round``, fewer where that many would outlast ``round_seconds``."""
-    if slowest_ms <= 0 or slowest_ms * calls_per_round <= round_seconds * 1000.0:
+    if call_ms <= 0 or call_ms * calls_per_round <= round_seconds * 1000.0:
         return calls_per_round
-    fit = math.ceil(round_seconds * 1000.0 / slowest_ms)
+    fit = math.ceil(round_seconds * 1000.0 / call_ms)
     return max(min(MIN_CALLS, calls_per_round), min(calls_per_round, fit))
 
 
@@ -75,7 +77,7 @@ def time_interleaved(
     Warmup runs at least ``warmup`` calls of each and at least ``warmup_seconds`` in all: an
     idle GPU starts at a low clock (an H200 read 345 MHz idle) and the first rounds of a short
     workload otherwise measure the clock ramp, not the code. After it, one call of each is
-    timed and each round makes :func:`calls_for` calls of every callable.
+    timed and each round makes :func:`calls_for` calls of each callable.
     """
     with torch.no_grad():
         warm = fresh_inputs(template, seed)
@@ -87,13 +89,15 @@ def time_interleaved(
                     fn(*warm)
             synchronize(device)
             first = False
-        slowest = max((_one_round(fn, warm, device, 1) for fn in calls.values()), default=0.0)
-        n = calls_for(slowest, calls_per_round, round_seconds)
+        n = {
+            name: calls_for(_one_round(fn, warm, device, 1), calls_per_round, round_seconds)
+            for name, fn in calls.items()
+        }
         samples = RoundSamples({name: [] for name in calls}, n)
         for r in range(rounds):
             inputs = fresh_inputs(template, seed + 1 + r)
             for name, fn in calls.items():
-                samples[name].append(_one_round(fn, inputs, device, n))
+                samples[name].append(_one_round(fn, inputs, device, n[name]))
     return samples
 
 
@@ -124,7 +128,7 @@ def gpu_time(
     template: tuple[torch.Tensor, ...],
     *,
     device: str,
-    calls_per_sample: int,
+    calls_per_sample: Mapping[str, int],
     latency_ms: Mapping[str, float] | None = None,
     launches: Mapping[str, float] | None = None,
     samples: int = 5,
@@ -136,7 +140,8 @@ def gpu_time(
 
     ``latency_ms`` (the timing pass's medians) and ``launches`` (kernels per call, from the
     timeline) size the first attempt: a sleep long enough for the host, and no more calls than
-    the launch queue takes. Without them the first samples find both out by missing."""
+    the launch queue takes. Without them the first samples find both out by missing.
+    ``calls_per_sample``: each callable's calls per timing round (RoundSamples.calls)."""
     if device != "cuda":
         return {}
     latency_ms, launches = latency_ms or {}, launches or {}
@@ -144,7 +149,7 @@ def gpu_time(
     with torch.no_grad():
         inputs = fresh_inputs(template, seed)
         for name, fn in calls.items():
-            n = calls_per_sample
+            n = calls_per_sample.get(name, 1)
             if launches.get(name):
                 n = max(1, min(n, int(LAUNCH_QUEUE // launches[name])))
             ms = _gpu_time_of(fn, inputs, n, samples, latency_ms.get(name))

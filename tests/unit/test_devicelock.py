@@ -130,6 +130,57 @@ def test_a_process_at_work_makes_way_between_its_steps(tmp_path: Path) -> None:
         assert ev[("s", f"stepped{i}")] <= start or ev[("s", f"step{i}")] >= end
 
 
+def test_measurers_queued_during_one_drain_measure_before_work_resumes(tmp_path: Path) -> None:
+    """m1 asks to measure while s is in a step and m2 at work. s makes way first and asks to
+    work again; m2 asks to measure after it. m2 still measures right after m1, before s's
+    next step: one drain serves both. (Let s work again in the order they asked, and m2
+    waits for s's whole next step.)"""
+    path, log = tmp_path / "gpu.lock", tmp_path / "log"
+    stepper = _spawn(STEPPER, path, log, "s", 3, 0.4)
+    deadline = time.monotonic() + 30
+    while not (log.exists() and ("s", "step0") in _events(log)):
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    m1 = _start(path, log, "m1", 0.1, 1.0)
+    m2 = _start(path, log, "m2", 0.8, 0.4)
+    for p in (m1, m2, stepper):
+        assert p.wait(timeout=60) == 0
+    ev = _events(log)
+    # m1 waited on s's step and m2's work; s made way before m2 asked
+    assert ev[("m1", "wait")] < ev[("s", "stepped0")] < ev[("m2", "wait")] < ev[("m1", "measure")]
+    assert 0.0 <= ev[("m2", "measure")] - ev[("m1", "measured")] < 0.3  # not after s's step
+    assert ev[("s", "step1")] >= ev[("m2", "measured")]
+
+
+def test_a_measurement_that_ends_the_gpu_work_does_not_share_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """After ``measuring(share_after=False)`` the process holds nothing, so it does not
+    queue behind the next measurer; ``resume()`` shares again for more GPU work."""
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    path = tmp_path / "gpu.lock"
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
+    lock = devicelock.join()
+    assert lock is not None
+    try:
+        with devicelock.measuring(share_after=False):
+            assert lock.held == "exclusive"
+        assert lock.held is None
+        devicelock.make_way()  # nothing held, nothing to make way for
+        assert lock.held is None
+        other = DeviceLock(path)
+        other.exclusive()  # at once: nobody holds the GPU
+        assert other.held == "exclusive" and other.waited_s < 0.1
+        other.close()
+        devicelock.resume()
+        assert lock.held == "shared"
+        devicelock.resume()  # held already: nothing
+        assert lock.held == "shared"
+    finally:
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
 def test_a_killed_holder_releases_the_gpu(tmp_path: Path) -> None:
     path, log = tmp_path / "gpu.lock", tmp_path / "log"
     stuck = _start(path, log, "stuck", 0.0, 300.0)

@@ -87,7 +87,9 @@ def gpu(monkeypatch: pytest.MonkeyPatch) -> FakeGPU:
 
 
 def measure(calls: dict[str, Any], n: int = 30) -> dict[str, float]:
-    return timing.gpu_time(calls, (torch.zeros(2),), device="cuda", calls_per_sample=n)
+    return timing.gpu_time(
+        calls, (torch.zeros(2),), device="cuda", calls_per_sample=dict.fromkeys(calls, n)
+    )
 
 
 def test_sleep_calibration_reads_the_spin_rate(gpu: FakeGPU) -> None:
@@ -120,11 +122,15 @@ def test_latency_and_kernel_counts_size_the_first_attempt(
     args = ({"f": fn}, (torch.zeros(2),))
 
     told = timing.gpu_time(
-        *args, device="cuda", calls_per_sample=30, latency_ms={"f": 0.5}, launches={"f": 20}
+        *args,
+        device="cuda",
+        calls_per_sample={"f": 30},
+        latency_ms={"f": 0.5},
+        launches={"f": 20},
     )
     attempts_told = len(sleeps) - 2  # two calibrate the sleep
     sleeps.clear()
-    untold = timing.gpu_time(*args, device="cuda", calls_per_sample=30)
+    untold = timing.gpu_time(*args, device="cuda", calls_per_sample={"f": 30})
 
     assert told["f"] == pytest.approx(0.2) and untold["f"] == pytest.approx(0.2)
     assert attempts_told == 5 < len(sleeps)
@@ -137,7 +143,9 @@ def test_a_call_that_waits_on_the_host_has_no_gpu_time(gpu: FakeGPU) -> None:
 
 
 def test_none_on_the_cpu() -> None:
-    got = timing.gpu_time({"f": lambda x: x}, (torch.zeros(2),), device="cpu", calls_per_sample=3)
+    got = timing.gpu_time(
+        {"f": lambda x: x}, (torch.zeros(2),), device="cpu", calls_per_sample={"f": 3}
+    )
     assert got == {}
 
 
@@ -158,7 +166,7 @@ def test_on_the_gpu_the_profiler_kernel_sum_agrees_with_the_gpu_time() -> None:
             t = t * 1.0001
         return t
 
-    got = timing.gpu_time({"f": host_bound}, (x,), device="cuda", calls_per_sample=10)
+    got = timing.gpu_time({"f": host_bound}, (x,), device="cuda", calls_per_sample={"f": 10})
     latency = timing.time_interleaved(
         {"f": host_bound}, (x,), device="cuda", warmup=2, calls_per_round=10, rounds=3
     )["f"]
