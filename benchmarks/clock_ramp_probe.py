@@ -1,8 +1,8 @@
 """Probe: how long does an idle GPU take to reach its working clock once work arrives?
 
-The timing pass warms each measurement up for at least ``warmup_seconds`` (0.5 s) because an
-idle H200 reads 345 MHz and the first rounds of a short call would otherwise time the clock's
-ramp. Between two measurements of a pipeline run the GPU idles for seconds at most. This probe
+The timing pass warmed each measurement up for at least 0.5 s because an idle H200 reads
+345 MHz and the first rounds of a short call would otherwise time the clock's ramp. Between two
+measurements of a pipeline run the GPU idles for seconds at most. This probe
 idles the GPU for each of several pauses, then keeps it busy with back-to-back spin kernels
 (``torch.cuda._sleep``, a fixed number of cycles each) and reads each kernel's duration from
 CUDA events: cycles per microsecond is the SM clock. It prints one JSON line per pause: the
