@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "benchmarks" / "results" / "h200-2026-11-30h" / "one-gpu-counters"
+RESULTS = ROOT / "benchmarks" / "results" / "h200-2026-11-30i" / "one-gpu-counters"
 """The run whose artifacts are in examples/*/h200 (-n 4 on one GPU, counters on, one call)."""
 EARLIER = ROOT / "benchmarks" / "results" / "h200x2-2026-11-30c"
 """An earlier run cut into four calls: its stage JUnit files test the stage-time merge."""
@@ -52,6 +52,7 @@ def test_summary_of_the_committed_run() -> None:
         "recapture",
         "retime",
         "waiting",  # four workers shared the GPU under its lock
+        "alone",  # the part of it each process measured, the GPU to itself
     }
     for row in rows.values():
         c = row["child_seconds"]
@@ -202,13 +203,17 @@ SHARED = ROOT / "benchmarks" / "results" / "h200-2026-11-30g"
 MAKING_WAY = ROOT / "benchmarks" / "results" / "h200-2026-11-30h"
 """Four workers on one GPU, making way for a waiting measurer between their steps; the
 whole-call CUDA graph hands out its outputs instead of cloning them."""
+BATCHED = ROOT / "benchmarks" / "results" / "h200-2026-11-30i"
+"""Four or seven workers on one GPU; measurers queued during one drain measure back to back,
+each callable's rounds sized by its own call, 50 ms of warmup in the last two."""
 
 
 @pytest.mark.parametrize(
     "folder",
     [TIMED / "one-gpu", TIMED / "two-gpus", TIMED / "retime"]
     + [SHARED / r for r in ("one-gpu", "one-gpu-counters", "one-gpu-warm", "two-gpus")]
-    + [MAKING_WAY / r for r in ("one-gpu-first", "one-gpu-counters", "one-gpu", "one-gpu-cut")],
+    + [MAKING_WAY / r for r in ("one-gpu-first", "one-gpu-counters", "one-gpu", "one-gpu-cut")]
+    + [BATCHED / r for r in ("one-gpu-n4", "one-gpu-n7", "one-gpu-n7-warmup", "one-gpu-counters")],
     ids=lambda f: f"{f.parent.name}/{f.name}",
 )
 def test_the_committed_tables_of_the_timed_runs_are_what_the_tool_writes(folder: Path) -> None:
@@ -217,7 +222,8 @@ def test_the_committed_tables_of_the_timed_runs_are_what_the_tool_writes(folder:
     table = tool.markdown(result)
     assert table == (folder / "summary.md").read_text(encoding="utf-8")
     # only processes that shared a GPU waited for it
-    assert ("of them waiting for the GPU" in table) == (folder.parent in (SHARED, MAKING_WAY))
+    shared = (SHARED, MAKING_WAY, BATCHED)
+    assert ("of them waiting for the GPU" in table) == (folder.parent in shared)
     done = {n: r for n, r in result["workloads"].items() if r.get("status") != "missing"}
     assert len(done) == (3 if folder.name == "one-gpu-cut" else 7)  # cut by the GPU's time
     for name, row in done.items():

@@ -75,13 +75,19 @@ def test_every_evidence_value_is_in_the_artifacts(name: str) -> None:
 @needs_profiles
 @pytest.mark.parametrize("name", FOUND or ["none"])
 def test_dtype_promotion_cites_tensor_pipe_or_kernel_names(name: str) -> None:
-    _, _, opt = run(name)
+    from pytest_opprof.propose.impact import KERNEL_FLOOR_US, budget
+
+    profile, _, opt = run(name)
     dtype = [p for p in opt.proposals if p.type == "dtype_promotion"]
     if not dtype:
         pytest.skip(f"{name}: no dtype_promotion proposal")
     metrics = [e.metric for e in dtype[0].evidence]
     assert any(m.endswith((" kernel", "tensor pipe active")) for m in metrics), metrics
-    assert dtype[0].impact.estimated_saving_us > 0
+    b = budget(profile, profile.timelines[0])
+    if b.wall_us - max(KERNEL_FLOOR_US, b.host_floor_us) > 1.0:
+        assert dtype[0].impact.estimated_saving_us > 0
+    else:  # the host needs the whole eager iteration: shorter kernels cannot shorten it
+        assert dtype[0].impact.estimated_saving_us == 0
 
 
 @needs_profiles
