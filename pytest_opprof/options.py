@@ -249,7 +249,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "measure-iters",
         parse_count("--opprof-measure-iters"),
         30,
-        "calls per timed round, at most: fewer where a round would outlast 0.25 s",
+        "calls per timed round, at most: fewer for a call whose round would outlast 50 ms",
         metavar="N",
     ),
     _opt(
