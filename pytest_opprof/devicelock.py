@@ -124,7 +124,11 @@ class DeviceLock:
         if self.held != "exclusive":
             self.release()
             fcntl.flock(self._want, fcntl.LOCK_SH)  # work waits from now on
-            self._through_turnstile(fcntl.LOCK_EX)
+            try:
+                self._through_turnstile(fcntl.LOCK_EX)
+            except BaseException:  # interrupted while waiting: work must not wait on us
+                fcntl.flock(self._want, fcntl.LOCK_UN)
+                raise
             self.held = "exclusive"
             self._since = time.perf_counter()
 

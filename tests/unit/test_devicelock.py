@@ -181,6 +181,26 @@ def test_a_measurement_that_ends_the_gpu_work_does_not_share_again(
         monkeypatch.setattr(devicelock, "_LOCK", None)
 
 
+def test_a_measurer_interrupted_while_waiting_holds_no_work_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "gpu.lock"
+    measurer = DeviceLock(path)
+
+    def interrupted(mode: int) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(measurer, "_through_turnstile", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        measurer.exclusive()
+    worker = DeviceLock(path)
+    assert not worker._measurer_waits()  # work would otherwise wait for it forever
+    worker.share()
+    assert worker.held == "shared" and worker.waited_s < 0.1
+    worker.close()
+    measurer.close()
+
+
 def test_a_killed_holder_releases_the_gpu(tmp_path: Path) -> None:
     path, log = tmp_path / "gpu.lock", tmp_path / "log"
     stuck = _start(path, log, "stuck", 0.0, 300.0)
