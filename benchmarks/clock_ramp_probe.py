@@ -9,6 +9,10 @@ CUDA events: cycles per microsecond is the SM clock. It prints one JSON line per
 clock (MHz) in each 10 ms window of the first 600 ms, and when it first came within 2% of the
 last 100 ms.
 
+Each pause is taken twice: idle (the host sleeps, the GPU has nothing), and behind one long
+spin kernel, as the GPU-time pass (capture.timing.gpu_time) queues its calls behind one. A
+clock that sagged during the spin would show in the second.
+
     python benchmarks/clock_ramp_probe.py [pauses in s, default 0.5 2 5 10]
 """
 
@@ -26,9 +30,12 @@ WINDOW_MS = 10.0
 SPAN_MS = 600.0
 
 
-def ramp(pause_s: float) -> dict[str, object]:
+def ramp(pause_s: float, behind_spin: bool) -> dict[str, object]:
     torch.cuda.synchronize()
-    time.sleep(pause_s)
+    if behind_spin:  # the GPU spins for the pause; the events below queue behind it
+        torch.cuda._sleep(int(pause_s * 1000 * _cycles_per_ms()))
+    else:
+        time.sleep(pause_s)
     events = [
         (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
         for _ in range(int(SPAN_MS / 0.09))
@@ -52,6 +59,7 @@ def ramp(pause_s: float) -> dict[str, object]:
     at = next((t for t, mhz in samples if mhz >= 0.98 * settled), None)
     return {
         "pause_s": pause_s,
+        "before": "spin" if behind_spin else "idle",
         "first_mhz": round(samples[0][1]),
         "settled_mhz": round(settled),
         "within_2pct_after_ms": None if at is None else round(at, 2),
@@ -59,12 +67,21 @@ def ramp(pause_s: float) -> dict[str, object]:
     }
 
 
+def _cycles_per_ms() -> float:
+    """Spin cycles per millisecond, the GPU busy (from capture.timing, which sizes its sleeps
+    by it)."""
+    from pytest_opprof.capture.timing import _sleep_cycles_per_ms
+
+    return _sleep_cycles_per_ms()
+
+
 def main(argv: list[str]) -> int:
     pauses = [float(a) for a in argv] or [0.5, 2.0, 5.0, 10.0]
     torch.cuda._sleep(1000)  # the context and the module loaded
     torch.cuda.synchronize()
     for pause in pauses:
-        print(json.dumps(ramp(pause)), flush=True)
+        for behind_spin in (False, True):
+            print(json.dumps(ramp(pause, behind_spin)), flush=True)
     return 0
 
 

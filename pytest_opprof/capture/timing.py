@@ -75,10 +75,11 @@ def time_interleaved(
     """Per-call milliseconds of each callable, one sample per round.
 
     Warmup runs at least ``warmup`` calls of each and at least ``warmup_seconds`` in all. It
-    was 0.5 s, against an idle GPU's low clock (an H200 reads 345 MHz idle); on the H200 the
-    clock is within 2% of its working 1,914 MHz 0.15 ms after work arrives, after idling 0.5 to
-    20 s (benchmarks/clock_ramp_probe.py, benchmarks/results/h200-2026-11-30i/probes), so 50 ms
-    of calls is ample and the warmup calls are for the code's own first-call costs. After it,
+    was 0.5 s, against an idle GPU's low clock (an H200 reads 345 MHz idle); on an H200 the
+    clock was within 2% of its working 1,914 MHz 0.15 ms after work arrived, after idling 0.5
+    to 20 s (benchmarks/clock_ramp_probe.py, benchmarks/results/h200-2026-11-30i/probes, one
+    host), so 50 ms of calls is ample and the warmup calls are for the code's own first-call
+    costs. After it,
     one call of each is timed and each round makes :func:`calls_for` calls of each callable.
     """
     with torch.no_grad():
