@@ -56,6 +56,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from pytest_opprof import devicelock
 from pytest_opprof.schema import KernelRecord, Profile, Timeline, write_text_atomic
 
 NVTX_RANGE = "opprof_iteration"
@@ -962,8 +963,6 @@ def counters_for_capture(
     replay = options.ncu_replay
     if replay == "auto":
         replay = "unique" if sum(map(len, replayed.values())) > UNIQUE_ABOVE else "all"
-    from pytest_opprof import devicelock
-
     devicelock.resume()  # the capture's measurements released the GPU; ncu replays on it
     started = time.perf_counter()
     results = run_counters_many(

@@ -79,8 +79,8 @@ def time_interleaved(
     clock was within 2% of its working 1,914 MHz 0.15 ms after work arrived, after idling 0.5
     to 20 s (benchmarks/clock_ramp_probe.py, benchmarks/results/h200-2026-11-30i/probes, one
     host), so 50 ms of calls is ample and the warmup calls are for the code's own first-call
-    costs. After it,
-    one call of each is timed and each round makes :func:`calls_for` calls of each callable.
+    costs. After it, one call of each is timed and each round makes :func:`calls_for` calls of
+    each callable.
     """
     with torch.no_grad():
         warm = fresh_inputs(template, seed)
