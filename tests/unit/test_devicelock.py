@@ -136,13 +136,13 @@ def test_measurers_queued_during_one_drain_measure_before_work_resumes(tmp_path:
     next step: one drain serves both. (Let s work again in the order they asked, and m2
     waits for s's whole next step.)"""
     path, log = tmp_path / "gpu.lock", tmp_path / "log"
-    stepper = _spawn(STEPPER, path, log, "s", 3, 0.4)
+    stepper = _spawn(STEPPER, path, log, "s", 3, 0.6)
     deadline = time.monotonic() + 30
     while not (log.exists() and ("s", "step0") in _events(log)):
         assert time.monotonic() < deadline
         time.sleep(0.02)
     m1 = _start(path, log, "m1", 0.1, 1.0)
-    m2 = _start(path, log, "m2", 0.8, 0.4)
+    m2 = _start(path, log, "m2", 1.0, 0.4)
     for p in (m1, m2, stepper):
         assert p.wait(timeout=60) == 0
     ev = _events(log)
