@@ -354,7 +354,10 @@ def _gpu_time(
         device=device,
         calls_per_sample=samples.calls,
         latency_ms={k: statistics.median(v) for k, v in samples.items() if v},
-        launches={timing_variant(t.label): t.summary.kernels_per_iter for t in timelines},
+        launches={
+            timing_variant(t.label): t.summary.launches_per_iter or t.summary.kernels_per_iter
+            for t in timelines
+        },
     )
 
 

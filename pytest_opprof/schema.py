@@ -178,6 +178,11 @@ class TimelineSummary(Model):
     idle_time_per_iter_us: float
     kernels_per_iter: float
     launch_overhead_per_call_us: float | None = None
+    launches_per_iter: float | None = Field(
+        default=None,
+        description="the host's kernel and CUDA-graph launches per iteration: what a stream's "
+        "launch queue holds, one per replay of a CUDA graph whatever its kernels",
+    )
     attributed_share: float
     high_share: float
     busy_time_per_iter_us: float | None = Field(

@@ -674,6 +674,14 @@ def _summarise(
         and window.of(e) is not None
         and not (e.parent is not None and e.parent.name in LAUNCH_CALLS)
     ]
+    queued = LAUNCH_CALLS | GRAPH_LAUNCH_CALLS  # what a stream's launch queue holds
+    host_launches = sum(
+        1
+        for e in runtime
+        if e.name in queued
+        and window.of(e) is not None
+        and not (e.parent is not None and e.parent.name in queued)
+    )
     summary = TimelineSummary(
         iterations=n,
         device_time_per_iter_us=_round(total / n),
@@ -681,6 +689,7 @@ def _summarise(
         idle_time_per_iter_us=_round(idle),
         kernels_per_iter=round(len(kernels) / n, 3),
         launch_overhead_per_call_us=_round(sum(launches) / len(launches)) if launches else None,
+        launches_per_iter=round(host_launches / n, 3) if device_type == "cuda" else None,
         attributed_share=_share(total - sum(lost.values()), total),
         high_share=_share(high, total),
         busy_time_per_iter_us=_round(busy) if device_type == "cuda" else None,

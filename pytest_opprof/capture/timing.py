@@ -141,9 +141,10 @@ def gpu_time(
     none on the CPU, and none for a callable the host never gets ahead of (one that
     synchronizes with the host, or launches more than the launch queue holds).
 
-    ``latency_ms`` (the timing pass's medians) and ``launches`` (kernels per call, from the
-    timeline) size the first attempt: a sleep long enough for the host, and no more calls than
-    the launch queue takes. Without them the first samples find both out by missing.
+    ``latency_ms`` (the timing pass's medians) and ``launches`` (the host's launches per call,
+    from the timeline: a CUDA-graph replay is one) size the first attempt: a sleep long enough
+    for the host, and no more calls than the launch queue takes. Without them the first
+    samples find both out by missing.
     ``calls_per_sample``: each callable's calls per timing round (RoundSamples.calls)."""
     if device != "cuda":
         return {}

@@ -500,6 +500,9 @@ def test_real_h200_trace(path: Path) -> None:
     timeline, flags, trace = _real(path, twin)
     summary = timeline.summary
     assert summary.kernels_per_iter * summary.iterations == _kernels_launched_in_marks(trace)
+    # what the launch queue holds: a kernel launch each, memory copies aside; one per replay
+    assert summary.launches_per_iter is not None
+    assert summary.launches_per_iter <= summary.kernels_per_iter
     every = [k for o in timeline.operators for k in o.kernels] + timeline.unattributed_kernels
     accounted = sum(k.duration_us for k in every)
     assert accounted == pytest.approx(summary.device_time_per_iter_us, rel=0.02)
@@ -514,6 +517,7 @@ def test_real_h200_trace(path: Path) -> None:
         assert summary.attributed_share >= 0.99
     if twin is not None:  # this run's optimized timeline: a whole-model CUDA graph
         assert replayed and "0 unattributed" in replayed[0].detail
+        assert summary.launches_per_iter == 1.0  # one graph launch, whatever its kernels
     for op in timeline.operators:  # every Triton kernel tied to the ATen ops it fuses
         for k in op.kernels:
             if k.name.startswith("triton_"):

@@ -69,3 +69,34 @@ def test_a_compile_is_a_step_after_which_a_waiting_measurer_goes_first(
     assert made_way == [True] and seconds >= 0
     runner._step_done("cpu")  # any other step: the same, once its GPU work has finished
     assert made_way == [True, True]
+
+
+def test_the_gpu_time_pass_is_sized_by_host_launches_not_kernels(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A CUDA-graph replay is one launch whatever its kernels: the launch queue takes a full
+    sample of its calls (the LSTM's graph of 545 kernels got one call a sample by its kernels).
+    A profile written before the launch count existed falls back to the kernels."""
+    from types import SimpleNamespace
+
+    from pytest_opprof import runner
+    from pytest_opprof.capture import timing
+    from pytest_opprof.capture.timing import RoundSamples
+
+    seen: dict[str, object] = {}
+
+    def record(calls: object, inputs: object, **kwargs: object) -> dict[str, float]:
+        seen.update(kwargs)
+        return {}
+
+    monkeypatch.setattr(timing, "gpu_time", record)
+    samples = RoundSamples({"optimized": [1.0], "eager": [4.0]}, {"optimized": 30, "eager": 12})
+
+    def timeline(label: str, kernels: float, launches: float | None) -> SimpleNamespace:
+        summary = SimpleNamespace(kernels_per_iter=kernels, launches_per_iter=launches)
+        return SimpleNamespace(label=label, summary=summary)
+
+    timelines = [timeline("optimized", 545.0, 1.0), timeline("eager", 536.0, None)]
+    runner._gpu_time({}, (), "cuda", samples, timelines)
+    assert seen["launches"] == {"optimized": 1.0, "eager": 536.0}
+    assert seen["calls_per_sample"] == {"optimized": 30, "eager": 12}
