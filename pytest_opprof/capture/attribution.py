@@ -59,6 +59,7 @@ LAUNCH_CALLS = frozenset(
     | {"cuLaunchKernel", "cuLaunchKernelEx", "cuLaunchCooperativeKernel"}
 )
 GRAPH_LAUNCH_CALLS = frozenset({"cudaGraphLaunch", "cuGraphLaunch"})
+QUEUED_CALLS = LAUNCH_CALLS | GRAPH_LAUNCH_CALLS
 SYNC_CALLS = frozenset(
     {"cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
     | {"cuCtxSynchronize", "cuStreamSynchronize", "cuEventSynchronize"}
@@ -667,21 +668,14 @@ def _summarise(
     for time, attribution, name in items:
         if attribution == "none":
             lost[name] += time
-    launches = [
-        e.dur
+    issued = [  # what the stream's launch queue holds: a CUDA-graph replay is one
+        e
         for e in runtime
-        if e.name in LAUNCH_CALLS
+        if e.name in QUEUED_CALLS
         and window.of(e) is not None
-        and not (e.parent is not None and e.parent.name in LAUNCH_CALLS)
+        and not (e.parent is not None and e.parent.name in QUEUED_CALLS)
     ]
-    queued = LAUNCH_CALLS | GRAPH_LAUNCH_CALLS  # what a stream's launch queue holds
-    host_launches = sum(
-        1
-        for e in runtime
-        if e.name in queued
-        and window.of(e) is not None
-        and not (e.parent is not None and e.parent.name in queued)
-    )
+    launches = [e.dur for e in issued if e.name in LAUNCH_CALLS]
     summary = TimelineSummary(
         iterations=n,
         device_time_per_iter_us=_round(total / n),
@@ -689,7 +683,7 @@ def _summarise(
         idle_time_per_iter_us=_round(idle),
         kernels_per_iter=round(len(kernels) / n, 3),
         launch_overhead_per_call_us=_round(sum(launches) / len(launches)) if launches else None,
-        launches_per_iter=round(host_launches / n, 3) if device_type == "cuda" else None,
+        launches_per_iter=round(len(issued) / n, 3) if device_type == "cuda" else None,
         attributed_share=_share(total - sum(lost.values()), total),
         high_share=_share(high, total),
         busy_time_per_iter_us=_round(busy) if device_type == "cuda" else None,
