@@ -1055,3 +1055,37 @@ def test_auto_replays_each_configuration_once_above_the_threshold(
         assert summary is not None and summary["replay"] == seen[-1]
     assert seen == ["all", "unique", "unique", "all"]
     assert (tmp_path / "out" / "profiler_output" / "ncu" / "counters_target.json").exists()
+
+
+def test_the_counters_pass_shares_the_gpu_again_before_ncu_replays_on_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The capture's measurements released the GPU (measuring(share_after=False)); ncu's
+    replay is GPU work, so it runs under this process's share, never beside a measurement."""
+    from pytest_opprof import devicelock
+    from pytest_opprof.options import OpprofOptions
+
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
+    lock = devicelock.join()
+    assert lock is not None
+    held: list[str | None] = []
+    real = c.run_counters_many
+
+    def replaying(spec: Any, kernels_by_label: Any, **kwargs: Any) -> Any:
+        held.append(lock.held)
+        return real(spec, kernels_by_label, **kwargs)
+
+    monkeypatch.setattr(c, "run_counters_many", replaying)
+    monkeypatch.setattr(c, "find_ncu", lambda: str(_fake_ncu(tmp_path)))
+    try:
+        with devicelock.measuring(share_after=False):
+            pass
+        assert lock.held is None
+        spec = {"out_dir": str(tmp_path / "out"), "workload": "w.py"}
+        opts = OpprofOptions(ncu="auto", ncu_sudo="false")
+        c.counters_for_capture(spec, [_full_timeline()], {}, opts, "float32")
+        assert held == ["shared"]
+    finally:
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)

@@ -61,3 +61,21 @@ def test_each_callable_gets_its_own_calls_per_round_and_rounds_stay_paired() -> 
     one_round = ["fast"] * 30 + ["slow"] * timing.MIN_CALLS
     assert timed == one_round * 3
     assert min(samples["slow"]) >= 4.0  # milliseconds per call, not per round
+
+
+def test_the_warmup_lasts_tens_of_milliseconds_not_half_a_second() -> None:
+    """The GPU's clock is up within a millisecond of work (benchmarks/clock_ramp_probe.py):
+    past its warmup calls, the warmup stops after 50 ms, where it ran 0.5 s before."""
+    made = [0]
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        made[0] += 1
+        time.sleep(0.001)
+        return x
+
+    t0 = time.perf_counter()
+    timing.time_interleaved(
+        {"f": call}, (torch.zeros(2),), device="cpu", warmup=1, calls_per_round=1, rounds=1
+    )
+    assert time.perf_counter() - t0 < 0.3
+    assert made[0] >= 10  # warm for ~50 ms: tens of 1 ms calls, not the one asked for
