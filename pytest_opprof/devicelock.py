@@ -27,6 +27,15 @@ shares again (:func:`resume`) right before its next GPU work.
 A process that joins removes :data:`LOCK_ENV` from its own environment, so the processes it
 starts (ncu's target, Inductor's compile workers) work under its share instead of waiting on a
 measurement that waits on them.
+
+Compiles need the CPU, not the GPU: Dynamo's tracing, AOT autograd's and Inductor's code
+generation run on fake tensors. A process on CPUs of its own (:data:`OWN_CPUS_ENV`: an xdist
+worker's slice, no sibling stage process on it) therefore lets go of its share while it compiles
+(:func:`off_gpu`), and a measurer does not wait for that compile to end. The compile's own GPU
+work (weights folded or converted on real tensors) takes the share back for its span
+(:func:`on_gpu`), and the process shares again, behind any measurer, before it runs what it
+compiled. A measurement therefore still runs beside no other GPU work, and beside no CPU work
+on its own CPUs.
 """
 
 from __future__ import annotations
@@ -44,6 +53,9 @@ except ImportError:  # not POSIX: no lock, one process per GPU as before
 
 LOCK_ENV = "OPPROF_DEVICE_LOCK"
 """The lock file of the GPU a stage process measures on; set by the session for its children."""
+OWN_CPUS_ENV = "OPPROF_OWN_CPUS"
+"""Set (to 1) where this process's CPUs are its own: an xdist worker pinned to its slice. Its
+stage processes may then compile while another process measures (:func:`off_gpu`)."""
 WAITING = "waiting for the GPU: another process on it is at work or measuring"
 
 
@@ -65,6 +77,8 @@ class DeviceLock:
         self.alone_s = 0.0
         """Seconds this process has held the GPU exclusively (its measurements)."""
         self._since = 0.0
+        self.aside = False
+        """The share was let go for CPU-only work (:func:`off_gpu`), to be taken back after."""
         self.note: Callable[[str], None] | None = None
 
     def _through_turnstile(self, mode: int) -> None:
@@ -208,6 +222,47 @@ def measuring(*, share_after: bool = True) -> Iterator[None]:
             lock.share()
         else:
             lock.release()
+
+
+@contextlib.contextmanager
+def off_gpu(sync: Callable[[], None]) -> Iterator[None]:
+    """CPU-only work (a compile): where this process holds the GPU shared, let go of it for the
+    block, so that a measurer need not wait for the block to end; share again after it, behind
+    any measurer. ``sync`` waits for this process's queued GPU work, which must not run beside a
+    measurement; it is called before letting go. A no-op without a lock, while measuring, or
+    where the process holds nothing (its next GPU work :func:`resumes <resume>` first)."""
+    lock = _LOCK
+    if lock is None or lock.held != "shared" or lock.aside:
+        yield
+        return
+    sync()
+    lock.release()
+    lock.aside = True
+    try:
+        yield
+    finally:
+        lock.aside = False
+        lock.share()
+
+
+@contextlib.contextmanager
+def on_gpu(sync: Callable[[], None]) -> Iterator[None]:
+    """GPU work inside :func:`off_gpu` (weights folded on real tensors during a compile): the
+    share taken back for the block, behind any measurer, and let go again after ``sync``. A
+    no-op outside ``off_gpu``."""
+    lock = _LOCK
+    if lock is None or not lock.aside:
+        yield
+        return
+    lock.share()
+    lock.aside = False
+    try:
+        yield
+    finally:
+        with contextlib.suppress(Exception):  # a failed block: its error, not the sync's
+            sync()
+        lock.release()
+        lock.aside = True
 
 
 def make_way() -> None:

@@ -27,6 +27,8 @@ import shutil
 import subprocess
 from typing import Any
 
+from pytest_opprof.devicelock import OWN_CPUS_ENV
+
 
 def visible_gpus(environ: dict[str, str] | None = None) -> list[str]:
     """The GPUs this process may use, as ``CUDA_VISIBLE_DEVICES`` entries."""
@@ -125,6 +127,7 @@ def pin_worker(worker_id: str, worker_count: int) -> list[int] | None:
         return None
     mine = worker_cpus(worker_id, worker_count, cpus)
     os.sched_setaffinity(0, mine)
+    os.environ[OWN_CPUS_ENV] = "1"  # its stage processes may compile beside a measurement
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(len(mine)))
     os.environ.setdefault("OMP_NUM_THREADS", str(len(mine)))
     return mine

@@ -647,9 +647,13 @@ def stage_recapture(run: WorkloadRun) -> str:
         if together:
             # Each process compiles while the others do; they measure one at a time.
             pool = ThreadPoolExecutor(processes - 1)
-            pending = [pool.submit(_retime_one, run, i, Path(tmp)) for i in range(1, processes)]
+            pending = [
+                pool.submit(_retime_one, run, i, Path(tmp), shares_cpus=True)
+                for i in range(1, processes)
+            ]
             try:
-                run.run_child("recapture", "recapture", generated=generated)
+                # on one CPU slice: none compiles while another measures (devicelock.off_gpu)
+                run.run_child("recapture", "recapture", generated=generated, shares_cpus=True)
             except BaseException as exc:
                 # A failed recapture waits for its timing processes (none outlives its stage
                 # or its folder); an interrupt does not (the session's end stops them).
@@ -707,7 +711,9 @@ def side_by_side(baseline: CaptureMetadata, processes: int) -> bool:
     return bool(peak and total and 2 * peak * processes <= SIDE_BY_SIDE_MEMORY * total)
 
 
-def _retime_one(run: WorkloadRun, i: int, folder: Path) -> dict[str, list[float]] | str:
+def _retime_one(
+    run: WorkloadRun, i: int, folder: Path, *, shares_cpus: bool = False
+) -> dict[str, list[float]] | str:
     """The recapture's calls timed again in a fresh process: its samples, or why it failed (a
     process that fails adds a warning, not an error: the others' timing stands)."""
     result = folder / f"retime{i}.json"
@@ -718,6 +724,7 @@ def _retime_one(run: WorkloadRun, i: int, folder: Path) -> dict[str, list[float]
             log_name=f"retime{i}",
             generated=str(run.generated.resolve()),
             result=result,
+            shares_cpus=shares_cpus,
         )
         samples: dict[str, list[float]] = json.loads(result.read_text(encoding="utf-8"))["samples"]
         return samples

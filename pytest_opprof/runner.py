@@ -9,6 +9,7 @@ keeps its traceback on stderr.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -88,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     from pytest_opprof.errors import OpprofError
     from pytest_opprof.schema import ChildFailure, write_artifact
 
+    global _OWN_CPUS
+    _OWN_CPUS = os.environ.get(devicelock.OWN_CPUS_ENV) == "1" and not spec.get("shares_cpus")
     try:
         devicelock.join(note=phase)
         TASKS[spec["task"]](spec)
@@ -201,6 +204,48 @@ def _import_generated(path: Path) -> Any:
     return module
 
 
+_OWN_CPUS = False
+"""This process's CPUs are its own (``devicelock.OWN_CPUS_ENV``, and the spec names no sibling
+stage process beside it): it may compile while another process measures."""
+_OFF_GPU: list[contextlib.ExitStack] = []
+
+
+def _off_gpu_start(args: Any) -> None:
+    from torch._dynamo.callback import CallbackTrigger
+
+    if args.callback_trigger is CallbackTrigger.DYNAMO:  # not a CUDA-graph recording
+        import torch
+
+        def sync() -> None:  # the work queued before the compile (a graph before a break)
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()
+
+        stack = contextlib.ExitStack()
+        stack.enter_context(devicelock.off_gpu(sync))
+        _OFF_GPU.append(stack)
+
+
+def _off_gpu_end(args: Any) -> None:
+    while _OFF_GPU:
+        _OFF_GPU.pop().close()
+
+
+def _compile_off_gpu(device: str) -> None:
+    """Where this process's CPUs are its own, let go of the GPU while Dynamo compiles (from
+    its start to its end callback: ``devicelock.off_gpu``), so a measurer waits for no compile
+    of ours; our backend takes the GPU back for the weights it folds. Registered again where a
+    ``torch._dynamo.reset()`` cleared the callbacks; nothing on torch without them."""
+    if device != "cuda" or not _OWN_CPUS:
+        return
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:  # pragma: no cover - torch < 2.6
+        return
+    if _off_gpu_start not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_off_gpu_start)
+        callback_handler.register_end_callback(_off_gpu_end)
+
+
 def _step_done(device: str) -> None:
     """A step of this process's work (a compile, a build, the generated tests) is over: once
     its GPU work has finished, a measurer waiting on the GPU goes first."""
@@ -219,6 +264,7 @@ def _compile_timed(
     from pytest_opprof.errors import StageError
 
     fn = torch.compile(model, backend=backend)
+    _compile_off_gpu(device)
     clock = compile_clock()
     t0 = time.perf_counter()
     try:
@@ -587,6 +633,7 @@ def task_select(spec: dict[str, Any]) -> None:
         fresh = _pristine_copy(eager, lambda: _load_baseline(spec, device).model)
         t1 = time.perf_counter()
         clock = compile_clock()
+        _compile_off_gpu(device)
         try:
             built = build(fresh, w.inputs, plan)
             with torch.no_grad():
@@ -830,19 +877,22 @@ def task_validate(spec: dict[str, Any]) -> None:
     later steps as blocked."""
     _setup_torch()
     steps: dict[str, Any] = {}
+    from pytest_opprof.capture.system import resolve_device
+
+    device = resolve_device(_options(spec).device)
     module = _validate_import(spec, steps)
     if module is not None:
+        _compile_off_gpu(device)
         steps["tests"] = _generated_tests(spec)
         phase("generated tests")
-        from pytest_opprof.capture.system import resolve_device
-
-        _step_done(resolve_device(_options(spec).device))
+        _step_done(device)
     if module is None or steps["tests"].status == "fail":
         _write_steps(spec, steps)
         return
     import torch
 
     torch._dynamo.reset()  # the tests' compiled graphs are not the smoke run's
+    _compile_off_gpu(device)  # the reset cleared Dynamo's callbacks
     # The tests imported the file again and re-registered its backend, which now records into
     # that copy's PASS_RESULTS: import it once more, so what the smoke run applies is ours.
     module = _import_generated(Path(spec["generated"]))

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.fx
 
+from pytest_opprof import devicelock
 from pytest_opprof.passes import get_pass, non_graph_apply
 from pytest_opprof.passes.base import (
     ALLOW_TF32,
@@ -104,8 +105,9 @@ def make_backend(
     def opprof_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from torch._inductor import compile_fx as inductor
 
-        for spec in functional_specs:
-            sink.append(spec.apply(gm, example_inputs))
+        with devicelock.on_gpu(_synchronize):  # passes may compute on the real inputs
+            for spec in functional_specs:
+                sink.append(spec.apply(gm, example_inputs))
         inputs = list(example_inputs)
         if patches.get("freezing") and not torch.is_grad_enabled():
             _lift_constants(gm, inputs)
@@ -115,20 +117,48 @@ def make_backend(
         ) -> Any:
             if aten_specs and not kw.get("is_backward", False):
                 pass_inputs = _aten_pass_inputs(aten_gm, aten_inputs, kw, inputs)
-                with compiling_for("inductor"):
+                with compiling_for("inductor"), devicelock.on_gpu(_synchronize):
                     for spec in aten_specs:
                         sink.append(spec.apply(aten_gm, pass_inputs))
             # looked up at call time, so a patched compile_fx_inner is honoured
             with _real_constants_allowed(aten_inputs):
                 return inductor.compile_fx_inner(aten_gm, aten_inputs, *a, **kw)
 
-        with _no_autograd_cache(), _tf32(allow_tf32):
+        freezing = _freezing_on_gpu() if patches.get("freezing") else contextlib.nullcontext()
+        with _no_autograd_cache(), _tf32(allow_tf32), freezing:
             compiled: Any = inductor.compile_fx(
                 gm, inputs, inner_compile=inner_compile, config_patches=dict(patches)
             )
         return _with_tf32(compiled) if allow_tf32 else compiled
 
     return opprof_backend
+
+
+def _synchronize() -> None:
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.synchronize()
+
+
+@contextlib.contextmanager
+def _freezing_on_gpu() -> Iterator[None]:
+    """Inductor's freezing folds the weights on real tensors (GPU kernels) in a compile that
+    otherwise runs on fake ones: where the stage process let go of the GPU while it compiles
+    (``devicelock.off_gpu``), the fold takes it back for its span. torch 2.11 and 2.13 import
+    ``freeze`` from ``torch._inductor.freezing`` as they call it (``fw_compiler_freezing``), so
+    the module's attribute is where to wrap it."""
+    from torch._inductor import freezing
+
+    original = freezing.freeze
+
+    def freeze(*args: Any, **kwargs: Any) -> Any:
+        with devicelock.on_gpu(_synchronize):
+            return original(*args, **kwargs)
+
+    freezing.freeze = freeze
+    try:
+        yield
+    finally:
+        freezing.freeze = original
 
 
 def register_backend(name: str, **kwargs: Any) -> str:

@@ -228,3 +228,62 @@ def test_aten_custom_pass_uuid_follows_the_passes() -> None:
         out = torch.compile(mm)(a_in, b_in)
     assert _statuses(results) == [("dtype_promotion", "APPLIED")]
     torch.testing.assert_close(out, mm(a_in, b_in), **BF16)
+
+
+def test_a_compile_off_the_gpu_takes_it_back_for_the_weights_it_folds(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    """A stage process compiles without its share of the GPU (``devicelock.off_gpu``); the
+    backend's work on real tensors (Inductor's freezing, the graph passes) takes it back,
+    behind any measurer, and lets go again for Inductor's code generation."""
+    import dataclasses
+
+    from torch._inductor import freezing
+
+    from pytest_opprof import devicelock
+
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
+    lock = devicelock.join()
+    assert lock is not None
+    held: list[tuple[str, str | None]] = []
+
+    def spy(where: str, fn: Any) -> Any:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            held.append((where, lock.held))
+            return fn(*args, **kwargs)
+
+        return wrapped
+
+    monkeypatch.setattr(freezing, "freeze", spy("freeze", freezing.freeze))
+    inner = torch._inductor.compile_fx.compile_fx_inner
+    monkeypatch.setattr(torch._inductor.compile_fx, "compile_fx_inner", spy("codegen", inner))
+    specs = compiler._graph_specs
+    monkeypatch.setattr(
+        compiler,
+        "_graph_specs",
+        lambda names: [dataclasses.replace(s, apply=spy(s.name, s.apply)) for s in specs(names)],
+    )
+    backend = compiler.make_backend(
+        functional=["activation_substitution"],
+        aten=["dtype_promotion"],
+        config_patches={"freezing": True},
+    )
+    model, x = ConvBnRelu().eval(), torch.randn(2, 3, 8, 8)
+    try:
+        with torch.no_grad(), devicelock.off_gpu(lambda: None):
+            out = torch.compile(model, backend=backend)(x)
+            assert lock.held is None and lock.aside
+        assert lock.held == "shared"
+    finally:
+        torch._dynamo.reset()
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+    assert held == [
+        ("activation_substitution", "shared"),
+        ("freeze", "shared"),
+        ("dtype_promotion", "shared"),
+        ("codegen", None),
+    ]
+    assert freezing.freeze.__name__ == "wrapped"  # the backend's own wrapper is gone
+    torch.testing.assert_close(out, model(x), **BF16)

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -370,3 +371,51 @@ def test_preflight_says_whether_this_user_can_open_gpu_locks(
     monkeypatch.setattr(devicelock, "lock_path", lambda gpu: blocker / f"{gpu}.lock")
     ok, said = _lock_folder_usable()
     assert not ok and said.startswith(f"GPU lock folder {blocker}: ")
+
+
+def test_a_compile_lets_go_of_the_gpu_and_takes_it_back_for_its_gpu_work(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Inside ``off_gpu`` a measurer gets the GPU at once; GPU work inside it (``on_gpu``)
+    waits for that measurement; after it the process shares again. Each letting go is
+    preceded by the sync."""
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    path = tmp_path / "gpu.lock"
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
+    lock = devicelock.join()
+    assert lock is not None
+    synced: list[str] = []
+    measurer = DeviceLock(path)
+    try:
+        with devicelock.off_gpu(lambda: synced.append("off")):
+            assert synced == ["off"] and lock.held is None
+            measurer.exclusive()  # at once: the compile holds nothing
+            assert measurer.waited_s < 0.1
+            folded: list[float] = []
+
+            def fold() -> None:
+                with devicelock.on_gpu(lambda: synced.append("on")):
+                    folded.append(time.monotonic())
+                    assert lock.held == "shared"
+
+            thread = threading.Thread(target=fold)
+            thread.start()
+            time.sleep(0.5)
+            assert not folded  # it waits for the measurement
+            released = time.monotonic()
+            measurer.release()
+            thread.join(timeout=10)
+            assert folded and folded[0] >= released
+            assert synced == ["off", "on"] and lock.held is None and lock.aside
+            measurer.exclusive()  # let go again after its GPU work
+            measurer.release()
+        assert lock.held == "shared" and not lock.aside
+        with devicelock.measuring(), devicelock.off_gpu(lambda: synced.append("no")):
+            assert lock.held == "exclusive"  # never lets go of a measurement
+        with devicelock.on_gpu(lambda: synced.append("no")):
+            assert lock.held == "shared"  # outside off_gpu: nothing to take back
+        assert synced == ["off", "on"]
+    finally:
+        measurer.close()
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)

@@ -38,6 +38,7 @@ class StandIn:
         self.fail_retime = fail_retime
         self.fail_recapture = fail_recapture
         self.children: list[tuple[str, float, float]] = []
+        self.shares_cpus: dict[str, bool] = {}
         self._guard = threading.Lock()
         shutil.copy(H200 / "validation_report.json", self.profiler_output)
 
@@ -46,6 +47,7 @@ class StandIn:
 
     def run_child(self, task: str, stage: str, *, log_name: str = "", **extra: Any) -> None:
         start = time.monotonic()
+        self.shares_cpus[log_name or task] = bool(extra.get("shares_cpus"))
         if task == "recapture" and self.fail_recapture:
             time.sleep(0.1)  # before the others end
             raise StageError("the recapture process failed (exit 1)")
@@ -91,6 +93,8 @@ def test_under_a_gpu_lock_the_timing_processes_start_together(
     said = pipeline.stage_recapture(run)  # type: ignore[arg-type]
     assert len(run.children) == 3 and _overlapping(run.children)
     assert "side by side" in said
+    # on one CPU slice, none may compile while another measures (devicelock.off_gpu)
+    assert run.shares_cpus == {"recapture": True, "retime1": True, "retime2": True}
     before = read_artifact(H200 / "profile_optimized.json", Profile).timing.variants["optimized"]
     pooled = read_artifact(run.out_dir / "profile_optimized.json", Profile)
     assert pooled.timing.variants["optimized"].processes == before.processes + 2
@@ -114,6 +118,7 @@ def test_otherwise_one_after_another(
     _baseline(run, peak=peak)
     said = pipeline.stage_recapture(run)  # type: ignore[arg-type]
     assert [name for name, _, _ in run.children] == ["recapture", "retime1", "retime2"]
+    assert not any(run.shares_cpus.values())
     for (_, _, end), (_, start, _) in zip(run.children, run.children[1:], strict=False):
         assert start >= end
     assert "one after another" in said

@@ -3,7 +3,10 @@ compile-time split in the stage log."""
 
 from __future__ import annotations
 
+import fcntl
+import os
 import threading
+from pathlib import Path
 
 import pytest
 import torch
@@ -100,3 +103,57 @@ def test_the_gpu_time_pass_is_sized_by_host_launches_not_kernels(
     runner._gpu_time({}, (), "cuda", samples, timelines)
     assert seen["launches"] == {"optimized": 1.0, "eager": 536.0}
     assert seen["calls_per_sample"] == {"optimized": 30, "eager": 12}
+
+
+def test_a_process_on_its_own_cpus_compiles_without_holding_the_gpu(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """From Dynamo's compile start to its end the stage process holds no share, so a measurer
+    takes the GPU at once; it shares again before running what it compiled. A CUDA-graph
+    recording (the other trigger of the same callbacks) lets go of nothing, a process whose
+    CPUs are not its own never lets go, and a ``torch._dynamo.reset()`` (which clears the
+    callbacks) is undone at the next compile."""
+    from torch._dynamo.callback import CallbackTrigger, callback_handler
+
+    from pytest_opprof import devicelock, runner
+    from pytest_opprof.capture import timing
+
+    monkeypatch.setattr(timing, "synchronize", lambda device: None)  # "cuda" on this CPU
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    path = tmp_path / "gpu.lock"
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
+    lock = devicelock.join()
+    assert lock is not None
+    seen: list[tuple[str | None, bool]] = []
+
+    def gpu_free() -> bool:  # whether a measurer would have the GPU at once
+        fd = os.open(path, os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        finally:
+            os.close(fd)
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        seen.append((lock.held, gpu_free()))
+        return gm.forward
+
+    try:
+        monkeypatch.setattr(runner, "_OWN_CPUS", True)
+        for attempt in range(2):
+            torch._dynamo.reset()  # the second time: after a reset cleared the callbacks
+            runner._compile_timed(torch.nn.Linear(4, 2), backend, (torch.randn(3, 4),), "cuda")
+            assert seen[-1] == (None, True) and lock.held == "shared", attempt
+            assert not gpu_free()
+        with callback_handler.install_callbacks(CallbackTrigger.CUDAGRAPH_RECORDING, "0"):
+            assert lock.held == "shared"
+        monkeypatch.setattr(runner, "_OWN_CPUS", False)
+        torch._dynamo.reset()
+        runner._compile_off_gpu("cuda")
+        assert runner._off_gpu_start not in callback_handler.start_callbacks
+    finally:
+        torch._dynamo.reset()
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)

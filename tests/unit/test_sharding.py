@@ -222,7 +222,8 @@ def test_xdist_workers_and_their_children_get_their_own_cpus(pytester: pytest.Py
         "import json, os, pathlib\n"
         "def get_model_and_input():\n"
         "    seen = {'cpus': sorted(os.sched_getaffinity(0)),\n"
-        "            'threads': os.environ.get('TORCHINDUCTOR_COMPILE_THREADS')}\n"
+        "            'threads': os.environ.get('TORCHINDUCTOR_COMPILE_THREADS'),\n"
+        "            'own': os.environ.get('OPPROF_OWN_CPUS')}\n"
         "    pathlib.Path(__file__).with_suffix('.json').write_text(json.dumps(seen))\n"
         "    raise ValueError('recorded')\n"
     )
@@ -235,3 +236,4 @@ def test_xdist_workers_and_their_children_get_their_own_cpus(pytester: pytest.Py
         seen = json.loads((pytester.path / f"{name}.json").read_text())
         assert len(seen["cpus"]) in (total // 2, total - total // 2)
         assert seen["threads"] == str(len(seen["cpus"]))
+        assert seen["own"] == "1"  # so its stage processes may compile beside a measurement
