@@ -36,6 +36,14 @@ work (weights folded or converted on real tensors) takes the share back for its 
 (:func:`on_gpu`), and the process shares again, behind any measurer, before it runs what it
 compiled. A measurement therefore still runs beside no other GPU work, and beside no CPU work
 on its own CPUs.
+
+Neighbours' compiles on other CPUs still slow a launch-bound call by sharing the host (caches,
+memory, the hypervisor): on the H200 host, a model's dispatch on CPU tensors took 200 µs with
+the other CPUs idle and 250-260 µs with each of them busy (``benchmarks/host_probe.py``). So a
+measurement whose figures are reported (``measuring(quiet=True)``) also waits until no compile
+runs off the GPU: compiles hold a fourth file, ``path.cpu``, shared while they run off it (never
+while they wait for the GPU), and a quiet measurer takes it exclusively once it holds the GPU.
+Selection's measurements, which compare two calls round by round, do not wait for it.
 """
 
 from __future__ import annotations
@@ -57,6 +65,7 @@ OWN_CPUS_ENV = "OPPROF_OWN_CPUS"
 """Set (to 1) where this process's CPUs are its own: an xdist worker pinned to its slice. Its
 stage processes may then compile while another process measures (:func:`off_gpu`)."""
 WAITING = "waiting for the GPU: another process on it is at work or measuring"
+WAITING_QUIET = "waiting for the compiles of other processes on the host to end"
 
 
 class DeviceLock:
@@ -72,6 +81,7 @@ class DeviceLock:
         self._main = _open_shared(path)
         self._turn = _open_shared(path.with_name(path.name + ".turn"))
         self._want = _open_shared(path.with_name(path.name + ".want"))
+        self._cpu = _open_shared(path.with_name(path.name + ".cpu"))
         self.held: str | None = None
         self.waited_s = 0.0
         self.alone_s = 0.0
@@ -134,6 +144,35 @@ class DeviceLock:
             self._through_turnstile(fcntl.LOCK_SH)
             self.held = "shared"
 
+    def quiet(self) -> None:
+        """Held exclusively: wait until no process compiles off the GPU (``path.cpu``); none
+        can start while this process holds the GPU."""
+        t0 = time.perf_counter()
+        try:
+            fcntl.flock(self._cpu, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            pass
+        if self.note is not None:
+            self.note(WAITING_QUIET)
+        fcntl.flock(self._cpu, fcntl.LOCK_EX)
+        waited = time.perf_counter() - t0
+        self.waited_s += waited
+        if self.note is not None:
+            self.note(f"the host was quiet after {waited:.1f} s")
+
+    def unquiet(self) -> None:
+        fcntl.flock(self._cpu, fcntl.LOCK_UN)
+
+    def compiling(self) -> None:
+        """Off the GPU: hold ``path.cpu`` shared, after any quiet measurement under way."""
+        t0 = time.perf_counter()
+        fcntl.flock(self._cpu, fcntl.LOCK_SH)
+        self.waited_s += time.perf_counter() - t0
+
+    def compiled(self) -> None:
+        fcntl.flock(self._cpu, fcntl.LOCK_UN)
+
     def exclusive(self) -> None:
         if self.held != "exclusive":
             self.release()
@@ -165,7 +204,7 @@ class DeviceLock:
 
     def close(self) -> None:
         self.release()
-        for fd in (self._main, self._turn, self._want):
+        for fd in (self._main, self._turn, self._want, self._cpu):
             os.close(fd)
 
 
@@ -205,18 +244,25 @@ def join(note: Callable[[str], None] | None = None) -> DeviceLock | None:
 
 
 @contextlib.contextmanager
-def measuring(*, share_after: bool = True) -> Iterator[None]:
+def measuring(*, share_after: bool = True, quiet: bool = False) -> Iterator[None]:
     """The GPU to this process alone for the block (a no-op where :func:`join` took no lock);
     shared again after it, or, with ``share_after=False``, released: for a measurement after
     which the process does no GPU work until it calls :func:`resume` (or none at all), so it
-    does not wait for the measurers queued behind it to share again."""
+    does not wait for the measurers queued behind it to share again. ``quiet``: a measurement
+    whose figures are reported, which also waits until no process compiles off the GPU."""
     lock = _LOCK
     if lock is None:
         yield
         return
     lock.exclusive()
     try:
-        yield
+        if quiet:
+            lock.quiet()
+        try:
+            yield
+        finally:
+            if quiet:
+                lock.unquiet()
     finally:
         if share_after:
             lock.share()
@@ -237,10 +283,12 @@ def off_gpu(sync: Callable[[], None]) -> Iterator[None]:
         return
     sync()
     lock.release()
+    lock.compiling()
     lock.aside = True
     try:
         yield
     finally:
+        lock.compiled()  # never held while waiting for the GPU
         lock.aside = False
         lock.share()
 
@@ -254,6 +302,7 @@ def on_gpu(sync: Callable[[], None]) -> Iterator[None]:
     if lock is None or not lock.aside:
         yield
         return
+    lock.compiled()  # never held while waiting for the GPU
     lock.share()
     lock.aside = False
     try:
@@ -262,6 +311,7 @@ def on_gpu(sync: Callable[[], None]) -> Iterator[None]:
         with contextlib.suppress(Exception):  # a failed block: its error, not the sync's
             sync()
         lock.release()
+        lock.compiling()
         lock.aside = True
 
 

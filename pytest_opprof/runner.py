@@ -453,7 +453,7 @@ def task_capture(spec: dict[str, Any]) -> None:
     baselines = {"eager": w.model, "compile": compiled}
     mode = f"torch.compile(backend={opts.compile_backend!r})"
     # The counters pass, if it runs, shares the GPU again first (counters_for_capture).
-    with devicelock.measuring(share_after=False):
+    with devicelock.measuring(share_after=False, quiet=True):
         samples = _time_calls(spec, baselines, w.inputs, device)
         timelines, flags = _timelines(
             spec,
@@ -1179,7 +1179,7 @@ def task_recapture(spec: dict[str, Any]) -> None:
     info = environment(device)
     built = _optimized_calls(spec, device, w)
     optimized = built["calls"]["optimized"]
-    with devicelock.measuring(share_after=False):  # the last GPU work of this process
+    with devicelock.measuring(share_after=False, quiet=True):  # its last GPU work
         samples = _time_calls(spec, built["calls"], w.inputs, device)
         timelines, flags = _timelines(
             spec,
@@ -1220,7 +1220,7 @@ def task_retime(spec: dict[str, Any]) -> None:
     device = resolve_device(_options(spec).device)
     w = _load_baseline(spec, device)
     built = _optimized_calls(spec, device, w, retime=True)
-    with devicelock.measuring(share_after=False):  # the last GPU work of this process
+    with devicelock.measuring(share_after=False, quiet=True):  # its last GPU work
         samples = _time_calls(spec, built["calls"], w.inputs, device)
     phase("timed again")
     write_text_atomic(Path(spec["result"]), json.dumps({"samples": samples}))

@@ -419,3 +419,61 @@ def test_a_compile_lets_go_of_the_gpu_and_takes_it_back_for_its_gpu_work(
         measurer.close()
         lock.close()
         monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+def test_a_quiet_measurement_waits_for_the_compiles_off_the_gpu_and_holds_back_new_ones(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A measurement whose figures are reported runs beside no compile on the host: it waits
+    for one under way off the GPU, and none starts until it is done. A selection measurement
+    (not quiet) has the GPU at once beside the compile."""
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    path = tmp_path / "gpu.lock"
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
+    lock = devicelock.join()
+    assert lock is not None
+    measurer, late = DeviceLock(path), DeviceLock(path)
+    entered, leave = threading.Event(), threading.Event()
+
+    def compile_off_gpu() -> None:
+        with devicelock.off_gpu(lambda: None):
+            entered.set()
+            leave.wait(10)
+
+    compiler = threading.Thread(target=compile_off_gpu)
+    compiler.start()
+    try:
+        assert entered.wait(10)
+        measurer.exclusive()  # at once, the compile beside it
+        assert measurer.waited_s < 0.1
+        quiet_at: list[float] = []
+        quiet = threading.Thread(
+            target=lambda: (measurer.quiet(), quiet_at.append(time.monotonic()))
+        )
+        quiet.start()
+        time.sleep(0.5)
+        assert not quiet_at  # waits for the compile
+        ended = time.monotonic()
+        leave.set()
+        quiet.join(10)
+        assert quiet_at and quiet_at[0] >= ended
+        time.sleep(0.3)
+        assert compiler.is_alive()  # done compiling, waiting for the GPU
+        started: list[float] = []
+        newcomer = threading.Thread(target=lambda: (late.compiling(), started.append(1.0)))
+        newcomer.start()
+        time.sleep(0.5)
+        assert not started  # no compile off the GPU begins during it
+        measurer.unquiet()
+        newcomer.join(10)
+        assert started
+        late.compiled()
+        measurer.release()
+        compiler.join(10)
+        assert not compiler.is_alive() and lock.held == "shared"
+    finally:
+        leave.set()
+        measurer.close()
+        late.close()
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
