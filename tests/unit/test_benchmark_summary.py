@@ -206,6 +206,9 @@ whole-call CUDA graph hands out its outputs instead of cloning them."""
 BATCHED = ROOT / "benchmarks" / "results" / "h200-2026-11-30i"
 """Four or seven workers on one GPU; measurers queued during one drain measure back to back,
 each callable's rounds sized by its own call, 50 ms of warmup in the last two."""
+OFF_GPU = ROOT / "benchmarks" / "results" / "h200-2026-11-30j"
+"""Seven workers on one GPU, compiling without their share of it; the reported measurements
+quiet (no compile on the host) in all but the first."""
 
 
 @pytest.mark.parametrize(
@@ -213,7 +216,8 @@ each callable's rounds sized by its own call, 50 ms of warmup in the last two.""
     [TIMED / "one-gpu", TIMED / "two-gpus", TIMED / "retime"]
     + [SHARED / r for r in ("one-gpu", "one-gpu-counters", "one-gpu-warm", "two-gpus")]
     + [MAKING_WAY / r for r in ("one-gpu-first", "one-gpu-counters", "one-gpu", "one-gpu-cut")]
-    + [BATCHED / r for r in ("one-gpu-n4", "one-gpu-n7", "one-gpu-n7-warmup", "one-gpu-counters")],
+    + [BATCHED / r for r in ("one-gpu-n4", "one-gpu-n7", "one-gpu-n7-warmup", "one-gpu-counters")]
+    + [OFF_GPU / r for r in ("offgpu-n7", "quiet-n7", "quiet-n7-again", "counters-n7")],
     ids=lambda f: f"{f.parent.name}/{f.name}",
 )
 def test_the_committed_tables_of_the_timed_runs_are_what_the_tool_writes(folder: Path) -> None:
@@ -222,7 +226,7 @@ def test_the_committed_tables_of_the_timed_runs_are_what_the_tool_writes(folder:
     table = tool.markdown(result)
     assert table == (folder / "summary.md").read_text(encoding="utf-8")
     # only processes that shared a GPU waited for it
-    shared = (SHARED, MAKING_WAY, BATCHED)
+    shared = (SHARED, MAKING_WAY, BATCHED, OFF_GPU)
     assert ("of them waiting for the GPU" in table) == (folder.parent in shared)
     done = {n: r for n, r in result["workloads"].items() if r.get("status") != "missing"}
     assert len(done) == (3 if folder.name == "one-gpu-cut" else 7)  # cut by the GPU's time
