@@ -206,3 +206,69 @@ def test_two_shards_merged_give_the_unsharded_report(pytester: pytest.Pytester) 
     assert '"report": "OUT/tiny/report.md"' in session
     assert text(merged_dir, "session.json") == session
     assert text(merged_dir, "report.md") == text(whole, "report.md")
+
+
+def test_reported_measurements_wait_for_the_hosts_compiles_and_selection_does_not(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Under a GPU lock (here on the CPU, named by the environment as a session on a GPU names
+    it), the capture's and the recapture's measurements are quiet: while another process
+    compiles off the GPU (holds ``lock.cpu`` shared), they wait for it, and say so in their
+    logs. A selection measurement goes ahead beside the same compile."""
+    import fcntl
+    import os
+    import threading
+    import time
+
+    from pytest_opprof import devicelock
+
+    lock = pytester.path / "locks" / "gpu.lock"
+    lock.parent.mkdir()
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(lock))
+    logs = pytester.path / "opprof-results" / "tiny" / "profiler_output"
+    fd = os.open(lock.with_name("gpu.lock.cpu"), os.O_RDWR | os.O_CREAT, 0o666)
+    seen: dict[str, bool] = {}
+    stop = threading.Event()
+
+    def said(log: str, line: str) -> bool:
+        path = logs / log
+        return path.exists() and line in path.read_text(errors="replace")
+
+    def compiling(log: str, until: str, next_log: str) -> None:
+        """Once ``log``'s stage has begun, hold the host busy (a neighbour compiling off the
+        GPU) until ``log`` says ``until``, or the next stage has begun without it."""
+        while not stop.is_set() and not (logs / log).exists():
+            time.sleep(0.05)
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        try:
+            while not stop.is_set() and not (logs / next_log).exists():
+                if said(log, until):
+                    seen[log] = True
+                    time.sleep(0.5)  # a compile that goes on a while after the wait began
+                    return
+                time.sleep(0.05)
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+
+    def neighbour() -> None:
+        compiling("capture.log", devicelock.WAITING_QUIET, "select.log")
+        compiling("select.log", "task select done", "validate.log")
+        compiling("recapture.log", devicelock.WAITING_QUIET, "speedup.log")
+
+    thread = threading.Thread(target=neighbour, daemon=True)
+    thread.start()
+    pytester.makepyfile(**{"work/tiny": textwrap.dedent(TINY)})
+    try:
+        result = pytester.runpytest_subprocess("--opprof", "work", *FAST, "-v")
+    finally:
+        stop.set()
+        thread.join(10)
+        os.close(fd)
+    result.stdout.fnmatch_lines(["*tiny.py::speedup PASSED*"])
+    assert seen == {"capture.log": True, "select.log": True, "recapture.log": True}
+    for log in ("capture.log", "recapture.log"):
+        text = (logs / log).read_text()
+        waited = float(text.split("the host was quiet after ")[1].split()[0])
+        assert waited >= 0.4, log  # it waited for the compile, and measured only after it
+    select = (logs / "select.log").read_text()
+    assert "timed " in select and devicelock.WAITING_QUIET not in select
