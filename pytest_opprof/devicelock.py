@@ -145,8 +145,9 @@ class DeviceLock:
             self.held = "shared"
 
     def quiet(self) -> None:
-        """Held exclusively: wait until no process compiles off the GPU (``path.cpu``); none
-        can start while this process holds the GPU."""
+        """Held exclusively: wait until no process compiles off the GPU (``path.cpu``): those
+        under way, and one that let go of the GPU just before this process took it; no other
+        can start while it holds the GPU. The wait counts as waiting, not as measuring."""
         t0 = time.perf_counter()
         try:
             fcntl.flock(self._cpu, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -158,6 +159,7 @@ class DeviceLock:
         fcntl.flock(self._cpu, fcntl.LOCK_EX)
         waited = time.perf_counter() - t0
         self.waited_s += waited
+        self._since += waited  # held exclusively, but the GPU idled
         if self.note is not None:
             self.note(f"the host was quiet after {waited:.1f} s")
 

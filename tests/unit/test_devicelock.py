@@ -444,6 +444,7 @@ def test_a_quiet_measurement_waits_for_the_compiles_off_the_gpu_and_holds_back_n
     compiler.start()
     try:
         assert entered.wait(10)
+        took = time.monotonic()
         measurer.exclusive()  # at once, the compile beside it
         assert measurer.waited_s < 0.1
         quiet_at: list[float] = []
@@ -457,6 +458,7 @@ def test_a_quiet_measurement_waits_for_the_compiles_off_the_gpu_and_holds_back_n
         leave.set()
         quiet.join(10)
         assert quiet_at and quiet_at[0] >= ended
+        assert measurer.waited_s >= 0.4  # the quiet wait is waiting
         time.sleep(0.3)
         assert compiler.is_alive()  # done compiling, waiting for the GPU
         started: list[float] = []
@@ -469,10 +471,15 @@ def test_a_quiet_measurement_waits_for_the_compiles_off_the_gpu_and_holds_back_n
         assert started
         late.compiled()
         measurer.release()
+        held = time.monotonic() - took
+        assert measurer.alone_s <= held - 0.4  # and not as measuring
         compiler.join(10)
         assert not compiler.is_alive() and lock.held == "shared"
     finally:
         leave.set()
+        measurer.unquiet()
+        measurer.release()
+        compiler.join(10)
         measurer.close()
         late.close()
         lock.close()
