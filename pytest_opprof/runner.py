@@ -89,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
     from pytest_opprof.errors import OpprofError
     from pytest_opprof.schema import ChildFailure, write_artifact
 
-    global _OWN_CPUS
-    _OWN_CPUS = os.environ.get(devicelock.OWN_CPUS_ENV) == "1" and not spec.get("shares_cpus")
+    global _OWN_CPUS, _SHARES_CPUS
+    _SHARES_CPUS = bool(spec.get("shares_cpus"))
+    _OWN_CPUS = os.environ.get(devicelock.OWN_CPUS_ENV) == "1" and not _SHARES_CPUS
     try:
         devicelock.join(note=phase)
         TASKS[spec["task"]](spec)
@@ -166,6 +167,14 @@ def _setup_torch() -> None:
             setattr(torch._dynamo.config, name, 64)
     if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
         torch._dynamo.config.accumulated_recompile_limit = 512
+
+    if _SHARES_CPUS:
+        # Inductor starts a pool of compile workers at a process's first compile, each
+        # importing torch: seconds of CPU on the slice, outside any lock. Beside a sibling
+        # timing process that measures meanwhile, its launch-bound calls ran 1.4-2.5x slower
+        # (benchmarks/results/h200-2026-11-30j). The siblings compile what selection already
+        # compiled (the caches answer): in this process, without the pool.
+        torch._inductor.config.compile_threads = 1
     phase("torch imported")
 
 
@@ -204,6 +213,9 @@ def _import_generated(path: Path) -> Any:
     return module
 
 
+_SHARES_CPUS = False
+"""Sibling stage processes share this process's CPUs (a recapture's timing processes, side by
+side): one of them measures while the others compile."""
 _OWN_CPUS = False
 """This process's CPUs are its own (``devicelock.OWN_CPUS_ENV``, and the spec names no sibling
 stage process beside it): it may compile while another process measures."""

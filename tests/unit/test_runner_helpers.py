@@ -157,3 +157,49 @@ def test_a_process_on_its_own_cpus_compiles_without_holding_the_gpu(
         torch._dynamo.reset()
         lock.close()
         monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+def test_a_timing_process_beside_its_siblings_compiles_without_a_worker_pool(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Inductor's compile workers start at a process's first compile, each importing torch on
+    the CPUs a sibling timing process measures on; a recapture's side-by-side processes compile
+    in-process instead (the caches answer them). A process on CPUs of its own keeps the pool."""
+    import torch._inductor.config
+    from torch._inductor.async_compile import AsyncCompile
+
+    from pytest_opprof import runner
+
+    monkeypatch.setattr(torch._inductor.config, "compile_threads", 4)
+    monkeypatch.setattr(runner, "_SHARES_CPUS", False)
+    runner._setup_torch()
+    assert torch._inductor.config.compile_threads == 4
+    monkeypatch.setattr(runner, "_SHARES_CPUS", True)
+    runner._setup_torch()
+    assert torch._inductor.config.compile_threads == 1
+    assert not AsyncCompile.use_process_pool()  # no pool, none started
+
+
+@pytest.mark.parametrize("shares", [True, False])
+def test_the_spec_says_whether_a_stage_process_shares_its_cpus(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, shares: bool
+) -> None:
+    import json
+
+    from pytest_opprof import devicelock, runner
+
+    seen: dict[str, bool] = {}
+
+    def task(spec: dict[str, object]) -> None:
+        seen.update(shares=runner._SHARES_CPUS, own=runner._OWN_CPUS)
+
+    monkeypatch.setitem(runner.TASKS, "probe", task)
+    monkeypatch.setattr(runner, "_die_with_parent", lambda: None)
+    monkeypatch.delenv(devicelock.LOCK_ENV, raising=False)
+    monkeypatch.setenv(devicelock.OWN_CPUS_ENV, "1")
+    monkeypatch.setattr(runner, "_SHARES_CPUS", False)
+    monkeypatch.setattr(runner, "_OWN_CPUS", False)
+    spec = tmp_path / "spec.json"
+    spec.write_text(json.dumps({"task": "probe", "shares_cpus": shares}))
+    assert runner.main([str(spec)]) == 0
+    assert seen == {"shares": shares, "own": not shares}
