@@ -217,7 +217,9 @@ quiet (no compile on the host) in all but the first."""
     + [SHARED / r for r in ("one-gpu", "one-gpu-counters", "one-gpu-warm", "two-gpus")]
     + [MAKING_WAY / r for r in ("one-gpu-first", "one-gpu-counters", "one-gpu", "one-gpu-cut")]
     + [BATCHED / r for r in ("one-gpu-n4", "one-gpu-n7", "one-gpu-n7-warmup", "one-gpu-counters")]
-    + [OFF_GPU / r for r in ("offgpu-n7", "quiet-n7", "quiet-n7-again", "counters-n7")],
+    + [
+        OFF_GPU / r for r in ("offgpu-n7", "quiet-n7", "quiet-n7-again", "counters-n7", "nopool-n7")
+    ],
     ids=lambda f: f"{f.parent.name}/{f.name}",
 )
 def test_the_committed_tables_of_the_timed_runs_are_what_the_tool_writes(folder: Path) -> None:
