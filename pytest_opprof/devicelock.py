@@ -3,10 +3,11 @@
 Every stage process on a GPU holds that GPU's lock *shared* while it works (loads the model,
 compiles, validates, reads counters) and takes it *exclusively* while it measures (timing
 rounds, timelines, GPU time). A measurement therefore never runs beside another process's GPU
-work or compile, on this GPU, from this session or any other on the host, while the compiles of
-several workloads (pytest-xdist workers sharing the GPU, or one workload's timing processes) run
-at once. The GPU idles during a compile anyway: what parallel compiles save is wall time, not
-accuracy.
+work, on this GPU, from this session or any other on the host, while the compiles of several
+workloads (pytest-xdist workers sharing the GPU, or one workload's timing processes) run at
+once. The GPU idles during a compile anyway: what parallel compiles save is wall time, not
+accuracy. (Where a compile may even run beside a measurement, and which measurements it may
+not run beside, is below.)
 
 The lock is ``flock(2)`` on a file named after the GPU's UUID, so the kernel releases it when a
 process dies, however it dies. Waiting measurers come first: a process about to measure takes
