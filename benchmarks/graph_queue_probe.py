@@ -14,13 +14,14 @@ queue the time goes). One JSON line per model.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
+from pytest_opprof import workload
 from pytest_opprof.backend.model_graph import ModelGraph
 from pytest_opprof.capture import timing
 
@@ -28,14 +29,9 @@ DEPTHS = (1, 2, 4, 8, 16, 30)
 
 
 def load(name: str) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...]]:
-    spec = importlib.util.spec_from_file_location(name, f"examples/{name}/{name}.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    model, x = mod.get_model_and_input()
-    inputs = x if isinstance(x, tuple) else (x,)
-    model = model.to(torch.bfloat16)
-    inputs = tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in inputs)
+    w = workload.load(Path(f"examples/{name}/{name}.py"), "cuda")
+    model = w.model.to(torch.bfloat16)
+    inputs = tuple(t.to(torch.bfloat16) if t.is_floating_point() else t for t in w.inputs)
     return model, inputs
 
 

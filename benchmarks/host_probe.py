@@ -27,18 +27,11 @@ import sys
 import time
 from pathlib import Path
 
-CHILD = r"""
-import importlib.util, json, statistics, sys, time, torch
+from launch_probe import PRELUDE  # benchmarks/, this script's folder
 
-def median_of(fn, rounds=15, calls=100):
-    out = []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        out.append((time.perf_counter() - t) / calls)
-    return statistics.median(out)
-
+CHILD = (
+    PRELUDE
+    + r"""
 def eager_ms(model, x, rounds=15, calls=50):
     out = []
     for _ in range(rounds):
@@ -50,9 +43,6 @@ def eager_ms(model, x, rounds=15, calls=50):
         out.append(s.elapsed_time(e) / calls)
     return statistics.median(out)
 
-spec = importlib.util.spec_from_file_location("conv_block", "examples/conv_block/conv_block.py")
-mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
-model, x = mod.get_model_and_input()
 cpu_model = __import__("copy").deepcopy(model).to("cpu")
 tiny = torch.randn(1, *x.shape[1:2], 8, 8)
 with torch.no_grad():
@@ -60,7 +50,7 @@ with torch.no_grad():
         model(x)
     torch.cuda.synchronize()
     def row():
-        return {"cpu_dispatch_us": round(median_of(lambda: cpu_model(tiny)) * 1e6, 1),
+        return {"cpu_dispatch_us": round(median_of(lambda: cpu_model(tiny), calls=100) * 1e6, 1),
                 "eager_ms": round(eager_ms(model, x), 4)}
     if sys.argv[1] == "once":
         print(json.dumps(row()), flush=True)
@@ -68,6 +58,7 @@ with torch.no_grad():
         for line in sys.stdin:
             print(json.dumps({"phase": line.strip(), **row()}), flush=True)
 """
+)
 
 SPIN = "while True:\n    sum(i * i for i in range(10000))\n"
 

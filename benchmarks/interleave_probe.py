@@ -14,23 +14,21 @@ again, then its GPU time with the host hidden after each. One JSON line per sett
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import statistics
 import sys
+from pathlib import Path
 
 import torch
 
+from pytest_opprof import workload
 from pytest_opprof.backend.model_graph import ModelGraph
 from pytest_opprof.capture import timing
 
 
 def main() -> int:
-    spec = importlib.util.spec_from_file_location("gpt2", "examples/gpt2/gpt2.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    model, ids = mod.get_model_and_input()
+    w = workload.load(Path("examples/gpt2/gpt2.py"), "cuda")
+    model, ids = w.model, w.inputs[0]
     with torch.no_grad():
         fp32 = ModelGraph(model)
         bf16 = ModelGraph(copy.deepcopy(model).to(torch.bfloat16))

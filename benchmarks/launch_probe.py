@@ -31,8 +31,8 @@ import shutil
 import subprocess
 import sys
 
-CHILD = r"""
-import importlib.util, json, statistics, time, torch
+PRELUDE = r"""
+import importlib.util, json, statistics, sys, time, torch
 
 def median_of(fn, rounds=15, calls=200):
     out = []
@@ -46,6 +46,13 @@ def median_of(fn, rounds=15, calls=200):
 spec = importlib.util.spec_from_file_location("conv_block", "examples/conv_block/conv_block.py")
 mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)
 model, x = mod.get_model_and_input()
+"""
+"""A child's start: the imports, ``median_of`` (host seconds per call of ``fn``, the median of
+``rounds``) and conv_block's ``model, x``. benchmarks/host_probe.py starts from it too."""
+
+CHILD = (
+    PRELUDE
+    + r"""
 row = {}
 with torch.no_grad():
     cpu_model = model.to("cpu"); tiny = torch.randn(1, *x.shape[1:2], 8, 8)
@@ -94,6 +101,7 @@ row["cpu"] = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[36])
 row["cpus_allowed"] = len(os.sched_getaffinity(0))
 print(json.dumps(row))
 """
+)
 
 
 def main() -> None:

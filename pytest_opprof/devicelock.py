@@ -281,7 +281,7 @@ def off_gpu(sync: Callable[[], None]) -> Iterator[None]:
     measurement; it is called before letting go. A no-op without a lock, while measuring, or
     where the process holds nothing (its next GPU work :func:`resumes <resume>` first)."""
     lock = _LOCK
-    if lock is None or lock.held != "shared" or lock.aside:
+    if lock is None or lock.held != "shared":  # aside already: held is None
         yield
         return
     sync()

@@ -219,27 +219,23 @@ side): one of them measures while the others compile."""
 _OWN_CPUS = False
 """This process's CPUs are its own (``devicelock.OWN_CPUS_ENV``, and the spec names no sibling
 stage process beside it): it may compile while another process measures."""
-_OFF_GPU: list[contextlib.ExitStack] = []
+_OFF_GPU = contextlib.ExitStack()
+"""The compile under way off the GPU: entered at Dynamo's compile start, closed at its end
+(Dynamo runs both once for nested compiles)."""
 
 
 def _off_gpu_start(args: Any) -> None:
     from torch._dynamo.callback import CallbackTrigger
 
+    from pytest_opprof.capture.timing import synchronize
+
     if args.callback_trigger is CallbackTrigger.DYNAMO:  # not a CUDA-graph recording
-        import torch
-
-        def sync() -> None:  # the work queued before the compile (a graph before a break)
-            if torch.cuda.is_initialized():
-                torch.cuda.synchronize()
-
-        stack = contextlib.ExitStack()
-        stack.enter_context(devicelock.off_gpu(sync))
-        _OFF_GPU.append(stack)
+        # first the work queued before the compile (a graph before a break)
+        _OFF_GPU.enter_context(devicelock.off_gpu(lambda: synchronize("cuda")))
 
 
 def _off_gpu_end(args: Any) -> None:
-    while _OFF_GPU:
-        _OFF_GPU.pop().close()
+    _OFF_GPU.close()
 
 
 def _compile_off_gpu(device: str) -> None:
