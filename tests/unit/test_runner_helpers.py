@@ -203,3 +203,41 @@ def test_the_spec_says_whether_a_stage_process_shares_its_cpus(
     spec.write_text(json.dumps({"task": "probe", "shares_cpus": shares}))
     assert runner.main([str(spec)]) == 0
     assert seen == {"shares": shares, "own": not shares}
+
+
+def test_validation_compiles_off_the_gpu_in_its_tests_and_after_its_reset(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Validation compiles twice: in the generated tests, and in the smoke run after a
+    ``torch._dynamo.reset()`` that clears Dynamo's callbacks. Both times they let go of the
+    GPU, on a process whose CPUs are its own."""
+    from types import SimpleNamespace
+
+    from torch._dynamo.callback import callback_handler
+
+    from pytest_opprof import runner
+    from pytest_opprof.capture import system, timing
+
+    registered: dict[str, bool] = {}
+
+    def seen(step: str) -> None:
+        registered[step] = runner._off_gpu_start in callback_handler.start_callbacks
+
+    def tests(spec: object) -> SimpleNamespace:
+        seen("tests")
+        return SimpleNamespace(status="pass")
+
+    monkeypatch.setattr(runner, "_OWN_CPUS", True)
+    monkeypatch.setattr(runner, "_options", lambda spec: SimpleNamespace(device="cuda"))
+    monkeypatch.setattr(system, "resolve_device", lambda requested: "cuda")
+    monkeypatch.setattr(timing, "synchronize", lambda device: None)  # "cuda" on this CPU
+    monkeypatch.setattr(runner, "_validate_import", lambda spec, steps: object())
+    monkeypatch.setattr(runner, "_generated_tests", tests)
+    monkeypatch.setattr(runner, "_import_generated", lambda path: object())
+    monkeypatch.setattr(runner, "_validate_run", lambda spec, module, steps: seen("smoke run"))
+    torch._dynamo.reset()
+    try:
+        runner.task_validate({"generated": "x_optimized.py"})
+    finally:
+        torch._dynamo.reset()
+    assert registered == {"tests": True, "smoke run": True}
