@@ -13,6 +13,7 @@ import argparse
 import json
 import math
 import re
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -129,6 +130,33 @@ def _gpu_time(*profiles: Profile) -> dict[str, dict[str, float | None]]:
                 "idle_ms": t.summary.idle_time_per_iter_us / 1000.0,
             }
     return out
+
+
+def _processes(profile: Profile) -> list[dict[str, Any]]:
+    """Per timing process of a profile, in order: each variant's median, the launching
+    thread's median CPU share and its preemptions over its rounds, and the host's CPUs while
+    it timed (``Timing.host``). Empty for a profile timed in one process without them."""
+    v = profile.timing.variants
+    n = max((s.processes for s in v.values()), default=1)
+    out: list[dict[str, Any]] = []
+    for i in range(n):
+        row: dict[str, Any] = {}
+        for name in ("eager", "compile", "optimized"):
+            stats = v.get(name)
+            if stats is None or stats.processes != n:
+                continue
+            groups = stats.samples_per_process or [len(stats.samples_ms)]
+            at = sum(groups[:i])
+            part = slice(at, at + groups[i])
+            row[f"{name}_ms"] = statistics.median(stats.samples_ms[part])
+            if stats.cpu_share:
+                row[f"{name}_cpu_share"] = statistics.median(stats.cpu_share[part])
+                row[f"{name}_cpu_share_min"] = min(stats.cpu_share[part])
+                row[f"{name}_preempted"] = sum(stats.preempted[part])
+        if i < len(profile.timing.host):
+            row["host"] = profile.timing.host[i].model_dump()
+        out.append(row)
+    return out if any("host" in r or "compile_cpu_share" in r for r in out) else []
 
 
 GEMM_OPS = ("aten::linear", "aten::mm", "aten::addmm", "aten::matmul", "aten::bmm")
@@ -352,6 +380,7 @@ def summarize(folders: list[Path], junit_files: list[Path] | None = None) -> dic
             "source": str(where),
             "gpu_time": _gpu_time(base, opt),
             "child_seconds": child_seconds(where),
+            "processes": _processes(opt),
         }
         row["shortfall"] = shortfall(row, opt)
         rows[name] = row
@@ -427,6 +456,37 @@ def markdown(result: dict[str, Any]) -> str:
                     f"| {name} | {label} | {g['timing_ms']:.3f} | {own}{_ms(gpu)} | "
                     f"{g['kernel_ms']:.3f} | {_ms(busy)} | {_ratio(g['kernel_ms'], gpu)} | "
                     f"{_ratio(busy, gpu)} | {_ratio(busy, g['timing_ms'])} |"
+                )
+    procs = {n: r["processes"] for n, r in result["workloads"].items() if r.get("processes")}
+    if procs:
+        lines += [
+            "",
+            "The recapture's timing processes, in order (ms: each one's medians; CPU share: the "
+            "launching thread's CPU time over each round's wall time, median and lowest, with "
+            "its involuntary context switches over the rounds; the host while it timed, from "
+            "/proc/stat: CPUs' worth busy on its own CPUs and on the others, and stolen by the "
+            "hypervisor):",
+            "",
+            "| workload | # | eager | compile | optimized | compile CPU share (lowest) | "
+            "switches | own CPUs busy | other CPUs busy | stolen |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, rows in procs.items():
+            for i, p in enumerate(rows, start=1):
+                share = p.get("compile_cpu_share")
+                shown = f"{share:.2f} ({p['compile_cpu_share_min']:.2f})" if share else "—"
+                h = p.get("host")
+                host = (
+                    f"{h['own_busy']:.2f} of {h['own_cpus']} | "
+                    f"{h['other_busy']:.2f} of {h['other_cpus']} | "
+                    f"{h['own_steal'] + h['other_steal']:.2f}"
+                    if h
+                    else "— | — | —"
+                )
+                lines.append(
+                    f"| {name} | {i} | {_ms(p.get('eager_ms'))} | {_ms(p.get('compile_ms'))} | "
+                    f"{_ms(p.get('optimized_ms'))} | {shown} | "
+                    f"{p.get('compile_preempted', '—')} | {host} |"
                 )
     counted = {n: r["counters"] for n, r in result["workloads"].items() if r.get("counters")}
     if counted:

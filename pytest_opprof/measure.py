@@ -10,8 +10,12 @@ import math
 import random
 import statistics
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
-from pytest_opprof.schema import LatencyStats, Speedup, Timing
+from pydantic import ValidationError
+
+from pytest_opprof.schema import HostWindow, LatencyStats, Speedup, Timing
 
 BOOTSTRAP_RESAMPLES = 2000
 CONFIDENCE = 0.95
@@ -69,13 +73,20 @@ def _blocks(groups: Sequence[int] | None, n: int) -> list[list[int]]:
 
 
 def latency_stats(
-    samples_ms: Sequence[float], calls_per_round: int, groups: Sequence[int] | None = None
+    samples_ms: Sequence[float],
+    calls_per_round: int,
+    groups: Sequence[int] | None = None,
+    *,
+    cpu_share: Sequence[float] = (),
+    preempted: Sequence[int] = (),
 ) -> LatencyStats:
     """Summarise per-call times, one sample per round; ``groups`` gives the rounds of each
-    timing process when there were several (the interval then resamples processes too)."""
+    timing process when there were several (the interval then resamples processes too).
+    ``cpu_share`` and ``preempted``, per round where measured, are kept beside the samples."""
     if not samples_ms:
         raise ValueError("no timing samples")
     _split(samples_ms, groups)  # checks the split
+    n = len(samples_ms)
     if groups and len(groups) > 1:
         rng = random.Random(0)
         blocks = _blocks(groups, len(samples_ms))
@@ -99,6 +110,8 @@ def latency_stats(
         samples_ms=[float(s) for s in samples_ms],
         processes=len(groups) if groups else 1,
         samples_per_process=list(groups) if groups and len(groups) > 1 else [],
+        cpu_share=[float(x) for x in cpu_share] if len(cpu_share) == n else [],
+        preempted=[int(x) for x in preempted] if len(preempted) == n else [],
     )
 
 
@@ -157,19 +170,58 @@ def speedup(
     )
 
 
-def pooled_timing(timing: Timing, replicas: Sequence[Mapping[str, Sequence[float]]]) -> Timing:
+@dataclass(frozen=True)
+class Replica:
+    """What one more timing process measured: per variant its samples, and per round its
+    launching thread's CPU share and preemptions; the host while it timed."""
+
+    samples: Mapping[str, Sequence[float]]
+    cpu_share: Mapping[str, Sequence[float]] = field(default_factory=dict)
+    preempted: Mapping[str, Sequence[int]] = field(default_factory=dict)
+    host: HostWindow | None = None
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> Replica:
+        """A timing process's result (``RoundSamples.to_json``); ValueError where malformed."""
+        try:
+            host = data.get("host")
+            return cls(
+                samples={k: [float(x) for x in v] for k, v in data["samples"].items()},
+                cpu_share={k: [float(x) for x in v] for k, v in data.get("cpu_share", {}).items()},
+                preempted={k: [int(x) for x in v] for k, v in data.get("preempted", {}).items()},
+                host=HostWindow.model_validate(host) if host else None,
+            )
+        except (KeyError, TypeError, AttributeError, ValidationError) as exc:
+            raise ValueError(f"not a timing process's result: {exc}") from None
+
+
+def pooled_timing(timing: Timing, replicas: Sequence[Replica]) -> Timing:
     """``timing`` (one process's) with the samples of more timing processes added: each
     variant's samples pooled in process order, its statistics and every speedup recomputed
-    across processes. A replica lacking a variant adds nothing to it (or to its pairs)."""
+    across processes. A replica lacking a variant adds nothing to it (or to its pairs). The
+    per-round CPU shares pool where every process measured them; the host windows follow the
+    processes' order."""
     if not replicas:
         return timing
     variants, groups = {}, {}
     for name, stats in timing.variants.items():
         own = _split(stats.samples_ms, stats.samples_per_process or None)
-        runs = [*own, *(list(r[name]) for r in replicas if r.get(name))]
+        timed = [r for r in replicas if r.samples.get(name)]
+        runs = [*own, *(list(r.samples[name]) for r in timed)]
         groups[name] = [len(run) for run in runs]
         pooled = [x for run in runs for x in run]
-        variants[name] = latency_stats(pooled, stats.calls_per_round, groups[name])
+
+        def joined(mine: Sequence[Any], theirs: list[Sequence[Any] | None]) -> list[Any]:
+            parts = [mine, *theirs]
+            return [x for p in parts for x in p or ()] if all(parts) else []
+
+        variants[name] = latency_stats(
+            pooled,
+            stats.calls_per_round,
+            groups[name],
+            cpu_share=joined(stats.cpu_share, [r.cpu_share.get(name) for r in timed]),
+            preempted=joined(stats.preempted, [r.preempted.get(name) for r in timed]),
+        )
     speedups = []
     for s in timing.speedups:
         a, b = variants[s.baseline], variants[s.candidate]
@@ -179,7 +231,9 @@ def pooled_timing(timing: Timing, replicas: Sequence[Mapping[str, Sequence[float
         speedups.append(
             speedup(s.baseline, a.samples_ms, s.candidate, b.samples_ms, groups=groups[s.baseline])
         )
-    return timing.model_copy(update={"variants": variants, "speedups": speedups})
+    theirs = [r.host for r in replicas]
+    hosts = [*timing.host, *theirs] if timing.host and None not in theirs else []
+    return timing.model_copy(update={"variants": variants, "speedups": speedups, "host": hosts})
 
 
 def geometric_mean(values: Sequence[float]) -> float:

@@ -31,7 +31,7 @@ from pytest_opprof import STAGES, __version__
 from pytest_opprof.backend.plan import EXTRA_PASSES_ENV, PassRegistry, extra_targets
 from pytest_opprof.devicelock import LOCK_ENV, WAITING
 from pytest_opprof.errors import ArtifactError, OpprofError, StageBlocked, StageError, WorkloadError
-from pytest_opprof.measure import pooled_timing
+from pytest_opprof.measure import Replica, pooled_timing
 from pytest_opprof.options import BY_FIELD, OpprofOptions
 from pytest_opprof.schema import (
     VALIDATION_STEPS,
@@ -713,7 +713,7 @@ def side_by_side(baseline: CaptureMetadata, processes: int) -> bool:
 
 def _retime_one(
     run: WorkloadRun, i: int, folder: Path, *, shares_cpus: bool = False
-) -> dict[str, list[float]] | str:
+) -> Replica | str:
     """The recapture's calls timed again in a fresh process: its samples, or why it failed (a
     process that fails adds a warning, not an error: the others' timing stands)."""
     result = folder / f"retime{i}.json"
@@ -726,9 +726,8 @@ def _retime_one(
             result=result,
             shares_cpus=shares_cpus,
         )
-        samples: dict[str, list[float]] = json.loads(result.read_text(encoding="utf-8"))["samples"]
-        return samples
-    except (OpprofError, OSError, ValueError, KeyError) as exc:
+        return Replica.from_json(json.loads(result.read_text(encoding="utf-8")))
+    except (OpprofError, OSError, ValueError) as exc:
         return str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
 
 

@@ -429,13 +429,22 @@ def _timing(
     return Timing(
         device=device,
         clock="cuda_event" if device == "cuda" else "perf_counter",
-        variants={k: latency_stats(v, samples.calls[k]) for k, v in samples.items()},
+        variants={
+            k: latency_stats(
+                v,
+                samples.calls[k],
+                cpu_share=samples.cpu_share.get(k, ()),
+                preempted=samples.preempted.get(k, ()),
+            )
+            for k, v in samples.items()
+        },
         gpu_kernel_ms={t.label: t.summary.device_time_per_iter_us / 1000.0 for t in timelines},
         gpu_time_ms=gpu_ms,
         speedups=[
             speedup(a, samples[a], b, samples[b]) for a, b in pairs if a in samples and b in samples
         ],
         compile_seconds=compile_s,
+        host=[samples.host] if samples.host is not None else [],
     )
 
 
@@ -1231,7 +1240,7 @@ def task_retime(spec: dict[str, Any]) -> None:
     with devicelock.measuring(share_after=False, quiet=True):  # its last GPU work
         samples = _time_calls(spec, built["calls"], w.inputs, device)
     phase("timed again")
-    write_text_atomic(Path(spec["result"]), json.dumps({"samples": samples}))
+    write_text_atomic(Path(spec["result"]), json.dumps(samples.to_json()))
 
 
 TASKS = {

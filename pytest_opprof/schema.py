@@ -81,6 +81,32 @@ class LatencyStats(Model):
         default_factory=list,
         description="rounds of each process, in the order of samples_ms (several processes)",
     )
+    cpu_share: list[float] = Field(
+        default_factory=list,
+        description=(
+            "per round, in the order of samples_ms: the launching thread's CPU time over the "
+            "round's wall time (near 1: it ran throughout, waiting on the GPU included; less: "
+            "another task or the hypervisor had its CPU); empty where not measured"
+        ),
+    )
+    preempted: list[int] = Field(
+        default_factory=list,
+        description="per round: the launching thread's involuntary context switches",
+    )
+
+
+class HostWindow(Model):
+    """What the host's CPUs did while one timing process measured (``/proc/stat``, 10 ms
+    ticks): CPUs' worth of busy and of stolen time, on the process's own CPUs (its launching
+    thread is about one of them) and on the others."""
+
+    seconds: float
+    own_cpus: int
+    own_busy: float
+    own_steal: float
+    other_cpus: int
+    other_busy: float
+    other_steal: float
 
 
 class Speedup(Model):
@@ -120,6 +146,10 @@ class Timing(Model):
     )
     speedups: list[Speedup] = Field(default_factory=list)
     compile_seconds: dict[str, float] = Field(default_factory=dict)
+    host: list[HostWindow] = Field(
+        default_factory=list,
+        description="per timing process, in the order of the samples: the host while it timed",
+    )
 
     @property
     def processes(self) -> int:
@@ -252,8 +282,9 @@ class Profile(Artifact):
     # 2.1: summary.busy_time_per_iter_us; 2.2: kernels' shared_memory and counters_source;
     # 2.3: capture_metadata's visible_devices, device_count, device_uuid; timing from several
     # processes (variants' processes / samples_per_process, speedups' process_ratios);
-    # 2.4: timing.gpu_time_ms; 2.5: capture_metadata's peak_memory_bytes, device_memory_bytes
-    SCHEMA_VERSION: ClassVar[str] = "2.5"
+    # 2.4: timing.gpu_time_ms; 2.5: capture_metadata's peak_memory_bytes, device_memory_bytes;
+    # 2.6: timing variants' cpu_share and preempted, timing.host
+    SCHEMA_VERSION: ClassVar[str] = "2.6"
     capture_metadata: CaptureMetadata
     timing: Timing
     timelines: list[Timeline]

@@ -6,6 +6,7 @@ import hashlib
 import json
 import os
 import platform
+from pathlib import Path
 from typing import Any
 
 
@@ -90,3 +91,61 @@ def _driver_version() -> str | None:
     from pytest_opprof.gpus import nvidia_smi_query
 
     return nvidia_smi_query("driver_version")
+
+
+CpuTimes = dict[int, tuple[float, float]]
+"""Per CPU of the host: its busy and its stolen seconds since boot (``/proc/stat``)."""
+
+
+def cpu_times() -> CpuTimes | None:
+    """Every CPU's busy and stolen seconds so far, from ``/proc/stat`` (Linux); None elsewhere
+    or where it cannot be read. Busy is user, nice, system, irq and softirq time; stolen is the
+    time the hypervisor ran something else while this vCPU wanted to run."""
+    try:
+        lines = Path("/proc/stat").read_text(encoding="ascii").splitlines()
+        tick = float(os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError):
+        return None
+    out: CpuTimes = {}
+    for line in lines:
+        name, _, rest = line.partition(" ")
+        if not name.startswith("cpu") or name == "cpu":
+            continue
+        try:
+            cpu = int(name[3:])
+            v = [int(x) for x in rest.split()]
+        except ValueError:
+            continue
+        if len(v) < 8:
+            continue
+        user, nice, system, _idle, _iowait, irq, softirq, steal = v[:8]
+        out[cpu] = ((user + nice + system + irq + softirq) / tick, steal / tick)
+    return out or None
+
+
+def host_window(before: CpuTimes | None, after: CpuTimes | None, seconds: float) -> Any:
+    """What the host's CPUs did over ``seconds`` between two :func:`cpu_times` readings, split
+    into this process's CPUs (its affinity) and the others: a ``schema.HostWindow``, or None
+    where either reading is missing. ``/proc/stat`` counts in ticks (10 ms), so a window of a
+    fraction of a second is coarse."""
+    from pytest_opprof.schema import HostWindow
+
+    if not before or not after or seconds <= 0:
+        return None
+    own = set(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else set(after)
+    cpus = sorted(set(before) & set(after))
+
+    def used(group: list[int], i: int) -> float:
+        return sum(after[c][i] - before[c][i] for c in group) / seconds
+
+    mine = [c for c in cpus if c in own]
+    others = [c for c in cpus if c not in own]
+    return HostWindow(
+        seconds=seconds,
+        own_cpus=len(mine),
+        own_busy=used(mine, 0),
+        own_steal=used(mine, 1),
+        other_cpus=len(others),
+        other_busy=used(others, 0),
+        other_steal=used(others, 1),
+    )

@@ -18,10 +18,16 @@ import functools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
+try:
+    import resource
+except ImportError:  # not POSIX
+    resource = None  # type: ignore[assignment]
+
+from pytest_opprof.capture.system import cpu_times, host_window
 from pytest_opprof.workload import fresh_inputs
 
 Call = Callable[..., Any]
@@ -39,11 +45,49 @@ MIN_CALLS = 3
 class RoundSamples(dict[str, list[float]]):
     """Per-call milliseconds of each callable, one sample per round, and how many calls each
     round made of each (``calls``). Rounds stay paired: round ``i`` of every callable ran
-    back to back, whatever its number of calls."""
+    back to back, whatever its number of calls.
+
+    Beside each sample, how the launching thread fared on its CPU in that round
+    (``cpu_share``: its CPU time over the round's wall time; ``preempted``: its involuntary
+    context switches), and what the host's CPUs did over all the rounds (``host``, a
+    ``schema.HostWindow`` or None): a launch-bound call runs at the speed of the CPU that
+    launches it, and these say whether that CPU was its own."""
 
     def __init__(self, samples: Mapping[str, list[float]], calls: Mapping[str, int]) -> None:
         super().__init__(samples)
         self.calls = dict(calls)
+        self.cpu_share: dict[str, list[float]] = {name: [] for name in samples}
+        self.preempted: dict[str, list[int]] = {name: [] for name in samples}
+        self.host: Any = None
+
+    def add(self, name: str, sample: Round) -> None:
+        self[name].append(sample.ms)
+        self.cpu_share[name].append(sample.cpu_share)
+        self.preempted[name].append(sample.preempted)
+
+    def to_json(self) -> dict[str, Any]:
+        """What a timing process sends its parent (``measure.Replica.from_json`` reads it)."""
+        return {
+            "samples": dict(self),
+            "cpu_share": self.cpu_share,
+            "preempted": self.preempted,
+            "host": self.host.model_dump() if self.host is not None else None,
+        }
+
+
+class Round(NamedTuple):
+    """One round of one callable: per-call milliseconds, and the launching thread's CPU."""
+
+    ms: float
+    cpu_share: float
+    preempted: int
+
+
+def _thread_switches() -> int:
+    """This thread's involuntary context switches so far (0 where the platform cannot say)."""
+    if resource is None or not hasattr(resource, "RUSAGE_THREAD"):
+        return 0
+    return int(resource.getrusage(resource.RUSAGE_THREAD).ru_nivcsw)
 
 
 def calls_for(call_ms: float, calls_per_round: int, round_seconds: float = ROUND_SECONDS) -> int:
@@ -93,32 +137,39 @@ def time_interleaved(
             synchronize(device)
             first = False
         n = {
-            name: calls_for(_one_round(fn, warm, device, 1), calls_per_round, round_seconds)
+            name: calls_for(_one_round(fn, warm, device, 1).ms, calls_per_round, round_seconds)
             for name, fn in calls.items()
         }
         samples = RoundSamples({name: [] for name in calls}, n)
+        before, t0 = cpu_times(), time.perf_counter()
         for r in range(rounds):
             inputs = fresh_inputs(template, seed + 1 + r)
             for name, fn in calls.items():
-                samples[name].append(_one_round(fn, inputs, device, n[name]))
+                samples.add(name, _one_round(fn, inputs, device, n[name]))
+        samples.host = host_window(before, cpu_times(), time.perf_counter() - t0)
     return samples
 
 
-def _one_round(fn: Call, inputs: Sequence[torch.Tensor], device: str, n: int) -> float:
+def _one_round(fn: Call, inputs: Sequence[torch.Tensor], device: str, n: int) -> Round:
     if device == "cuda":
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
+        wall, cpu, switches = time.perf_counter(), time.thread_time(), _thread_switches()
         start.record()
         for _ in range(n):
             fn(*inputs)
         end.record()
-        end.synchronize()
-        return float(start.elapsed_time(end)) / n
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn(*inputs)
-    return (time.perf_counter() - t0) * 1000.0 / n
+        end.synchronize()  # spins on the CPU while it waits (CUDA's default for few contexts)
+        ms = float(start.elapsed_time(end)) / n
+    else:
+        wall, cpu, switches = time.perf_counter(), time.thread_time(), _thread_switches()
+        for _ in range(n):
+            fn(*inputs)
+        ms = (time.perf_counter() - wall) * 1000.0 / n
+    spent = time.perf_counter() - wall
+    share = (time.thread_time() - cpu) / spent if spent > 0 else 1.0
+    return Round(ms, round(min(share, 1.0), 4), _thread_switches() - switches)
 
 
 LAUNCH_QUEUE = 900

@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 
 from pytest_opprof.measure import (
+    Replica,
     bootstrap_median_ci,
     gate_verdict,
     geometric_mean,
@@ -80,7 +81,7 @@ def test_pooled_timing_resamples_processes_and_widens_to_cover_them() -> None:
     alone = first.speedups[0]
     assert alone.ci_high < 2.5  # the second process's ratio (3.0) is far outside
     replica = {"compile": [1.5, 1.51, 1.49, 1.5, 1.52, 1.48], "optimized": [0.5] * 6}
-    pooled = pooled_timing(first, [replica])
+    pooled = pooled_timing(first, [Replica(replica)])
     s = pooled.speedups[0]
     assert s.process_ratios == pytest.approx([2.0, 3.0])
     assert s.ci_low <= 2.02 and s.ci_high >= 2.98
@@ -89,14 +90,14 @@ def test_pooled_timing_resamples_processes_and_widens_to_cover_them() -> None:
     assert v.samples_ms[6:] == replica["compile"]
     assert v.ci_low_ms <= 1.01 and v.ci_high_ms >= 1.49
     # Pooling more is order-preserving: a third process extends the groups.
-    third = pooled_timing(pooled, [{"compile": [1.2] * 6, "optimized": [0.5] * 6}])
+    third = pooled_timing(pooled, [Replica({"compile": [1.2] * 6, "optimized": [0.5] * 6})])
     assert third.variants["compile"].samples_per_process == [6, 6, 6]
     assert third.speedups[0].process_ratios == pytest.approx([2.0, 3.0, 2.4])
 
 
 def test_pooled_timing_keeps_a_pair_a_replica_timed_on_one_side_only() -> None:
     first = _one_process([1.0, 1.1, 0.9], [0.5, 0.55, 0.45])
-    pooled = pooled_timing(first, [{"compile": [1.0, 1.0, 1.0]}])
+    pooled = pooled_timing(first, [Replica({"compile": [1.0, 1.0, 1.0]})])
     assert pooled.variants["compile"].processes == 2
     assert pooled.variants["optimized"].processes == 1
     assert pooled.speedups[0] == first.speedups[0]
@@ -110,3 +111,46 @@ def test_groups_must_split_the_samples() -> None:
         speedup("a", [1.0, 2.0], "b", [1.0, 2.0], groups=[1, 0, 1])
     one = speedup("a", [2.0, 2.2, 1.8], "b", [1.0, 1.0, 1.0], groups=[3])
     assert one == speedup("a", [2.0, 2.2, 1.8], "b", [1.0, 1.0, 1.0])  # one group: as before
+
+
+def test_pooled_timing_keeps_each_rounds_cpu_share_and_each_process_host() -> None:
+    """The per-round CPU shares pool in process order beside the samples; where one process
+    did not measure them (a result from before they existed) none is kept, so a share never
+    sits beside another round's sample."""
+    from pytest_opprof.schema import HostWindow
+
+    def host(busy: float) -> HostWindow:
+        return HostWindow(
+            seconds=0.5,
+            own_cpus=2,
+            own_busy=busy,
+            own_steal=0.0,
+            other_cpus=14,
+            other_busy=1.0,
+            other_steal=0.0,
+        )
+
+    base = [1.0, 1.0, 1.0]
+    first = _one_process(base, [0.5] * 3)
+    first = first.model_copy(
+        update={
+            "variants": {
+                k: v.model_copy(update={"cpu_share": [1.0] * 3, "preempted": [0] * 3})
+                for k, v in first.variants.items()
+            },
+            "host": [host(1.0)],
+        }
+    )
+    slow = Replica(
+        {"compile": [2.0] * 3, "optimized": [0.5] * 3},
+        cpu_share={"compile": [0.5] * 3, "optimized": [0.99] * 3},
+        preempted={"compile": [40] * 3, "optimized": [1] * 3},
+        host=host(2.0),
+    )
+    pooled = pooled_timing(first, [slow])
+    v = pooled.variants["compile"]
+    assert v.cpu_share == [1.0] * 3 + [0.5] * 3 and v.preempted == [0] * 3 + [40] * 3
+    assert [h.own_busy for h in pooled.host] == [1.0, 2.0]
+    bare = pooled_timing(first, [Replica({"compile": [2.0] * 3, "optimized": [0.5] * 3})])
+    assert bare.variants["compile"].cpu_share == [] and bare.variants["compile"].preempted == []
+    assert bare.host == []

@@ -578,14 +578,14 @@ def test_caveats_say_which_counters_were_carried_over(full: WorkloadArtifacts) -
 
 
 def test_headline_says_when_timing_ran_in_several_processes(full: WorkloadArtifacts) -> None:
-    from pytest_opprof.measure import pooled_timing
+    from pytest_opprof.measure import Replica, pooled_timing
 
     assert full.optimized is not None
     one = _section(render_workload_report(full, plots=False), "## Headline")
     assert "timed interleaved in one process" in one
     timing = full.optimized.timing
     again = {name: list(v.samples_ms) for name, v in timing.variants.items()}
-    pooled = pooled_timing(timing, [again])
+    pooled = pooled_timing(timing, [Replica(again)])
     full.optimized = full.optimized.model_copy(update={"timing": pooled})
     text = render_workload_report(full, plots=False)
     head = _section(text, "## Headline")
@@ -599,7 +599,7 @@ def test_headline_says_when_timing_ran_in_several_processes(full: WorkloadArtifa
     assert "Timed in the first process only" not in head
     # A retime process leaves out the plan at the baseline dtype: its rows say so.
     del again["optimized_baseline_dtype"]
-    partial = pooled_timing(timing, [again])
+    partial = pooled_timing(timing, [Replica(again)])
     full.optimized = full.optimized.model_copy(update={"timing": partial})
     head = _section(render_workload_report(full, plots=False), "## Headline")
     assert "Timed in the first process only: the plan at the baseline dtype." in head
@@ -610,7 +610,7 @@ def test_headline_explains_processes_that_disagree_on_a_host_bound_baseline(
 ) -> None:
     """conv_block on the H200: the torch.compile baseline ran at 0.35 ms in one process and
     0.59 ms in another on 0.17 ms of GPU work, while the optimized call stayed put."""
-    from pytest_opprof.measure import pooled_timing
+    from pytest_opprof.measure import Replica, pooled_timing
 
     assert full.optimized is not None
     timing = full.optimized.timing
@@ -620,7 +620,9 @@ def test_headline_explains_processes_that_disagree_on_a_host_bound_baseline(
     }
     compile_ms = timing.variants["compile"].median_ms
     host_bound = {**timing.gpu_time_ms, "compile": 0.4 * compile_ms}
-    pooled = pooled_timing(timing, [slow_host]).model_copy(update={"gpu_time_ms": host_bound})
+    pooled = pooled_timing(timing, [Replica(slow_host)]).model_copy(
+        update={"gpu_time_ms": host_bound}
+    )
     full.optimized = full.optimized.model_copy(update={"timing": pooled})
     head = _section(render_workload_report(full, plots=False), "## Headline")
     assert "The processes disagree because the baseline is host-bound" in head

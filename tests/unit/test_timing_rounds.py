@@ -4,11 +4,18 @@ on the CPU fallback), each callable sized by its own first call."""
 
 from __future__ import annotations
 
+import json
+import os
 import time
+from pathlib import Path
 
+import pytest
 import torch
 
 from pytest_opprof.capture import timing
+from pytest_opprof.capture.system import cpu_times, host_window
+from pytest_opprof.measure import Replica
+from pytest_opprof.schema import HostWindow
 
 
 def test_calls_per_round_stay_as_asked_for_short_calls() -> None:
@@ -79,3 +86,84 @@ def test_the_warmup_lasts_tens_of_milliseconds_not_half_a_second() -> None:
     )
     assert time.perf_counter() - t0 < 0.3
     assert made[0] >= 10  # warm for ~50 ms: tens of 1 ms calls, not the one asked for
+
+
+def _spin(seconds: float) -> None:
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_each_round_records_how_much_of_it_the_launching_thread_had_its_cpu() -> None:
+    """A call that keeps the CPU (a launch, a spin-wait on the GPU) has a share near 1; one whose
+    thread is off its CPU for most of the round (here asleep; on a host, preempted by another
+    task or the hypervisor) has a share well under it. The host window covers the rounds."""
+
+    def busy(x: torch.Tensor) -> torch.Tensor:
+        _spin(0.002)
+        return x
+
+    def away(x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.002)
+        return x
+
+    samples = timing.time_interleaved(
+        {"busy": busy, "away": away},
+        (torch.zeros(2),),
+        device="cpu",
+        warmup=1,
+        calls_per_round=5,
+        rounds=4,
+        warmup_seconds=0.0,
+    )
+    assert {k: len(v) for k, v in samples.cpu_share.items()} == {"busy": 4, "away": 4}
+    assert {k: len(v) for k, v in samples.preempted.items()} == {"busy": 4, "away": 4}
+    assert min(samples.cpu_share["busy"]) > 0.6  # two shared CI cores: not always all of it
+    assert max(samples.cpu_share["away"]) < 0.3
+    assert all(n >= 0 for v in samples.preempted.values() for n in v)
+    if Path("/proc/stat").exists():
+        host = samples.host
+        assert host is not None and host.seconds > 0.05
+        assert host.own_cpus + host.other_cpus == len(cpu_times() or {})
+        assert host.own_busy >= 0 and host.other_busy >= 0
+
+
+def test_a_timing_process_result_round_trips_to_its_parent() -> None:
+    samples = timing.RoundSamples(
+        {"compile": [], "optimized": []}, {"compile": 30, "optimized": 30}
+    )
+    for ms, share in ((0.25, 0.99), (0.45, 0.52)):
+        samples.add("compile", timing.Round(ms, share, 3))
+        samples.add("optimized", timing.Round(0.1, 1.0, 0))
+    samples.host = HostWindow(
+        seconds=0.5,
+        own_cpus=2,
+        own_busy=1.9,
+        own_steal=0.0,
+        other_cpus=14,
+        other_busy=3.2,
+        other_steal=0.1,
+    )
+    replica = Replica.from_json(json.loads(json.dumps(samples.to_json())))
+    assert replica.samples == {"compile": [0.25, 0.45], "optimized": [0.1, 0.1]}
+    assert replica.cpu_share["compile"] == [0.99, 0.52]
+    assert replica.preempted == {"compile": [3, 3], "optimized": [0, 0]}
+    assert replica.host == samples.host
+    # A result from before the CPU shares (or a fake timing process) still pools.
+    assert Replica.from_json({"samples": {"compile": [1.0]}}).cpu_share == {}
+    for bad in ({}, {"samples": [1.0]}, {"samples": {"a": [1.0]}, "host": {"seconds": "x"}}, []):
+        with pytest.raises(ValueError, match="not a timing process's result"):
+            Replica.from_json(bad)  # type: ignore[arg-type]
+
+
+def test_host_window_splits_the_hosts_cpus_into_the_processes_own_and_the_others() -> None:
+    own = sorted(os.sched_getaffinity(0))
+    other = max(own) + 1
+    before = {c: (10.0, 1.0) for c in [*own, other]}
+    after = {**{c: (10.5, 1.0) for c in own}, other: (11.0, 1.25)}
+    w = host_window(before, after, 0.5)
+    assert w is not None
+    assert (w.own_cpus, w.other_cpus) == (len(own), 1)
+    assert w.own_busy == pytest.approx(len(own) * 1.0)  # each own CPU busy all along
+    assert (w.other_busy, w.other_steal, w.own_steal) == (pytest.approx(2.0), 0.5, 0.0)
+    assert host_window(None, after, 0.5) is None and host_window(before, after, 0.0) is None
