@@ -155,6 +155,13 @@ def _processes(profile: Profile) -> list[dict[str, Any]]:
                 row[f"{name}_preempted"] = sum(stats.preempted[part])
         if i < len(profile.timing.host):
             row["host"] = profile.timing.host[i].model_dump()
+        full = next((s for s in v.values() if s.processes == n), None)
+        if full is not None and len(profile.timing.host_us) == len(full.samples_ms):
+            groups = full.samples_per_process or [len(full.samples_ms)]
+            at = sum(groups[:i])
+            mine = range(at, at + groups[i])
+            row["host_us"] = statistics.median(profile.timing.host_us[at : at + groups[i]])
+            row["set_aside"] = sum(1 for j in full.set_aside if j in mine)
         out.append(row)
     return out if any("host" in r or "compile_cpu_share" in r for r in out) else []
 
@@ -465,11 +472,12 @@ def markdown(result: dict[str, Any]) -> str:
             "launching thread's CPU time over each round's wall time, median and lowest, with "
             "its involuntary context switches over the rounds; the host while it timed, from "
             "/proc/stat: CPUs' worth busy on its own CPUs and on the others, and stolen by the "
-            "hypervisor):",
+            "hypervisor; host reference: the median µs per call of the fixed CPU work timed "
+            "at each round's start, and the rounds set aside as run on a slowed host):",
             "",
             "| workload | # | eager | compile | optimized | compile CPU share (lowest) | "
-            "switches | own CPUs busy | other CPUs busy | stolen |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "switches | own CPUs busy | other CPUs busy | stolen | host reference µs | set aside |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for name, rows in procs.items():
             for i, p in enumerate(rows, start=1):
@@ -486,7 +494,8 @@ def markdown(result: dict[str, Any]) -> str:
                 lines.append(
                     f"| {name} | {i} | {_ms(p.get('eager_ms'))} | {_ms(p.get('compile_ms'))} | "
                     f"{_ms(p.get('optimized_ms'))} | {shown} | "
-                    f"{p.get('compile_preempted', '—')} | {host} |"
+                    f"{p.get('compile_preempted', '—')} | {host} | "
+                    + (f"{p['host_us']:.2f} | {p['set_aside']} |" if "host_us" in p else "— | — |")
                 )
     counted = {n: r["counters"] for n, r in result["workloads"].items() if r.get("counters")}
     if counted:

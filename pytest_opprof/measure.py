@@ -72,6 +72,46 @@ def _blocks(groups: Sequence[int] | None, n: int) -> list[list[int]]:
     return out
 
 
+SLOW_HOST = 1.25
+"""A round whose host reference (``capture.timing.host_reference_us``) took this many times
+the host's fast rounds' (their 10th percentile) ran on a slowed host."""
+MIN_KEPT = 5
+"""Rounds never set aside below this many, nor below a quarter of them: a host slowed for most
+of a measurement has no fast rounds to speak for it, and its figures stand as measured."""
+
+
+def slow_host_rounds(host_us: Sequence[float]) -> list[int]:
+    """The rounds (indices) that ran while the host's CPU was slowed: their reference work
+    took more than :data:`SLOW_HOST` times what the fast rounds' did. Empty where too few
+    rounds would be left (:data:`MIN_KEPT`). On a shared host a launch-bound call runs at the
+    speed of the CPU that launches it, and that speed moved by up to 2x for seconds at a time
+    with the timing thread on its CPU throughout; such rounds are set aside alike for every
+    callable timed in them (the rounds stay paired)."""
+    n = len(host_us)
+    if n < MIN_KEPT or min(host_us) <= 0:
+        return []
+    fast = _percentile(sorted(host_us), 0.1)
+    slow = [i for i, x in enumerate(host_us) if x > SLOW_HOST * fast]
+    if n - len(slow) < max(MIN_KEPT, math.ceil(n / 4)):
+        return []
+    return slow
+
+
+def _kept(
+    samples: Sequence[float], groups: Sequence[int] | None, set_aside: Sequence[int]
+) -> tuple[list[float], list[int] | None]:
+    """The samples not set aside, and the rounds each process keeps (processes that keep
+    none dropped)."""
+    if not set_aside:
+        return list(samples), list(groups) if groups else None
+    out = set(set_aside)
+    blocks = _blocks(groups, len(samples))
+    kept_blocks = [[i for i in block if i not in out] for block in blocks]
+    kept = [samples[i] for block in kept_blocks for i in block]
+    sizes = [len(b) for b in kept_blocks if b]
+    return kept, sizes if groups else None
+
+
 def latency_stats(
     samples_ms: Sequence[float],
     calls_per_round: int,
@@ -79,14 +119,22 @@ def latency_stats(
     *,
     cpu_share: Sequence[float] = (),
     preempted: Sequence[int] = (),
+    set_aside: Sequence[int] = (),
 ) -> LatencyStats:
     """Summarise per-call times, one sample per round; ``groups`` gives the rounds of each
     timing process when there were several (the interval then resamples processes too).
-    ``cpu_share`` and ``preempted``, per round where measured, are kept beside the samples."""
+    ``cpu_share`` and ``preempted``, per round where measured, are kept beside the samples.
+    The rounds in ``set_aside`` (on a slowed host: :func:`slow_host_rounds`) stay in
+    ``samples_ms`` but count in none of the statistics."""
     if not samples_ms:
         raise ValueError("no timing samples")
     _split(samples_ms, groups)  # checks the split
     n = len(samples_ms)
+    all_ms, all_groups = samples_ms, groups
+    set_aside = sorted({i for i in set_aside if 0 <= i < n})
+    if len(set_aside) >= n:
+        set_aside = []
+    samples_ms, groups = _kept(all_ms, all_groups, set_aside)
     if groups and len(groups) > 1:
         rng = random.Random(0)
         blocks = _blocks(groups, len(samples_ms))
@@ -105,13 +153,14 @@ def latency_stats(
         mean_ms=statistics.fmean(samples_ms),
         stdev_ms=statistics.stdev(samples_ms) if len(samples_ms) > 1 else 0.0,
         min_ms=min(samples_ms),
-        rounds=len(samples_ms),
+        rounds=n,
         calls_per_round=calls_per_round,
-        samples_ms=[float(s) for s in samples_ms],
-        processes=len(groups) if groups else 1,
-        samples_per_process=list(groups) if groups and len(groups) > 1 else [],
+        samples_ms=[float(s) for s in all_ms],
+        processes=len(all_groups) if all_groups else 1,
+        samples_per_process=list(all_groups) if all_groups and len(all_groups) > 1 else [],
         cpu_share=[float(x) for x in cpu_share] if len(cpu_share) == n else [],
         preempted=[int(x) for x in preempted] if len(preempted) == n else [],
+        set_aside=set_aside,
     )
 
 
@@ -122,6 +171,7 @@ def speedup(
     candidate: Sequence[float],
     *,
     groups: Sequence[int] | None = None,
+    set_aside: Sequence[int] = (),
     resamples: int = BOOTSTRAP_RESAMPLES,
     seed: int = 0,
 ) -> Speedup:
@@ -132,10 +182,15 @@ def speedup(
     honest about drift (clock changes hit both sides of a pair). With ``groups`` (rounds per
     timing process, several processes) it resamples processes first and rounds within each:
     a host-bound baseline's speed moves between processes more than between rounds of one, and
-    an interval from one process's rounds would not cover the next run.
+    an interval from one process's rounds would not cover the next run. The rounds in
+    ``set_aside`` (a slowed host) count on neither side.
     """
     if len(baseline) != len(candidate) or not baseline:
         raise ValueError("speedup needs the same, non-zero number of rounds on both sides")
+    if set_aside and len(set(set_aside)) < len(baseline):
+        baseline, kept_groups = _kept(baseline, groups, set_aside)
+        candidate, _ = _kept(candidate, groups, set_aside)
+        groups = kept_groups
     ratio = statistics.median(baseline) / statistics.median(candidate)
     parts = list(zip(_split(baseline, groups), _split(candidate, groups), strict=True))
     per_process = (
@@ -173,11 +228,13 @@ def speedup(
 @dataclass(frozen=True)
 class Replica:
     """What one more timing process measured: per variant its samples, and per round its
-    launching thread's CPU share and preemptions; the host while it timed."""
+    launching thread's CPU share and preemptions; per round the host reference; the host's
+    CPUs while it timed."""
 
     samples: Mapping[str, Sequence[float]]
     cpu_share: Mapping[str, Sequence[float]] = field(default_factory=dict)
     preempted: Mapping[str, Sequence[int]] = field(default_factory=dict)
+    host_us: Sequence[float] = ()
     host: HostWindow | None = None
 
     @classmethod
@@ -189,6 +246,7 @@ class Replica:
                 samples={k: [float(x) for x in v] for k, v in data["samples"].items()},
                 cpu_share={k: [float(x) for x in v] for k, v in data.get("cpu_share", {}).items()},
                 preempted={k: [int(x) for x in v] for k, v in data.get("preempted", {}).items()},
+                host_us=[float(x) for x in data.get("host_us", [])],
                 host=HostWindow.model_validate(host) if host else None,
             )
         except (KeyError, TypeError, AttributeError, ValidationError) as exc:
@@ -199,28 +257,42 @@ def pooled_timing(timing: Timing, replicas: Sequence[Replica]) -> Timing:
     """``timing`` (one process's) with the samples of more timing processes added: each
     variant's samples pooled in process order, its statistics and every speedup recomputed
     across processes. A replica lacking a variant adds nothing to it (or to its pairs). The
-    per-round CPU shares pool where every process measured them; the host windows follow the
-    processes' order."""
+    per-round CPU shares and host references pool where every process measured them; the
+    host windows follow the processes' order. Rounds on a slowed host are found over all the
+    processes' rounds (:func:`slow_host_rounds`) and set aside alike for every variant timed
+    in them."""
     if not replicas:
         return timing
-    variants, groups = {}, {}
+
+    def joined(mine: Sequence[Any], theirs: list[Sequence[Any] | None]) -> list[Any]:
+        parts = [mine, *theirs]
+        return [x for p in parts for x in p or ()] if all(parts) else []
+
+    runs, groups = {}, {}
     for name, stats in timing.variants.items():
         own = _split(stats.samples_ms, stats.samples_per_process or None)
         timed = [r for r in replicas if r.samples.get(name)]
-        runs = [*own, *(list(r.samples[name]) for r in timed)]
-        groups[name] = [len(run) for run in runs]
-        pooled = [x for run in runs for x in run]
-
-        def joined(mine: Sequence[Any], theirs: list[Sequence[Any] | None]) -> list[Any]:
-            parts = [mine, *theirs]
-            return [x for p in parts for x in p or ()] if all(parts) else []
-
+        runs[name] = (timed, [*own, *(list(r.samples[name]) for r in timed)])
+        groups[name] = [len(run) for run in runs[name][1]]
+    full = max(groups.values(), key=len)
+    host_us = joined(timing.host_us, [r.host_us for r in replicas])
+    slow = slow_host_rounds(host_us) if len(host_us) == sum(full) else []
+    if len(host_us) != sum(full):
+        host_us = []
+    variants = {}
+    for name, stats in timing.variants.items():
+        timed, parts = runs[name]
+        mine = groups[name]
+        # timed in every process, or in the first ones only: the same rounds as host_us's
+        same_rounds = mine == full[: len(mine)]
+        aside = [i for i in slow if i < sum(mine)] if same_rounds else []
         variants[name] = latency_stats(
-            pooled,
+            [x for run in parts for x in run],
             stats.calls_per_round,
-            groups[name],
+            mine,
             cpu_share=joined(stats.cpu_share, [r.cpu_share.get(name) for r in timed]),
             preempted=joined(stats.preempted, [r.preempted.get(name) for r in timed]),
+            set_aside=aside,
         )
     speedups = []
     for s in timing.speedups:
@@ -229,11 +301,20 @@ def pooled_timing(timing: Timing, replicas: Sequence[Replica]) -> Timing:
             speedups.append(s)
             continue
         speedups.append(
-            speedup(s.baseline, a.samples_ms, s.candidate, b.samples_ms, groups=groups[s.baseline])
+            speedup(
+                s.baseline,
+                a.samples_ms,
+                s.candidate,
+                b.samples_ms,
+                groups=groups[s.baseline],
+                set_aside=a.set_aside,
+            )
         )
     theirs = [r.host for r in replicas]
     hosts = [*timing.host, *theirs] if timing.host and None not in theirs else []
-    return timing.model_copy(update={"variants": variants, "speedups": speedups, "host": hosts})
+    return timing.model_copy(
+        update={"variants": variants, "speedups": speedups, "host": hosts, "host_us": host_us}
+    )
 
 
 def geometric_mean(values: Sequence[float]) -> float:

@@ -423,9 +423,10 @@ def _timing(
     compile_s: dict[str, float],
     gpu_ms: dict[str, float],
 ) -> Any:
-    from pytest_opprof.measure import latency_stats, speedup
+    from pytest_opprof.measure import latency_stats, slow_host_rounds, speedup
     from pytest_opprof.schema import Timing
 
+    slow = slow_host_rounds(samples.host_us)
     return Timing(
         device=device,
         clock="cuda_event" if device == "cuda" else "perf_counter",
@@ -435,16 +436,20 @@ def _timing(
                 samples.calls[k],
                 cpu_share=samples.cpu_share.get(k, ()),
                 preempted=samples.preempted.get(k, ()),
+                set_aside=slow,
             )
             for k, v in samples.items()
         },
         gpu_kernel_ms={t.label: t.summary.device_time_per_iter_us / 1000.0 for t in timelines},
         gpu_time_ms=gpu_ms,
         speedups=[
-            speedup(a, samples[a], b, samples[b]) for a, b in pairs if a in samples and b in samples
+            speedup(a, samples[a], b, samples[b], set_aside=slow)
+            for a, b in pairs
+            if a in samples and b in samples
         ],
         compile_seconds=compile_s,
         host=[samples.host] if samples.host is not None else [],
+        host_us=samples.host_us,
     )
 
 

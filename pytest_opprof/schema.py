@@ -93,6 +93,13 @@ class LatencyStats(Model):
         default_factory=list,
         description="per round: the launching thread's involuntary context switches",
     )
+    set_aside: list[int] = Field(
+        default_factory=list,
+        description=(
+            "rounds (indices into samples_ms) left out of every statistic: timed while the "
+            "host's CPU ran slowed (Timing.host_us); rounds counts them"
+        ),
+    )
 
 
 class HostWindow(Model):
@@ -149,6 +156,14 @@ class Timing(Model):
     host: list[HostWindow] = Field(
         default_factory=list,
         description="per timing process, in the order of the samples: the host while it timed",
+    )
+    host_us: list[float] = Field(
+        default_factory=list,
+        description=(
+            "per round, in the order of the samples of a variant timed in every process: "
+            "microseconds per call of a fixed piece of CPU work at the round's start (the "
+            "host's speed; capture.timing.host_reference_us)"
+        ),
     )
 
     @property
@@ -283,7 +298,7 @@ class Profile(Artifact):
     # 2.3: capture_metadata's visible_devices, device_count, device_uuid; timing from several
     # processes (variants' processes / samples_per_process, speedups' process_ratios);
     # 2.4: timing.gpu_time_ms; 2.5: capture_metadata's peak_memory_bytes, device_memory_bytes;
-    # 2.6: timing variants' cpu_share and preempted, timing.host
+    # 2.6: timing variants' cpu_share, preempted and set_aside, timing.host and host_us
     SCHEMA_VERSION: ClassVar[str] = "2.6"
     capture_metadata: CaptureMetadata
     timing: Timing

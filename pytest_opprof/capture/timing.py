@@ -51,13 +51,15 @@ class RoundSamples(dict[str, list[float]]):
     (``cpu_share``: its CPU time over the round's wall time; ``preempted``: its involuntary
     context switches), and what the host's CPUs did over all the rounds (``host``, a
     ``schema.HostWindow`` or None): a launch-bound call runs at the speed of the CPU that
-    launches it, and these say whether that CPU was its own."""
+    launches it, and these say whether that CPU was its own. ``host_us``, per round: how fast
+    the host ran a fixed piece of CPU work at its start (:func:`host_reference_us`)."""
 
     def __init__(self, samples: Mapping[str, list[float]], calls: Mapping[str, int]) -> None:
         super().__init__(samples)
         self.calls = dict(calls)
         self.cpu_share: dict[str, list[float]] = {name: [] for name in samples}
         self.preempted: dict[str, list[int]] = {name: [] for name in samples}
+        self.host_us: list[float] = []
         self.host: Any = None
 
     def add(self, name: str, sample: Round) -> None:
@@ -71,6 +73,7 @@ class RoundSamples(dict[str, list[float]]):
             "samples": dict(self),
             "cpu_share": self.cpu_share,
             "preempted": self.preempted,
+            "host_us": self.host_us,
             "host": self.host.model_dump() if self.host is not None else None,
         }
 
@@ -144,10 +147,40 @@ def time_interleaved(
         before, t0 = cpu_times(), time.perf_counter()
         for r in range(rounds):
             inputs = fresh_inputs(template, seed + 1 + r)
+            samples.host_us.append(host_reference_us())
             for name, fn in calls.items():
                 samples.add(name, _one_round(fn, inputs, device, n[name]))
         samples.host = host_window(before, cpu_times(), time.perf_counter() - t0)
     return samples
+
+
+REFERENCE_CALLS = 32
+"""Calls of the host reference's tiny CPU ``torch.add`` per repetition: ~0.1 ms on the H200
+host's CPU."""
+
+
+@functools.cache
+def _reference_tensors() -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.ones(8), torch.ones(8)
+
+
+def host_reference_us(repetitions: int = 3) -> float:
+    """Microseconds per call of a fixed piece of host work, the best of ``repetitions``: a tiny
+    ``torch.add`` on CPU tensors, the Python, ATen dispatch and allocation a launch-bound call
+    spends its host time in, with no device work. On the lent H200 hosts the CPU's speed at
+    this work moved by up to 2x for seconds at a time while the timing thread held its CPU,
+    nothing stole it and the other CPUs idled (benchmarks/results/h200-2026-12-01): a
+    launch-bound baseline timed in such a stretch runs that much slower. Timed at the start of
+    every round, it says which rounds ran on a slowed host (``measure.slow_host_rounds``)."""
+    a, b = _reference_tensors()
+    best = math.inf
+    with torch.no_grad():
+        for _ in range(repetitions):
+            t0 = time.perf_counter()
+            for _ in range(REFERENCE_CALLS):
+                torch.add(a, b)
+            best = min(best, time.perf_counter() - t0)
+    return round(best * 1e6 / REFERENCE_CALLS, 3)
 
 
 def _one_round(fn: Call, inputs: Sequence[torch.Tensor], device: str, n: int) -> Round:

@@ -20,6 +20,7 @@ from tabulate import tabulate
 
 from pytest_opprof import ITEM_NAMES, STAGES
 from pytest_opprof.backend.plan import replaced_by_model_graph
+from pytest_opprof.measure import SLOW_HOST
 from pytest_opprof.report import plots as _plots
 from pytest_opprof.schema import (
     VALIDATION_STEPS,
@@ -367,7 +368,7 @@ def _timing_note(timing: Timing) -> str:
     if processes <= 1:
         return (
             f"{head}, baseline and candidate timed interleaved in one process; the CI is a "
-            "paired bootstrap."
+            "paired bootstrap." + _slow_host_note(timing)
         )
     spread = [
         f"{BASELINE_LABELS.get(r.baseline, r.baseline)} → {r.candidate}: "
@@ -382,7 +383,7 @@ def _timing_note(timing: Timing) -> str:
     )
     if spread:
         note += " Each process's own ratio: " + "; ".join(spread) + "."
-    note += _host_bound_note(timing)
+    note += _slow_host_note(timing) + _host_bound_note(timing)
     alone = [n for n, v in timing.variants.items() if v.processes < processes]
     if alone:
         note += (
@@ -396,6 +397,21 @@ def _timing_note(timing: Timing) -> str:
             + "."
         )
     return note
+
+
+def _slow_host_note(timing: Timing) -> str:
+    """How many rounds were set aside because the host's CPU ran slowed during them."""
+    most = max(timing.variants.values(), key=lambda v: v.rounds, default=None)
+    if most is None or not most.set_aside:
+        return ""
+    us = sorted(timing.host_us)
+    fast = f" (fast rounds: {us[len(us) // 10]:.1f} µs)" if us else ""
+    return (
+        f" {len(most.set_aside)} of {most.rounds} rounds are set aside: the host's CPU ran a "
+        f"fixed piece of work more than {SLOW_HOST:.2f}× slower at their start than in its "
+        f"fast rounds{fast}, which slows a launch-bound call alike (`timing.host_us`, each "
+        "variant's `set_aside`)."
+    )
 
 
 HOST_BOUND_SHARE = 0.8

@@ -154,3 +154,64 @@ def test_pooled_timing_keeps_each_rounds_cpu_share_and_each_process_host() -> No
     bare = pooled_timing(first, [Replica({"compile": [2.0] * 3, "optimized": [0.5] * 3})])
     assert bare.variants["compile"].cpu_share == [] and bare.variants["compile"].preempted == []
     assert bare.host == []
+
+
+def test_slow_host_rounds_are_those_whose_reference_ran_slowed() -> None:
+    """The H200 host's CPU ran its reference work at ~3 µs a call, and for seconds at a time
+    nearer 6 µs: those rounds, and only those, are set aside."""
+    from pytest_opprof.measure import MIN_KEPT, SLOW_HOST, slow_host_rounds
+
+    fast = [3.0, 3.1, 2.9, 3.05, 3.0, 3.2, 2.95, 3.1, 3.0, 3.05]
+    assert slow_host_rounds(fast) == []  # noise of a few percent sets nothing aside
+    host = [*fast, 6.2, 5.9, 6.0, 3.0 * SLOW_HOST * 1.01, 3.0 * SLOW_HOST * 0.99]
+    assert slow_host_rounds(host) == [10, 11, 12, 13]
+    # Too few fast rounds to speak for the rest: the figures stand as measured.
+    assert slow_host_rounds([3.0] * 3 + [6.0] * 12) == []
+    assert slow_host_rounds([3.0] * (MIN_KEPT - 1) + [6.0]) == []
+    assert slow_host_rounds([]) == [] and slow_host_rounds([0.0] * 8) == []
+
+
+def test_rounds_set_aside_count_in_no_statistic_but_stay_in_the_samples() -> None:
+    samples = [1.0, 1.0, 2.0, 1.0, 2.0, 1.0]
+    s = latency_stats(samples, calls_per_round=10, set_aside=[2, 4])
+    assert s.median_ms == 1.0 and s.ci_high_ms == 1.0 and s.min_ms == 1.0
+    assert s.samples_ms == samples and s.rounds == 6 and s.set_aside == [2, 4]
+    # Setting every round aside would leave nothing: none is.
+    assert latency_stats([1.0, 2.0], 10, set_aside=[0, 1]).set_aside == []
+    r = speedup("compile", samples, "optimized", [0.5] * 6, set_aside=[2, 4])
+    assert r.ratio == pytest.approx(2.0) and r.ci_low == pytest.approx(2.0)
+    # A process whose every round was set aside has no ratio of its own.
+    two = speedup(
+        "compile", [2.0, 2.0, 1.0, 1.0], "optimized", [0.5] * 4, groups=[2, 2], set_aside=[0, 1]
+    )
+    assert two.ratio == pytest.approx(2.0) and two.process_ratios == []
+
+
+def test_pooling_sets_aside_a_slowed_processes_rounds_for_every_variant_timed_in_them() -> None:
+    """What the H200 showed: one timing process's launch-bound baseline at 1.6x the others'
+    while the host reference ran 1.6x slower in it; the optimized replay unmoved. The pooled
+    ratio is the unslowed processes', and a variant timed in the first process only keeps its
+    own rounds' verdict."""
+
+    def one(compile_ms: float, host: float) -> Replica:
+        return Replica(
+            {"compile": [compile_ms] * 6, "optimized": [0.1] * 6},
+            host_us=[host] * 6,
+        )
+
+    first = _one_process([0.25] * 6, [0.1] * 6)
+    twin = latency_stats([0.15] * 6, 20)
+    first = first.model_copy(
+        update={"host_us": [3.0] * 6, "variants": {**first.variants, "twin": twin}}
+    )
+    pooled = pooled_timing(first, [one(0.40, 4.8), one(0.25, 3.05)])
+    v = pooled.variants["compile"]
+    assert v.set_aside == list(range(6, 12)) and v.samples_per_process == [6, 6, 6]
+    assert v.median_ms == pytest.approx(0.25)
+    s = pooled.speedups[0]
+    assert s.ratio == pytest.approx(2.5) and s.ci_high == pytest.approx(2.5)
+    assert s.process_ratios == pytest.approx([2.5, 2.5])
+    assert pooled.variants["twin"].set_aside == [] and pooled.host_us[6] == 4.8
+    # Without the references (a process from before them) nothing is set aside.
+    bare = pooled_timing(first, [Replica({"compile": [0.4] * 6, "optimized": [0.1] * 6})])
+    assert bare.variants["compile"].set_aside == [] and bare.host_us == []

@@ -665,3 +665,19 @@ def test_session_report_names_the_gpu_each_workload_was_measured_on(tmp_path: Pa
     assert "Measured on" not in render_session_report(
         session_cpu.workloads, device=session_cpu.device, out_dir=tmp_path
     )
+
+
+def test_headline_says_how_many_rounds_ran_on_a_slowed_host(full: WorkloadArtifacts) -> None:
+    from pytest_opprof.measure import Replica, pooled_timing
+
+    assert full.optimized is not None
+    timing = full.optimized.timing
+    rounds = timing.variants["optimized"].rounds
+    timing = timing.model_copy(update={"host_us": [3.0] * rounds})
+    again = {name: list(v.samples_ms) for name, v in timing.variants.items()}
+    slowed = Replica(again, host_us=[6.0] * rounds)
+    pooled = pooled_timing(timing, [slowed, Replica(again, host_us=[3.0] * rounds)])
+    full.optimized = full.optimized.model_copy(update={"timing": pooled})
+    head = _section(render_workload_report(full, plots=False), "## Headline")
+    assert f"{rounds} of {3 * rounds} rounds are set aside" in head
+    assert "fast rounds: 3.0 µs" in head

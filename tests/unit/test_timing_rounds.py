@@ -167,3 +167,18 @@ def test_host_window_splits_the_hosts_cpus_into_the_processes_own_and_the_others
     assert w.own_busy == pytest.approx(len(own) * 1.0)  # each own CPU busy all along
     assert (w.other_busy, w.other_steal, w.own_steal) == (pytest.approx(2.0), 0.5, 0.0)
     assert host_window(None, after, 0.5) is None and host_window(before, after, 0.0) is None
+
+
+def test_every_round_starts_with_the_host_reference() -> None:
+    assert 0 < timing.host_reference_us() < 1000.0
+    samples = timing.time_interleaved(
+        {"f": lambda x: x + 1},
+        (torch.zeros(2),),
+        device="cpu",
+        warmup=1,
+        calls_per_round=2,
+        rounds=5,
+        warmup_seconds=0.0,
+    )
+    assert len(samples.host_us) == 5 and all(x > 0 for x in samples.host_us)
+    assert Replica.from_json(samples.to_json()).host_us == samples.host_us
