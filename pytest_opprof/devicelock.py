@@ -90,6 +90,8 @@ class DeviceLock:
         self._since = 0.0
         self.aside = False
         """The share was let go for CPU-only work (:func:`off_gpu`), to be taken back after."""
+        self.is_quiet = False
+        """Inside a quiet measurement: the GPU and the host's compiles held off."""
         self.note: Callable[[str], None] | None = None
 
     def _through_turnstile(self, mode: int) -> None:
@@ -150,6 +152,7 @@ class DeviceLock:
         under way, and one that let go of the GPU just before this process took it; no other
         can start while it holds the GPU. The wait counts as waiting, not as measuring."""
         t0 = time.perf_counter()
+        self.is_quiet = True
         try:
             fcntl.flock(self._cpu, fcntl.LOCK_EX | fcntl.LOCK_NB)
             return
@@ -165,6 +168,7 @@ class DeviceLock:
             self.note(f"the host was quiet after {waited:.1f} s")
 
     def unquiet(self) -> None:
+        self.is_quiet = False
         fcntl.flock(self._cpu, fcntl.LOCK_UN)
 
     def compiling(self) -> None:
@@ -330,6 +334,13 @@ def resume() -> None:
     nothing where the process holds it already."""
     if _LOCK is not None and _LOCK.held is None:
         _LOCK.share()
+
+
+def quiet_now() -> bool:
+    """Whether this process is inside ``measuring(quiet=True)`` under a lock: no other stage
+    process on the host works on the GPU or compiles, so its timing may borrow any idle CPU of
+    the host (``capture.timing.FastCpu``)."""
+    return _LOCK is not None and _LOCK.is_quiet
 
 
 def waited_s() -> float:

@@ -74,7 +74,8 @@ def _blocks(groups: Sequence[int] | None, n: int) -> list[list[int]]:
 
 SLOW_HOST = 1.25
 """A round whose host reference (``capture.timing.host_reference_us``) took this many times
-the host's fast rounds' (their 10th percentile) ran on a slowed host."""
+the host's fast rounds' (their 10th percentile) ran on a slowed host; the timing pass moves to
+a faster CPU past it (``capture.timing.time_interleaved``)."""
 MIN_KEPT = 5
 """Rounds never set aside below this many, nor below a quarter of them: a host slowed for most
 of a measurement has no fast rounds to speak for it, and its figures stand as measured."""

@@ -1184,6 +1184,7 @@ def _time_calls(spec: dict[str, Any], calls: dict[str, Any], inputs: Any, device
         warmup=_setting(spec, "warmup_iters"),
         calls_per_round=_setting(spec, "measure_iters"),
         rounds=_setting(spec, "rounds"),
+        any_cpu=devicelock.quiet_now(),
     )
 
 

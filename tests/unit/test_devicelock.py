@@ -484,3 +484,18 @@ def test_a_quiet_measurement_waits_for_the_compiles_off_the_gpu_and_holds_back_n
         late.close()
         lock.close()
         monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+def test_only_a_quiet_measurement_under_a_lock_may_borrow_the_hosts_cpus(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    assert not devicelock.quiet_now()  # no lock: nothing says the host is quiet
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
+    assert devicelock.join() is not None
+    assert not devicelock.quiet_now()
+    with devicelock.measuring():
+        assert not devicelock.quiet_now()  # selection's: the GPU alone, compiles beside it
+    with devicelock.measuring(quiet=True):
+        assert devicelock.quiet_now()
+    assert not devicelock.quiet_now()

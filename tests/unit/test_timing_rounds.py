@@ -5,6 +5,7 @@ on the CPU fallback), each callable sized by its own first call."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -182,3 +183,46 @@ def test_every_round_starts_with_the_host_reference() -> None:
     )
     assert len(samples.host_us) == 5 and all(x > 0 for x in samples.host_us)
     assert Replica.from_json(samples.to_json()).host_us == samples.host_us
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs sched_setaffinity")
+def test_fast_cpu_moves_the_thread_to_one_cpu_and_gives_its_own_back() -> None:
+    home = os.sched_getaffinity(0)
+    cpu = timing.FastCpu(any_cpu=True)
+    assert set(cpu.cpus) >= home and len(cpu.cpus) == max(os.cpu_count() or 0, len(home))
+    try:
+        us = cpu.move()
+        if len(cpu.cpus) > 1:
+            assert 0 < us < math.inf
+            assert len(os.sched_getaffinity(0)) == 1
+            assert os.sched_getaffinity(0) <= set(cpu.cpus)
+    finally:
+        cpu.restore()
+    assert os.sched_getaffinity(0) == home
+    assert timing.FastCpu(any_cpu=False).cpus == sorted(home)
+
+
+def test_a_round_on_a_slowed_host_earns_one_more_round_at_most_as_many_as_planned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The host reference at 1.2 µs, slowed to 2.5 µs in two rounds: two more rounds are timed
+    after the four planned, every round with its reference; a host slowed throughout adds no
+    more than the rounds planned."""
+    refs = iter([1.2, 2.5, 2.5, 1.2, 1.2, 1.2, 9.9])
+    monkeypatch.setattr(timing, "host_reference_us", lambda *a: next(refs))
+
+    def call() -> dict[str, list[float]]:
+        return timing.time_interleaved(
+            {"f": lambda x: x + 1},
+            (torch.zeros(2),),
+            device="cpu",
+            warmup=1,
+            calls_per_round=2,
+            rounds=4,
+            warmup_seconds=0.0,
+        )
+
+    samples = call()
+    assert samples.host_us == [1.2, 2.5, 2.5, 1.2, 1.2, 1.2] and len(samples["f"]) == 6
+    refs = iter([1.0] + [5.0] * 20)
+    assert len(call()["f"]) == 4 + 4  # slowed from the second round on: capped at 4 more
