@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -209,6 +210,9 @@ each callable's rounds sized by its own call, 50 ms of warmup in the last two.""
 OFF_GPU = ROOT / "benchmarks" / "results" / "h200-2026-11-30j"
 """Seven workers on one GPU, compiling without their share of it; the reported measurements
 quiet (no compile on the host) in all but the first."""
+HOST_SPEED = ROOT / "benchmarks" / "results" / "h200-2026-12-01"
+"""Seven workers on one GPU with each round's host reference: recorded only (diag-n7 without
+it, ref-n7), then the timing thread on the fastest CPU (fastcpu-n7, fastcpu-n7-again)."""
 
 
 @pytest.mark.parametrize(
@@ -217,9 +221,8 @@ quiet (no compile on the host) in all but the first."""
     + [SHARED / r for r in ("one-gpu", "one-gpu-counters", "one-gpu-warm", "two-gpus")]
     + [MAKING_WAY / r for r in ("one-gpu-first", "one-gpu-counters", "one-gpu", "one-gpu-cut")]
     + [BATCHED / r for r in ("one-gpu-n4", "one-gpu-n7", "one-gpu-n7-warmup", "one-gpu-counters")]
-    + [
-        OFF_GPU / r for r in ("offgpu-n7", "quiet-n7", "quiet-n7-again", "counters-n7", "nopool-n7")
-    ],
+    + [OFF_GPU / r for r in ("offgpu-n7", "quiet-n7", "quiet-n7-again", "counters-n7", "nopool-n7")]
+    + [HOST_SPEED / r for r in ("diag-n7", "ref-n7", "fastcpu-n7", "fastcpu-n7-again")],
     ids=lambda f: f"{f.parent.name}/{f.name}",
 )
 def test_the_committed_tables_of_the_timed_runs_are_what_the_tool_writes(folder: Path) -> None:
@@ -228,7 +231,7 @@ def test_the_committed_tables_of_the_timed_runs_are_what_the_tool_writes(folder:
     table = tool.markdown(result)
     assert table == (folder / "summary.md").read_text(encoding="utf-8")
     # only processes that shared a GPU waited for it
-    shared = (SHARED, MAKING_WAY, BATCHED, OFF_GPU)
+    shared = (SHARED, MAKING_WAY, BATCHED, OFF_GPU, HOST_SPEED)
     assert ("of them waiting for the GPU" in table) == (folder.parent in shared)
     done = {n: r for n, r in result["workloads"].items() if r.get("status") != "missing"}
     assert len(done) == (3 if folder.name == "one-gpu-cut" else 7)  # cut by the GPU's time
@@ -304,3 +307,47 @@ def test_a_timelines_gpu_time_matches_its_own_processs_latency() -> None:
         above += g["gpu_ms"] > 1.03 * g["timing_ms"]
         assert "| gpt2 | optimized |" in tool.markdown(result)
     assert above == 3
+
+
+def _rounds(run: str, workload: str) -> tuple[list[float], list[float]]:
+    """The recapture's pooled host references and torch.compile rounds of one H200 run."""
+    from pytest_opprof.schema import Profile, read_artifact
+
+    path = HOST_SPEED / run / workload / "profile_optimized.json.gz"
+    timing = read_artifact(path, Profile).timing
+    return timing.host_us, timing.variants["compile"].samples_ms
+
+
+def test_the_host_reference_followed_the_launch_bound_baseline_round_by_round() -> None:
+    """ref-n7 on the H200, before the timing thread moved: the host ran the reference at
+    ~1.2 µs a call or ~2.5 µs, round by round, and torch.compile's launch-bound calls of
+    conv_block and depthwise_separable_conv ran ~2x slower in exactly the slowed rounds."""
+    for workload in ("conv_block", "depthwise_separable_conv"):
+        host, compile_ms = _rounds("ref-n7", workload)
+        assert len(host) == len(compile_ms) == 45
+        fast = sorted(host)[len(host) // 10]
+        slowed = [c for h, c in zip(host, compile_ms, strict=True) if h > 1.25 * fast]
+        full = [c for h, c in zip(host, compile_ms, strict=True) if h <= 1.25 * fast]
+        assert len(slowed) >= 10 and len(full) >= 10, workload
+        ratio = statistics.median(slowed) / statistics.median(full)
+        assert 1.6 < ratio < 2.5, (workload, ratio)
+
+
+def test_on_the_fastest_cpu_the_timing_processes_and_the_two_runs_agree() -> None:
+    """fastcpu-n7 and fastcpu-n7-again: nearly every timing process ran its rounds at the
+    host's full speed (where before, whole processes ran slowed), and the two runs' speedup
+    CIs overlap for all seven."""
+    tool = _summarize()
+    slowed = 0
+    for run in ("fastcpu-n7", "fastcpu-n7-again"):
+        result = json_of(HOST_SPEED / run / "summary.json")
+        for row in result["workloads"].values():
+            slowed += sum(p["host_us"] > 2.0 for p in row["processes"])
+    assert slowed <= 1  # gpt2's second process in the first run
+    before = json_of(HOST_SPEED / "ref-n7" / "summary.json")["workloads"].values()
+    assert sum(p["host_us"] > 2.0 for row in before for p in row["processes"]) >= 9
+    one, two = (
+        json_of(HOST_SPEED / r / "summary.json") for r in ("fastcpu-n7", "fastcpu-n7-again")
+    )
+    table = tool.compare(one, two, ("one", "two"))
+    assert "CIs overlap for 7 of 7; ratios within ±3% for 5 of 7." in table
