@@ -137,9 +137,10 @@ def time_interleaved(
     fastest (:class:`FastCpu`: of its own CPUs, or with ``any_cpu`` of the host's, for a
     measurement no other work on the host runs beside), and each round starts with the
     reference (``host_us``). A round whose reference ran more than ``SLOW_HOST`` times slower
-    than the best so far moves the thread to the fastest CPU again, and earns one more round
-    after the planned ones (at most ``rounds`` more): the pooled statistics set such rounds
-    aside (``measure.slow_host_rounds``), and the extra rounds keep their number up.
+    than the best so far moves the thread to the fastest CPU again and takes the reference
+    anew there; still slowed, it earns one more round after the planned ones (at most
+    ``rounds`` more): the pooled statistics set such rounds aside
+    (``measure.slow_host_rounds``), and the extra rounds keep their number up.
     """
     with torch.no_grad():
         warm = fresh_inputs(template, seed)
@@ -157,17 +158,18 @@ def time_interleaved(
         }
         samples = RoundSamples({name: [] for name in calls}, n)
         before, t0 = cpu_times(), time.perf_counter()
-        cpu = FastCpu(any_cpu) if device == "cuda" else None
+        cpu = _launching_cpu(device, any_cpu)
         try:
             best = cpu.move() if cpu is not None else math.inf
             r, slowed = 0, 0
             while r < rounds + min(slowed, rounds):
                 inputs = fresh_inputs(template, seed + 1 + r)
                 ref = host_reference_us()
+                if ref > SLOW_HOST * best and cpu is not None:
+                    best = min(best, cpu.move())  # this round on a CPU at full speed, if any is
+                    ref = host_reference_us()  # the speed of the CPU the round runs on
                 if ref > SLOW_HOST * best:
                     slowed += 1  # this round is timed, and one more after the planned ones
-                    if cpu is not None:  # the next rounds on a CPU at full speed, if any is
-                        best = min(best, cpu.move())
                 best = min(best, ref)
                 samples.host_us.append(ref)
                 for name, fn in calls.items():
@@ -244,6 +246,12 @@ class FastCpu:
         if self.home:
             with contextlib.suppress(OSError):
                 os.sched_setaffinity(0, self.home)
+
+
+def _launching_cpu(device: str, any_cpu: bool) -> FastCpu | None:
+    """Where the timing thread may move: on CUDA, where the host's speed is the launch's; on
+    the CPU the call's own threads do the work, and none is moved."""
+    return FastCpu(any_cpu) if device == "cuda" else None
 
 
 def _one_round(fn: Call, inputs: Sequence[torch.Tensor], device: str, n: int) -> Round:

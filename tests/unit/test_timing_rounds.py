@@ -226,3 +226,46 @@ def test_a_round_on_a_slowed_host_earns_one_more_round_at_most_as_many_as_planne
     assert samples.host_us == [1.2, 2.5, 2.5, 1.2, 1.2, 1.2] and len(samples["f"]) == 6
     refs = iter([1.0] + [5.0] * 20)
     assert len(call()["f"]) == 4 + 4  # slowed from the second round on: capped at 4 more
+
+
+def test_a_slowed_round_moves_the_thread_and_is_timed_at_the_new_cpus_speed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The CUDA path, with a CPU that can be moved: slowed at the second round's start, the
+    thread moves, the reference is taken anew on the fast CPU, and that round is neither
+    recorded as slowed nor repeated; where the move finds no faster CPU the round counts as
+    slowed and earns one more."""
+    moves: list[str] = []
+
+    class Movable:
+        def __init__(self, speeds: list[float]) -> None:
+            self.speeds = iter(speeds)
+
+        def move(self) -> float:
+            moves.append("move")
+            return next(self.speeds)
+
+        def restore(self) -> None:
+            moves.append("restore")
+
+    def run(refs: list[float], speeds: list[float]) -> timing.RoundSamples:
+        moves.clear()
+        it = iter(refs)
+        monkeypatch.setattr(timing, "host_reference_us", lambda *a: next(it))
+        monkeypatch.setattr(timing, "_launching_cpu", lambda device, any_cpu: Movable(speeds))
+        return timing.time_interleaved(
+            {"f": lambda x: x + 1},
+            (torch.zeros(2),),
+            device="cpu",
+            warmup=1,
+            calls_per_round=2,
+            rounds=3,
+            warmup_seconds=0.0,
+        )
+
+    samples = run([1.2, 2.5, 1.25, 1.2], [1.2, 1.2])
+    assert samples.host_us == [1.2, 1.25, 1.2] and len(samples["f"]) == 3
+    assert moves == ["move", "move", "restore"]
+    # Every CPU slowed: the round stays slowed and one more is timed.
+    samples = run([1.2, 2.5, 2.5, 1.2, 1.2], [1.2, 2.4])
+    assert samples.host_us == [1.2, 2.5, 1.2, 1.2] and len(samples["f"]) == 4
