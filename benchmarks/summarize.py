@@ -103,6 +103,10 @@ def _ms(value: float | None) -> str:
     return "—" if value is None else f"{value:.3f}"
 
 
+def _us(value: float | None) -> str:
+    return "—" if value is None else f"{value:.2f}"
+
+
 def _ratio(a: float | None, b: float | None) -> str:
     return "—" if a is None or not b else f"{a / b:.2f}"
 
@@ -587,10 +591,18 @@ def compare(first: dict[str, Any], second: dict[str, Any], names: tuple[str, str
     torch.compile with its CI, the change, whether the CIs overlap and the ratios agree within
     3%, and the optimized latencies."""
     a_name, b_name = names
+
+    def host(row: dict[str, Any]) -> float | None:
+        """The median host reference over the recapture's timing processes (µs per call)."""
+        refs = [p["host_us"] for p in row.get("processes", []) if "host_us" in p]
+        return statistics.median(refs) if refs else None
+
+    hosts = any(host(r) is not None for r in first["workloads"].values())
     lines = [
         f"| workload | {a_name} × compile (CI) | {b_name} × compile (CI) | change | CIs overlap "
-        f"| within ±3% | optimized ms {a_name} / {b_name} |",
-        "|---|---|---|---|---|---|---|",
+        f"| within ±3% | optimized ms {a_name} / {b_name} |"
+        + (" host reference µs |" if hosts else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" if hosts else ""),
     ]
     overlap = close = 0
     shared = [n for n in first["workloads"] if n in second["workloads"]]
@@ -605,12 +617,21 @@ def compare(first: dict[str, Any], second: dict[str, Any], names: tuple[str, str
             f"{b['speedup_vs_compile']:.2f}× ({blo:.2f}–{bhi:.2f}) | {change * 100:+.1f}% | "
             f"{'yes' if overlaps else 'no'} | {'yes' if within else 'no'} | "
             f"{a['optimized_ms']:.4f} / {b['optimized_ms']:.4f} |"
+            + (f" {_us(host(a))} / {_us(host(b))} |" if hosts else "")
         )
     lines += [
         "",
         f"CIs overlap for {overlap} of {len(shared)}; ratios within ±3% for {close} of "
         f"{len(shared)}.",
     ]
+    if hosts:
+        lines += [
+            "",
+            "Host reference: the median over the recapture's timing processes of the fixed CPU "
+            "work timed at each round's start (µs per call; capture.timing.host_reference_us). "
+            "A launch-bound torch.compile baseline (its host path longer than its GPU time) "
+            "moves with it.",
+        ]
     return "\n".join(lines) + "\n"
 
 
