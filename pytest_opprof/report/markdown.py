@@ -12,6 +12,7 @@ import math
 import os
 import re
 import shlex
+import statistics
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -368,7 +369,7 @@ def _timing_note(timing: Timing) -> str:
     if processes <= 1:
         return (
             f"{head}, baseline and candidate timed interleaved in one process; the CI is a "
-            "paired bootstrap." + _slow_host_note(timing)
+            "paired bootstrap." + _slow_host_note(timing) + _host_speed_note(timing)
         )
     spread = [
         f"{BASELINE_LABELS.get(r.baseline, r.baseline)} → {r.candidate}: "
@@ -383,7 +384,7 @@ def _timing_note(timing: Timing) -> str:
     )
     if spread:
         note += " Each process's own ratio: " + "; ".join(spread) + "."
-    note += _slow_host_note(timing) + _host_bound_note(timing)
+    note += _slow_host_note(timing) + _host_bound_note(timing) + _host_speed_note(timing)
     alone = [n for n, v in timing.variants.items() if v.processes < processes]
     if alone:
         note += (
@@ -418,6 +419,29 @@ HOST_BOUND_SHARE = 0.8
 """A baseline whose GPU time (host hidden) is below this share of its latency waits on the host."""
 PROCESS_SPREAD = 1.1
 """Processes' ratios further apart than this (max / min) are explained where the host can be."""
+
+
+def _host_speed_note(timing: Timing) -> str:
+    """The host's speed the figures were measured at, where a baseline is host-bound: its
+    ratio moves with that speed between hosts (10-20% on the lent H200 hosts), so two runs
+    compare at the same reference."""
+    if not timing.host_us:
+        return ""
+    bound = []
+    for name in ("compile", "eager"):
+        gpu_ms, base = timing.gpu_time_ms.get(name), timing.variants.get(name)
+        if gpu_ms and base is not None and gpu_ms < HOST_BOUND_SHARE * base.median_ms:
+            label = BASELINE_LABELS.get(name, name)
+            bound.append(f"{label} (GPU {fmt_ms(gpu_ms)} of {fmt_ms(base.median_ms)})")
+    if not bound:
+        return ""
+    us = statistics.median(timing.host_us)
+    return (
+        f" The host ran its reference CPU work at a median {us:.2f} µs per call "
+        f"(`timing.host_us`); {' and '.join(bound)} {'is' if len(bound) == 1 else 'are'} "
+        "host-bound, so a ratio against it moves with the host's speed: compare runs at "
+        "the same reference."
+    )
 
 
 def _host_bound_note(timing: Timing) -> str:

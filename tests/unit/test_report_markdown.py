@@ -681,3 +681,35 @@ def test_headline_says_how_many_rounds_ran_on_a_slowed_host(full: WorkloadArtifa
     head = _section(render_workload_report(full, plots=False), "## Headline")
     assert f"{rounds} of {3 * rounds} rounds are set aside" in head
     assert "fast rounds: 3.0 µs" in head
+
+
+def test_headline_names_the_host_speed_a_host_bound_ratio_was_measured_at(
+    full: WorkloadArtifacts,
+) -> None:
+    """Between two H200 hosts whose reference ran at 1.43 and 1.25 µs, a launch-bound
+    torch.compile baseline moved 6.5%: the headline says what speed its figures are from."""
+    assert full.optimized is not None
+    timing = full.optimized.timing
+    compile_ms = timing.variants["compile"].median_ms
+    rounds = timing.variants["compile"].rounds
+    host_bound = timing.model_copy(
+        update={
+            "host_us": [1.43] * rounds,
+            "gpu_time_ms": {**timing.gpu_time_ms, "compile": 0.5 * compile_ms},
+        }
+    )
+    full.optimized = full.optimized.model_copy(update={"timing": host_bound})
+    head = _section(render_workload_report(full, plots=False), "## Headline")
+    assert "at a median 1.43 µs per call" in head and "torch.compile (GPU" in head
+    assert "compare runs at the same reference" in head
+    # GPU-bound baselines: the host's speed does not enter the ratio, and it is not named.
+    gpu_bound = host_bound.model_copy(
+        update={
+            "gpu_time_ms": {
+                k: v.median_ms for k, v in timing.variants.items() if k in ("compile", "eager")
+            }
+        }
+    )
+    full.optimized = full.optimized.model_copy(update={"timing": gpu_bound})
+    head = _section(render_workload_report(full, plots=False), "## Headline")
+    assert "µs per call" not in head

@@ -241,3 +241,26 @@ def test_validation_compiles_off_the_gpu_in_its_tests_and_after_its_reset(
     finally:
         torch._dynamo.reset()
     assert registered == {"tests": True, "smoke run": True}
+
+
+def test_only_the_reported_measurements_may_time_from_any_cpu_of_the_host(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The capture's, recapture's and retime's timing (quiet, under the lock) may move its
+    launching thread to any CPU of the host; selection's (not quiet) stays on its own."""
+    from pytest_opprof import devicelock, runner
+    from pytest_opprof.capture import timing
+
+    seen: list[bool] = []
+    monkeypatch.setattr(
+        timing, "time_interleaved", lambda *a, **kw: seen.append(kw["any_cpu"]) or {}
+    )
+    monkeypatch.setattr(runner, "_setting", lambda spec, name: 1)
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
+    assert devicelock.join() is not None
+    with devicelock.measuring(quiet=True):
+        runner._time_calls({}, {}, (), "cuda")
+    with devicelock.measuring():
+        runner._time_calls({}, {}, (), "cuda")
+    assert seen == [True, False]
