@@ -384,7 +384,8 @@ def _timing_note(timing: Timing) -> str:
     )
     if spread:
         note += " Each process's own ratio: " + "; ".join(spread) + "."
-    note += _slow_host_note(timing) + _host_bound_note(timing) + _host_speed_note(timing)
+    bound = _host_bound_note(timing)
+    note += _slow_host_note(timing) + bound + _host_speed_note(timing, said=bool(bound))
     alone = [n for n, v in timing.variants.items() if v.processes < processes]
     if alone:
         note += (
@@ -421,10 +422,10 @@ PROCESS_SPREAD = 1.1
 """Processes' ratios further apart than this (max / min) are explained where the host can be."""
 
 
-def _host_speed_note(timing: Timing) -> str:
+def _host_speed_note(timing: Timing, *, said: bool = False) -> str:
     """The host's speed the figures were measured at, where a baseline is host-bound: its
     ratio moves with that speed between hosts (10-20% on the lent H200 hosts), so two runs
-    compare at the same reference."""
+    compare at the same reference. ``said``: the note before already called it host-bound."""
     if not timing.host_us:
         return ""
     bound = []
@@ -436,6 +437,11 @@ def _host_speed_note(timing: Timing) -> str:
     if not bound:
         return ""
     us = statistics.median(timing.host_us)
+    if said:
+        return (
+            f" The host ran its reference CPU work at a median {us:.2f} µs per call "
+            "(`timing.host_us`): compare runs at the same reference."
+        )
     return (
         f" The host ran its reference CPU work at a median {us:.2f} µs per call "
         f"(`timing.host_us`); {' and '.join(bound)} {'is' if len(bound) == 1 else 'are'} "

@@ -713,3 +713,30 @@ def test_headline_names_the_host_speed_a_host_bound_ratio_was_measured_at(
     full.optimized = full.optimized.model_copy(update={"timing": gpu_bound})
     head = _section(render_workload_report(full, plots=False), "## Headline")
     assert "µs per call" not in head
+
+
+def test_the_host_reference_is_named_once_where_the_processes_disagree(
+    full: WorkloadArtifacts,
+) -> None:
+    """The processes' disagreement already says the baseline is host-bound: the host's speed
+    follows it without saying so again."""
+    from pytest_opprof.measure import Replica, pooled_timing
+
+    assert full.optimized is not None
+    timing = full.optimized.timing
+    rounds = timing.variants["compile"].rounds
+    timing = timing.model_copy(update={"host_us": [1.3] * rounds})
+    slow = {
+        name: [x * (2.0 if name == "compile" else 1.0) for x in v.samples_ms]
+        for name, v in timing.variants.items()
+    }
+    pooled = pooled_timing(timing, [Replica(slow, host_us=[1.3] * rounds)])
+    compile_ms = pooled.variants["compile"].median_ms
+    pooled = pooled.model_copy(
+        update={"gpu_time_ms": {**timing.gpu_time_ms, "compile": 0.4 * compile_ms}}
+    )
+    full.optimized = full.optimized.model_copy(update={"timing": pooled})
+    head = _section(render_workload_report(full, plots=False), "## Headline")
+    assert "The processes disagree because the baseline is host-bound" in head
+    assert "at a median 1.30 µs per call (`timing.host_us`): compare runs" in head
+    assert head.count("is host-bound") == 1
