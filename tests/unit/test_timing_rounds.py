@@ -33,6 +33,14 @@ def test_a_slow_call_gets_fewer_calls_never_under_the_minimum() -> None:
     assert timing.calls_for(20.0, 30, round_seconds=1.0) == 30
 
 
+@pytest.fixture
+def steady_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A host that never slows: exactly the rounds asked for (a shared CI machine's reference
+    does slow at times, and each slowed round earns one more)."""
+    monkeypatch.setattr(timing, "host_reference_us", lambda *a: 1.0)
+
+
+@pytest.mark.usefixtures("steady_host")
 def test_each_callable_gets_its_own_calls_per_round_and_rounds_stay_paired() -> None:
     made = {"fast": 0, "slow": 0}
     order: list[str] = []
@@ -95,6 +103,7 @@ def _spin(seconds: float) -> None:
         pass
 
 
+@pytest.mark.usefixtures("steady_host")
 def test_each_round_records_how_much_of_it_the_launching_thread_had_its_cpu() -> None:
     """A call that keeps the CPU (a launch, a spin-wait on the GPU) has a share near 1; one whose
     thread is off its CPU for most of the round (here asleep; on a host, preempted by another
@@ -181,7 +190,9 @@ def test_every_round_starts_with_the_host_reference() -> None:
         rounds=5,
         warmup_seconds=0.0,
     )
-    assert len(samples.host_us) == 5 and all(x > 0 for x in samples.host_us)
+    # five rounds, and one more for each a slowed host ran (a shared CI machine slows too)
+    assert 5 <= len(samples.host_us) == len(samples["f"]) <= 10
+    assert all(x > 0 for x in samples.host_us)
     assert Replica.from_json(samples.to_json()).host_us == samples.host_us
 
 
