@@ -224,7 +224,8 @@ class FastCpu:
     def __init__(self, any_cpu: bool) -> None:
         self.home: set[int] = set(os.sched_getaffinity(0)) if _CAN_PIN else set()
         count = os.cpu_count() or 0
-        self.cpus = sorted(set(range(count)) | self.home) if any_cpu else sorted(self.home)
+        every = set(range(count)) | self.home if _CAN_PIN else set()
+        self.cpus = sorted(every if any_cpu else self.home)  # none where nothing can pin
 
     def move(self) -> float:
         """Probe every candidate (a few milliseconds in all), stay on the fastest; its

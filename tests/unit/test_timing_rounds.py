@@ -280,3 +280,10 @@ def test_a_slowed_round_moves_the_thread_and_is_timed_at_the_new_cpus_speed(
     # Every CPU slowed: the round stays slowed and one more is timed.
     samples = run([1.2, 2.5, 2.5, 1.2, 1.2], [1.2, 2.4])
     assert samples.host_us == [1.2, 2.5, 1.2, 1.2] and len(samples["f"]) == 4
+
+
+def test_where_threads_cannot_be_pinned_nothing_moves(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(timing, "_CAN_PIN", False)
+    cpu = timing.FastCpu(any_cpu=True)
+    assert cpu.cpus == [] and cpu.move() == math.inf
+    cpu.restore()
