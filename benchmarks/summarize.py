@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_opprof.backend.plan import replaced_by_model_graph
+from pytest_opprof.measure import split_processes
 from pytest_opprof.schema import (
     BackendSelection,
     Optimizations,
@@ -122,8 +123,7 @@ def _gpu_time(*profiles: Profile) -> dict[str, dict[str, float | None]]:
             if stats is None:
                 continue
             busy = t.summary.busy_time_per_iter_us
-            first = (stats.samples_per_process or [len(stats.samples_ms)])[0]
-            own = sorted(stats.samples_ms[:first])
+            own = sorted(split_processes(stats.samples_ms, stats.samples_per_process or None)[0])
             out[t.label] = {
                 "timing_ms": stats.median_ms,
                 # the timeline's and the GPU time's own process (the recapture's, pooled first)
@@ -138,34 +138,42 @@ def _gpu_time(*profiles: Profile) -> dict[str, dict[str, float | None]]:
 
 def _processes(profile: Profile) -> list[dict[str, Any]]:
     """Per timing process of a profile, in order: each variant's median, the launching
-    thread's median CPU share and its preemptions over its rounds, and the host's CPUs while
-    it timed (``Timing.host``). Empty for a profile timed in one process without them."""
-    v = profile.timing.variants
-    n = max((s.processes for s in v.values()), default=1)
+    thread's median CPU share and its preemptions over its rounds, the host's CPUs while it
+    timed (``Timing.host``), and the median host reference with the rounds set aside. Empty
+    for a profile timed in one process without them."""
+    t = profile.timing
+    n = t.processes
+    every = {k: s for k, s in t.variants.items() if s.processes == n}
+    runs = {  # each variant timed in every process: its samples, shares, switches per process
+        k: [
+            split_processes(seq, s.samples_per_process or None) if seq else []
+            for seq in (s.samples_ms, s.cpu_share, s.preempted)
+        ]
+        for k, s in every.items()
+    }
+    full = next(iter(every.values()), None)
+    hosts = None
+    if full is not None and len(t.host_us) == len(full.samples_ms):
+        groups = full.samples_per_process or None
+        hosts = split_processes(t.host_us, groups)
+        rounds = split_processes(range(len(t.host_us)), groups)
     out: list[dict[str, Any]] = []
     for i in range(n):
         row: dict[str, Any] = {}
         for name in ("eager", "compile", "optimized"):
-            stats = v.get(name)
-            if stats is None or stats.processes != n:
+            if name not in runs:
                 continue
-            groups = stats.samples_per_process or [len(stats.samples_ms)]
-            at = sum(groups[:i])
-            part = slice(at, at + groups[i])
-            row[f"{name}_ms"] = statistics.median(stats.samples_ms[part])
-            if stats.cpu_share:
-                row[f"{name}_cpu_share"] = statistics.median(stats.cpu_share[part])
-                row[f"{name}_cpu_share_min"] = min(stats.cpu_share[part])
-                row[f"{name}_preempted"] = sum(stats.preempted[part])
-        if i < len(profile.timing.host):
-            row["host"] = profile.timing.host[i].model_dump()
-        full = next((s for s in v.values() if s.processes == n), None)
-        if full is not None and len(profile.timing.host_us) == len(full.samples_ms):
-            groups = full.samples_per_process or [len(full.samples_ms)]
-            at = sum(groups[:i])
-            mine = range(at, at + groups[i])
-            row["host_us"] = statistics.median(profile.timing.host_us[at : at + groups[i]])
-            row["set_aside"] = sum(1 for j in full.set_aside if j in mine)
+            ms, shares, switches = runs[name]
+            row[f"{name}_ms"] = statistics.median(ms[i])
+            if shares:
+                row[f"{name}_cpu_share"] = statistics.median(shares[i])
+                row[f"{name}_cpu_share_min"] = min(shares[i])
+                row[f"{name}_preempted"] = int(sum(switches[i]))
+        if i < len(t.host):
+            row["host"] = t.host[i].model_dump()
+        if hosts is not None and full is not None:
+            row["host_us"] = statistics.median(hosts[i])
+            row["set_aside"] = sum(1 for j in full.set_aside if j in rounds[i])
         out.append(row)
     return out if any("host" in r or "compile_cpu_share" in r for r in out) else []
 
@@ -499,7 +507,7 @@ def markdown(result: dict[str, Any]) -> str:
                     f"| {name} | {i} | {_ms(p.get('eager_ms'))} | {_ms(p.get('compile_ms'))} | "
                     f"{_ms(p.get('optimized_ms'))} | {shown} | "
                     f"{p.get('compile_preempted', '—')} | {host} | "
-                    + (f"{p['host_us']:.2f} | {p['set_aside']} |" if "host_us" in p else "— | — |")
+                    + f"{_us(p.get('host_us'))} | {p.get('set_aside', '—')} |"
                 )
     counted = {n: r["counters"] for n, r in result["workloads"].items() if r.get("counters")}
     if counted:

@@ -43,7 +43,7 @@ def bootstrap_median_ci(
     return _percentile(medians, alpha), _percentile(medians, 1 - alpha)
 
 
-def _split(samples: Sequence[float], groups: Sequence[int] | None) -> list[list[float]]:
+def split_processes(samples: Sequence[float], groups: Sequence[int] | None) -> list[list[float]]:
     """``samples`` cut into its processes' runs of rounds (``groups``: rounds per process)."""
     if not groups:
         return [list(samples)]
@@ -129,7 +129,7 @@ def latency_stats(
     ``samples_ms`` but count in none of the statistics."""
     if not samples_ms:
         raise ValueError("no timing samples")
-    _split(samples_ms, groups)  # checks the split
+    split_processes(samples_ms, groups)  # checks the split
     n = len(samples_ms)
     all_ms, all_groups = samples_ms, groups
     set_aside = sorted({i for i in set_aside if 0 <= i < n})
@@ -193,7 +193,9 @@ def speedup(
         candidate, _ = _kept(candidate, groups, set_aside)
         groups = kept_groups
     ratio = statistics.median(baseline) / statistics.median(candidate)
-    parts = list(zip(_split(baseline, groups), _split(candidate, groups), strict=True))
+    parts = list(
+        zip(split_processes(baseline, groups), split_processes(candidate, groups), strict=True)
+    )
     per_process = (
         [statistics.median(b) / statistics.median(c) for b, c in parts] if len(parts) > 1 else []
     )
@@ -271,15 +273,15 @@ def pooled_timing(timing: Timing, replicas: Sequence[Replica]) -> Timing:
 
     runs, groups = {}, {}
     for name, stats in timing.variants.items():
-        own = _split(stats.samples_ms, stats.samples_per_process or None)
+        own = split_processes(stats.samples_ms, stats.samples_per_process or None)
         timed = [r for r in replicas if r.samples.get(name)]
         runs[name] = (timed, [*own, *(list(r.samples[name]) for r in timed)])
         groups[name] = [len(run) for run in runs[name][1]]
     full = max(groups.values(), key=len)
     host_us = joined(timing.host_us, [r.host_us for r in replicas])
-    slow = slow_host_rounds(host_us) if len(host_us) == sum(full) else []
-    if len(host_us) != sum(full):
+    if len(host_us) != sum(full):  # not one reference per round: none
         host_us = []
+    slow = slow_host_rounds(host_us)
     variants = {}
     for name, stats in timing.variants.items():
         timed, parts = runs[name]

@@ -179,17 +179,22 @@ def test_host_window_splits_the_hosts_cpus_into_the_processes_own_and_the_others
     assert host_window(None, after, 0.5) is None and host_window(before, after, 0.0) is None
 
 
-def test_every_round_starts_with_the_host_reference() -> None:
-    assert 0 < timing.host_reference_us() < 1000.0
-    samples = timing.time_interleaved(
+def _time_one(rounds: int) -> timing.RoundSamples:
+    """A trivial callable timed on the CPU: two calls a round, no warmup time."""
+    return timing.time_interleaved(
         {"f": lambda x: x + 1},
         (torch.zeros(2),),
         device="cpu",
         warmup=1,
         calls_per_round=2,
-        rounds=5,
+        rounds=rounds,
         warmup_seconds=0.0,
     )
+
+
+def test_every_round_starts_with_the_host_reference() -> None:
+    assert 0 < timing.host_reference_us() < 1000.0
+    samples = _time_one(rounds=5)
     # five rounds, and one more for each a slowed host ran (a shared CI machine slows too)
     assert 5 <= len(samples.host_us) == len(samples["f"]) <= 10
     assert all(x > 0 for x in samples.host_us)
@@ -222,21 +227,10 @@ def test_a_round_on_a_slowed_host_earns_one_more_round_at_most_as_many_as_planne
     refs = iter([1.2, 2.5, 2.5, 1.2, 1.2, 1.2, 9.9])
     monkeypatch.setattr(timing, "host_reference_us", lambda *a: next(refs))
 
-    def call() -> dict[str, list[float]]:
-        return timing.time_interleaved(
-            {"f": lambda x: x + 1},
-            (torch.zeros(2),),
-            device="cpu",
-            warmup=1,
-            calls_per_round=2,
-            rounds=4,
-            warmup_seconds=0.0,
-        )
-
-    samples = call()
+    samples = _time_one(rounds=4)
     assert samples.host_us == [1.2, 2.5, 2.5, 1.2, 1.2, 1.2] and len(samples["f"]) == 6
     refs = iter([1.0] + [5.0] * 20)
-    assert len(call()["f"]) == 4 + 4  # slowed from the second round on: capped at 4 more
+    assert len(_time_one(rounds=4)["f"]) == 4 + 4  # slowed from the second on: capped at 4 more
 
 
 def test_a_slowed_round_moves_the_thread_and_is_timed_at_the_new_cpus_speed(
@@ -264,15 +258,7 @@ def test_a_slowed_round_moves_the_thread_and_is_timed_at_the_new_cpus_speed(
         it = iter(refs)
         monkeypatch.setattr(timing, "host_reference_us", lambda *a: next(it))
         monkeypatch.setattr(timing, "_launching_cpu", lambda device, any_cpu: Movable(speeds))
-        return timing.time_interleaved(
-            {"f": lambda x: x + 1},
-            (torch.zeros(2),),
-            device="cpu",
-            warmup=1,
-            calls_per_round=2,
-            rounds=3,
-            warmup_seconds=0.0,
-        )
+        return _time_one(rounds=3)
 
     samples = run([1.2, 2.5, 1.25, 1.2], [1.2, 1.2])
     assert samples.host_us == [1.2, 1.25, 1.2] and len(samples["f"]) == 3
