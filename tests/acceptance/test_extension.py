@@ -310,7 +310,8 @@ def test_timing_settings_hook(pytester: pytest.Pytester) -> None:
     meta = profile["capture_metadata"]
     # the defaults 10 / 30 / 15, as the conftest adjusts them
     assert (meta["warmup_iters"], meta["measure_iters"], meta["rounds"]) == (2, 3, 5)
-    assert profile["timing"]["variants"]["eager"]["rounds"] == 5
+    # the five asked for, and one more for each round a slowed host ran (capture.timing)
+    assert 5 <= profile["timing"]["variants"]["eager"]["rounds"] <= 10
 
 
 def test_timing_settings_answer_is_checked(pytester: pytest.Pytester) -> None:
