@@ -228,6 +228,21 @@ def speedup(
     )
 
 
+def paired_gain(
+    samples: Mapping[str, Sequence[float]],
+    calls: Mapping[str, int],
+    host_us: Sequence[float],
+    baseline: str,
+    candidate: str,
+) -> tuple[Speedup, LatencyStats]:
+    """Selection's verdict on one rung: ``candidate`` against ``baseline`` (the plan below it)
+    over the same interleaved rounds, and the candidate's latency; the rounds whose host
+    reference says the host was slowed count on neither side, as in the timing pass."""
+    aside = slow_host_rounds(host_us)
+    gain = speedup(baseline, samples[baseline], candidate, samples[candidate], set_aside=aside)
+    return gain, latency_stats(samples[candidate], calls[candidate], set_aside=aside)
+
+
 @dataclass(frozen=True)
 class Replica:
     """What one more timing process measured: per variant its samples, and per round its

@@ -22,10 +22,11 @@ from typing import TYPE_CHECKING, Any
 from pytest_opprof import devicelock
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence, Set
 
+    from pytest_opprof.backend.plan import Rung
     from pytest_opprof.capture.timing import RoundSamples
-    from pytest_opprof.schema import IrLevel
+    from pytest_opprof.schema import IrLevel, Proposal
 
 EXIT_USER_ERROR = 3
 _STARTED = time.perf_counter()
@@ -528,16 +529,16 @@ def task_counters_target(spec: dict[str, Any]) -> None:
 def task_select(spec: dict[str, Any]) -> None:
     """Measured selection: climb the ladder of proposals, keeping a rung only when it is
     confidently faster than the plan below it (paired, interleaved rounds) and numerically
-    equivalent to the eager baseline; then give each dropped rung a second chance on top of
-    the final plan, since some gains only appear together (bf16 pays once layouts match, CUDA
-    graphs once kernels are short)."""
+    equivalent to the eager baseline; then give each rung dropped before the last kept one a
+    second chance on top of the final plan, since some gains only appear together (bf16 pays
+    once layouts match). The rungs: :func:`selection_rungs`."""
     import torch
 
     from pytest_opprof.backend.build import build
-    from pytest_opprof.backend.plan import Rung, add_proposal, inside_model_graph, ladder
+    from pytest_opprof.backend.plan import add_proposal, inside_model_graph
     from pytest_opprof.capture.system import resolve_device
     from pytest_opprof.capture.timing import synchronize, time_interleaved
-    from pytest_opprof.measure import latency_stats, speedup
+    from pytest_opprof.measure import latency_stats, paired_gain, slow_host_rounds
     from pytest_opprof.schema import (
         BackendPlan,
         BackendSelection,
@@ -570,7 +571,8 @@ def task_select(spec: dict[str, Any]) -> None:
     # Each rung shares the GPU again as it starts (attempt()); after the last, nothing runs.
     with devicelock.measuring(share_after=False):
         base = time_interleaved({"eager": eager, "compile": compiled}, w.inputs, **brief)
-    stats = {k: latency_stats(v, base.calls[k]) for k, v in base.items()}
+    aside = slow_host_rounds(base.host_us)
+    stats = {k: latency_stats(v, base.calls[k], set_aside=aside) for k, v in base.items()}
     ref_name = min(stats, key=lambda k: stats[k].median_ms)
     ref_ms = stats[ref_name].median_ms
     variants = [
@@ -610,27 +612,7 @@ def task_select(spec: dict[str, Any]) -> None:
                     )
                 ),
             )
-    proposals = [p for p in opt.proposals if p.id not in dropped]
-    rungs = ladder(proposals)
-    precision = next((i for i, r in enumerate(rungs) if r.name == "dtype_promotion"), None)
-    if (
-        device == "cuda"
-        and precision is not None
-        and "gemm_out_dtype" not in skip
-        and not any(r.name == "gemm_out_dtype" for r in rungs)
-    ):
-        # Right after bf16: a GEMM whose result is only cast back up can write fp32 itself,
-        # which the fp32 profile cannot show (it has no cast).
-        rungs.insert(precision + 1, Rung("gemm_out_dtype", (_auto_gemm_out_dtype(),)))
-    if (
-        device == "cuda"
-        and not any(r.name == "cuda_graphs" for r in rungs)
-        and "cuda_graphs" not in skip
-    ):
-        rungs.append(Rung("cuda_graphs", (_auto_cuda_graphs(),)))
-    if device == "cuda" and "cuda_graphs" not in skip:
-        # After every other rung: one CUDA graph of the whole call, graph breaks included.
-        rungs.append(Rung("cuda_graphs_model", (_auto_cuda_graphs(scope="model"),)))
+    rungs = selection_rungs([p for p in opt.proposals if p.id not in dropped], device, skip)
 
     def attempt(rung: Rung, second_chance: bool) -> bool:
         plan = state["plan"]
@@ -703,9 +685,9 @@ def task_select(spec: dict[str, Any]) -> None:
             return False
         with devicelock.measuring(share_after=False):
             s = time_interleaved({"current": state["fn"], "candidate": built.fn}, w.inputs, **brief)
-        gain = speedup("current", s["current"], "candidate", s["candidate"])
-        phase(f"timed {name}: {gain.ratio:.3f}x")
-        cand = latency_stats(s["candidate"], s.calls["candidate"])
+        gain, cand = paired_gain(s, s.calls, s.host_us, "current", "candidate")
+        aside = f" ({len(cand.set_aside)} rounds set aside)" if cand.set_aside else ""
+        phase(f"timed {name}: {gain.ratio:.3f}x{aside}")
         new_ms = state["ms"] / gain.ratio
         variants.append(
             VariantResult(
@@ -764,6 +746,33 @@ def task_select(spec: dict[str, Any]) -> None:
         numerics_dtype=checked_as if checked_as == TF32 else None,
     )
     write_artifact(out_dir / "profiler_output" / "backend_selection.json", selection)
+
+
+def selection_rungs(proposals: Sequence[Proposal], device: str, skip: Set[str]) -> list[Rung]:
+    """The ladder selection climbs: the proposals' rungs (``backend.plan.ladder``) and, on a
+    GPU, the rungs no rule proposes — ``gemm_out_dtype`` right after bf16, and CUDA graphs
+    before everything else: first one graph of the whole call (graph breaks included), then
+    Inductor's per-graph CUDA graphs, which selection does not build once the whole call is
+    one graph. ``skip``: the types the workload's ``OPPROF["skip"]`` names."""
+    from pytest_opprof.backend.plan import Rung, ladder
+
+    rungs: list[Rung] = ladder(proposals)
+    if device != "cuda":
+        return rungs
+    precision = next((i for i, r in enumerate(rungs) if r.name == "dtype_promotion"), None)
+    if (
+        precision is not None
+        and "gemm_out_dtype" not in skip
+        and not any(r.name == "gemm_out_dtype" for r in rungs)
+    ):
+        # Right after bf16: a GEMM whose result is only cast back up can write fp32 itself,
+        # which the fp32 profile cannot show (it has no cast).
+        rungs.insert(precision + 1, Rung("gemm_out_dtype", (_auto_gemm_out_dtype(),)))
+    if "cuda_graphs" in skip:
+        return rungs
+    if not any(r.name == "cuda_graphs" for r in rungs):
+        rungs.insert(0, Rung("cuda_graphs", (_auto_cuda_graphs(),)))
+    return [Rung("cuda_graphs_model", (_auto_cuda_graphs(scope="model"),)), *rungs]
 
 
 def _pristine_copy(model: Any, reload: Callable[[], Any]) -> Any:

@@ -187,6 +187,25 @@ def test_rounds_set_aside_count_in_no_statistic_but_stay_in_the_samples() -> Non
     assert two.ratio == pytest.approx(2.0) and two.process_ratios == []
 
 
+def test_selection_judges_a_rung_without_the_rounds_of_a_slowed_host() -> None:
+    """Selection's rounds are set aside like the timing pass's: a rung 2x faster in every round
+    of a steady host, slower in the rounds of a slowed one, is kept on a tight interval (on a
+    shared CPU such rounds gave a 6.6x fold a 0.62-22.95x interval, and selection dropped it)."""
+    from pytest_opprof.measure import paired_gain
+
+    current = [2.0, 2.02, 1.98, 2.01, 1.99, 2.03, 1.97, 2.0, 1.5, 1.4, 1.6, 1.5]
+    candidate = [1.0, 1.01, 0.99, 1.02, 0.98, 1.0, 1.01, 0.99, 3.0, 2.8, 3.1, 2.9]
+    host_us = [1.2] * 8 + [2.6, 2.4, 2.5, 2.7]
+    samples = {"current": current, "candidate": candidate}
+    gain, cand = paired_gain(samples, {"current": 5, "candidate": 5}, host_us, *samples)
+    assert gain.ratio == pytest.approx(2.0, rel=0.01) and gain.ci_low > 1.95
+    assert cand.set_aside == [8, 9, 10, 11] and cand.median_ms == pytest.approx(1.0)
+    assert cand.calls_per_round == 5
+    # A steady host sets nothing aside: the same rounds widen the interval.
+    wide, _ = paired_gain(samples, {"current": 5, "candidate": 5}, [1.2] * 12, *samples)
+    assert wide.ci_low < 1.0
+
+
 def test_pooling_sets_aside_a_slowed_processes_rounds_for_every_variant_timed_in_them() -> None:
     """What the H200 showed: one timing process's launch-bound baseline at 1.6x the others'
     while the host reference ran 1.6x slower in it; the optimized replay unmoved. The pooled
