@@ -3,14 +3,18 @@ that measured selection times.
 
 Pure Python. A proposal's ``type`` names the pass; its ``ir_level`` routes it. The ladder adds
 the proposals one group at a time in a fixed order, so each rung's gain can be attributed to
-what it added: CUDA graphs first, then the graph rewrites, one type per rung (they change what
-the later steps see), then precision, layout and Inductor settings.
+what it added: CUDA graphs, then precision, then the graph rewrites (one type per rung), layout
+and Inductor settings. A plan is a set of changes, built the same way whatever the order its
+rungs were timed in; the order decides what each rung is timed against.
 
-CUDA graphs lead because a rung is timed against the plan below it: where that plan's GPU
-waits on the host, a rung that shortens kernels gains nothing measurable. With CUDA graphs last
-(until 2026-12-01), seven H200 runs of the examples kept bf16 on conv_block, mlp_activations and
-the LSTM only on the second pass, at 1.41–4.00× — after 0.99–1.07× on the first, measured
-against a launch-bound plan — and every such rung was built twice.
+A rung is timed against the plan below it, so the ladder starts with the two changes that
+move a call's time the most, and every later rung is timed in the conditions of the plan it
+would end in. Where the plan's GPU waits on the host, a shorter kernel gains nothing
+measurable: with CUDA graphs last (until 2026-12-01), seven H200 runs of the examples kept
+bf16 on conv_block, mlp_activations and the LSTM only on the second pass, at 1.41–4.00×, after
+0.99–1.07× on the first. And a rewrite's gain can depend on the precision: gpt2's SDPA
+rewrite timed 0.98× at float32 and 1.20× at bf16 (2026-12-01, CUDA graphs first, precision
+after the rewrites), so precision comes before them.
 """
 
 from __future__ import annotations
@@ -29,9 +33,9 @@ from pytest_opprof.schema import BackendPlan, Proposal
 # Rung order of the ladder; proposal types not listed are graph passes, in the "graph" place.
 LADDER_ORDER: tuple[str, ...] = (
     "cuda_graphs",
-    "graph",
     "dtype_promotion",
     "gemm_out_dtype",
+    "graph",
     "memory_layout",
     "batch_padding",
     "pretranspose_weights",

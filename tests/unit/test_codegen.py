@@ -127,17 +127,20 @@ def test_each_graph_rewrite_is_its_own_rung(make_proposal: Any) -> None:
     )
     assert [(r.name, [p.id for p in r.proposals]) for r in rungs] == [
         ("cuda_graphs", ["cuda_graphs-1"]),
+        ("dtype_promotion", ["dtype_promotion-1"]),
         ("sdpa_replacement", ["sdpa_replacement-1", "sdpa_replacement-2"]),
         ("activation_substitution", ["activation_substitution-1"]),
         ("my_fold", ["my_fold-1"]),
-        ("dtype_promotion", ["dtype_promotion-1"]),
     ]
 
 
-def test_selection_times_cuda_graphs_before_every_other_rung(make_proposal: Any) -> None:
-    """On a GPU a rung is timed on top of CUDA graphs, where a shorter kernel shows: with them
-    last, bf16 on conv_block, mlp_activations and the LSTM gained 0.99–1.07× against a
-    launch-bound plan and 1.41–4.00× on the second pass."""
+def test_selection_times_cuda_graphs_then_precision_before_every_other_rung(
+    make_proposal: Any,
+) -> None:
+    """On a GPU a rung is timed on top of CUDA graphs and bf16, the conditions of the plan it
+    would end in: with CUDA graphs last, bf16 on conv_block, mlp_activations and the LSTM
+    gained 0.99–1.07× against a launch-bound plan and 1.41–4.00× on the second pass; gpt2's
+    SDPA rewrite 0.98× at float32 and 1.20× at bf16."""
     from pytest_opprof.runner import selection_rungs
 
     proposals = [
@@ -152,9 +155,9 @@ def test_selection_times_cuda_graphs_before_every_other_rung(make_proposal: Any)
     assert order("cuda", set()) == [
         ("cuda_graphs_model", "cuda_graphs-model"),
         ("cuda_graphs", "cuda_graphs-selection"),
-        ("sdpa_replacement", "sdpa_replacement-1"),
         ("dtype_promotion", "dtype_promotion-1"),
         ("gemm_out_dtype", "gemm_out_dtype-selection"),
+        ("sdpa_replacement", "sdpa_replacement-1"),
         ("memory_layout", "memory_layout-1"),
     ]
     # A rule's own CUDA graphs proposal takes the place of the one selection would add.
@@ -162,16 +165,16 @@ def test_selection_times_cuda_graphs_before_every_other_rung(make_proposal: Any)
     assert order("cuda", set(), ruled)[:3] == [
         ("cuda_graphs_model", "cuda_graphs-model"),
         ("cuda_graphs", "cuda_graphs-1"),
-        ("sdpa_replacement", "sdpa_replacement-1"),
+        ("dtype_promotion", "dtype_promotion-1"),
     ]
     assert [n for n, _ in order("cuda", {"cuda_graphs", "gemm_out_dtype"})] == [
-        "sdpa_replacement",
         "dtype_promotion",
+        "sdpa_replacement",
         "memory_layout",
     ]
     assert [n for n, _ in order("cpu", set())] == [
-        "sdpa_replacement",
         "dtype_promotion",
+        "sdpa_replacement",
         "memory_layout",
     ]
 
