@@ -191,3 +191,21 @@ def test_which_dropped_rungs_get_a_second_pass() -> None:
     assert _worth_a_second_pass(nowhere, revived=True)
     assert not _worth_a_second_pass(["failed to build: RuntimeError"], revived=True)
     assert not _worth_a_second_pass([slower[0], "changed the output: ..."], revived=True)
+    small = ["gained under 1%: 1.003x (95% CI 1.001–1.005) against the plan without it"]
+    assert _worth_a_second_pass(small, revived=False)
+
+
+def test_a_rung_is_kept_only_when_confidently_faster_by_one_percent() -> None:
+    """Timed on CUDA graphs, gpt2's GELU rewrite and frozen weights were confidently faster by
+    0.3% each: kept, each cost a build and a second pass for nothing a user would measure."""
+    from pytest_opprof.runner import MIN_RUNG_GAIN, SMALL_GAIN, faster_enough
+    from pytest_opprof.schema import Speedup
+
+    def gain(ratio: float, low: float, high: float) -> Speedup:
+        return Speedup(baseline="current", candidate="rung", ratio=ratio, ci_low=low, ci_high=high)
+
+    assert faster_enough(gain(1.12, 1.10, 1.14))
+    assert faster_enough(gain(MIN_RUNG_GAIN, 1.001, 1.02))
+    assert not faster_enough(gain(1.003, 1.001, 1.005))  # confident, too small
+    assert not faster_enough(gain(1.05, 0.99, 1.11))  # large, not confident
+    assert SMALL_GAIN == "gained under 1%"
