@@ -215,6 +215,19 @@ HOST_SPEED = ROOT / "benchmarks" / "results" / "h200-2026-12-01"
 it, ref-n7), then the timing thread on the fastest CPU (fastcpu-n7, fastcpu-n7-again), taking
 the reference anew after a move (retake-n7, same-n7), and same-n7's backends timed again on
 the same machine (same-n7-retimed, ``--opprof-from=recapture``)."""
+SELECTION = ROOT / "benchmarks" / "results" / "h200-2026-12-01b"
+"""Seven workers on one GPU, selection timing CUDA graphs first: before precision (first-n7,
+counters-n7), then with precision second (second-n7), then keeping only gains of 1% or more
+(third-n7); each ``-retimed`` run timed the same backends again on the same machine."""
+SELECTION_RUNS = (
+    "first-n7",
+    "first-n7-retimed",
+    "counters-n7",
+    "second-n7",
+    "second-n7-retimed",
+    "third-n7",
+    "third-n7-retimed",
+)
 
 
 @pytest.mark.parametrize(
@@ -235,7 +248,8 @@ the same machine (same-n7-retimed, ``--opprof-from=recapture``)."""
             "same-n7",
             "same-n7-retimed",
         )
-    ],
+    ]
+    + [SELECTION / r for r in SELECTION_RUNS],
     ids=lambda f: f"{f.parent.name}/{f.name}",
 )
 def test_the_committed_tables_of_the_timed_runs_are_what_the_tool_writes(folder: Path) -> None:
@@ -244,7 +258,7 @@ def test_the_committed_tables_of_the_timed_runs_are_what_the_tool_writes(folder:
     table = tool.markdown(result)
     assert table == (folder / "summary.md").read_text(encoding="utf-8")
     # only processes that shared a GPU waited for it
-    shared = (SHARED, MAKING_WAY, BATCHED, OFF_GPU, HOST_SPEED)
+    shared = (SHARED, MAKING_WAY, BATCHED, OFF_GPU, HOST_SPEED, SELECTION)
     assert ("of them waiting for the GPU" in table) == (folder.parent in shared)
     done = {n: r for n, r in result["workloads"].items() if r.get("status") != "missing"}
     assert len(done) == (3 if folder.name == "one-gpu-cut" else 7)  # cut by the GPU's time
@@ -390,3 +404,57 @@ def test_the_same_backends_timed_twice_on_one_host() -> None:
     assert "| host reference µs |" in table
     row = next(line for line in table.splitlines() if line.startswith("| lstm_sequence_encoder |"))
     assert row.endswith("| 1.29 / 1.19 |")
+
+
+def _selection(run: Path, workload: str) -> Any:
+    from pytest_opprof.schema import BackendSelection, read_artifact
+
+    path = run / workload / "profiler_output" / "backend_selection.json"
+    return read_artifact(path, BackendSelection)
+
+
+def test_with_cuda_graphs_first_selection_builds_fewer_variants_and_needs_no_second_pass() -> None:
+    """The H200 runs before and after the ladder's change: with CUDA graphs last, bf16 and
+    layout rungs were timed against launch-bound plans and kept only on the second pass; with
+    CUDA graphs first and precision second (third-n7), each rung is timed in the conditions of
+    the plan it ends in, and no kept rung gained under 1%."""
+    from pytest_opprof.runner import MIN_RUNG_GAIN
+
+    def built(run: Path, workload: str) -> int:
+        return sum(v.name not in ("eager", "compile") for v in _selection(run, workload).variants)
+
+    def second_passes(run: Path, workload: str) -> int:
+        return sum("[second pass]" in s.step for s in _selection(run, workload).waterfall)
+
+    before, after = HOST_SPEED / "same-n7", SELECTION / "third-n7"
+    names = sorted(json_of(after / "summary.json")["workloads"])
+    assert sum(built(before, n) for n in names) == 55
+    assert sum(built(after, n) for n in names) == 37
+    assert sum(second_passes(before, n) for n in names) == 6
+    assert sum(second_passes(after, n) for n in names) == 1  # embedding's whole-call graph
+    for name in names:
+        sel = _selection(after, name)
+        first = next(v for v in sel.variants if v.name not in ("eager", "compile"))
+        assert first.name == "cuda_graphs-model", name
+        assert all(step.speedup_added >= MIN_RUNG_GAIN for step in sel.waterfall[1:]), name
+    # The wall time of the seven, with gpt2's selection its longest stage.
+    walls = [int(line.split()[0]) for line in (after / "wall_seconds.txt").read_text().splitlines()]
+    assert walls[0] == 184
+
+
+def test_the_same_backends_timed_twice_after_the_ladders_change() -> None:
+    """Each run's backends timed again on its machine a minute later: the GPU-bound ratios
+    agree within 0.4%; the launch-bound baselines' ratios moved by up to 7.8% with the host."""
+    tool = _summarize()
+    said = []
+    for run in ("first-n7", "second-n7", "third-n7"):
+        one, two = (json_of(SELECTION / r / "summary.json") for r in (run, f"{run}-retimed"))
+        said.append(tool.compare(one, two, ("one", "two")).splitlines()[-3])
+        for name in ("embedding_projection", "gpt2"):
+            a, b = (r["workloads"][name]["speedup_vs_compile"] for r in (one, two))
+            assert abs(b / a - 1) < 0.008, (run, name)
+    assert said == [
+        "CIs overlap for 7 of 7; ratios within ±3% for 7 of 7.",
+        "CIs overlap for 7 of 7; ratios within ±3% for 4 of 7.",
+        "CIs overlap for 6 of 7; ratios within ±3% for 4 of 7.",
+    ]
