@@ -218,7 +218,8 @@ the same machine (same-n7-retimed, ``--opprof-from=recapture``)."""
 SELECTION = ROOT / "benchmarks" / "results" / "h200-2026-12-01b"
 """Seven workers on one GPU, selection timing CUDA graphs first: before precision (first-n7,
 counters-n7), then with precision second (second-n7), then keeping only gains of 1% or more
-(third-n7); each ``-retimed`` run timed the same backends again on the same machine."""
+(third-n7, and fourth-n7 on another host); each ``-retimed`` run timed the same backends
+again on the same machine."""
 SELECTION_RUNS = (
     "first-n7",
     "first-n7-retimed",
@@ -227,6 +228,7 @@ SELECTION_RUNS = (
     "second-n7-retimed",
     "third-n7",
     "third-n7-retimed",
+    "fourth-n7",
 )
 
 
@@ -437,9 +439,11 @@ def test_with_cuda_graphs_first_selection_builds_fewer_variants_and_needs_no_sec
         first = next(v for v in sel.variants if v.name not in ("eager", "compile"))
         assert first.name == "cuda_graphs-model", name
         assert all(step.speedup_added >= MIN_RUNG_GAIN for step in sel.waterfall[1:]), name
-    # The wall time of the seven, with gpt2's selection its longest stage.
-    walls = [int(line.split()[0]) for line in (after / "wall_seconds.txt").read_text().splitlines()]
-    assert walls[0] == 184
+    # The wall time of the seven on two hosts, and the same plans on both.
+    again = SELECTION / "fourth-n7"
+    for run, wall in ((after, 184), (again, 185)):
+        assert int((run / "wall_seconds.txt").read_text().split()[0]) == wall
+    assert all(_selection(after, n).plan == _selection(again, n).plan for n in names)
 
 
 def test_the_same_backends_timed_twice_after_the_ladders_change() -> None:
