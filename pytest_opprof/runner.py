@@ -528,10 +528,11 @@ def task_counters_target(spec: dict[str, Any]) -> None:
 
 def task_select(spec: dict[str, Any]) -> None:
     """Measured selection: climb the ladder of proposals, keeping a rung only when it is
-    confidently faster than the plan below it (paired, interleaved rounds) and numerically
-    equivalent to the eager baseline; then give each rung dropped before the last kept one a
-    second chance on top of the final plan, since some gains only appear together (bf16 pays
-    once layouts match). The rungs: :func:`selection_rungs`."""
+    confidently faster than the plan below it (paired, interleaved rounds), by at least
+    ``MIN_RUNG_GAIN``, and numerically equivalent to the eager baseline; then give each rung
+    dropped before the last kept one a second chance on top of the final plan, since some
+    gains only appear together (bf16 pays once layouts match). The rungs:
+    :func:`selection_rungs`."""
     import torch
 
     from pytest_opprof.backend.build import build
