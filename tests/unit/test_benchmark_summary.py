@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "benchmarks" / "results" / "h200-2026-11-30i" / "one-gpu-counters"
-"""The run whose artifacts are in examples/*/h200 (-n 4 on one GPU, counters on, one call)."""
+RESULTS = ROOT / "benchmarks" / "results" / "h200-2026-12-01b" / "counters-n7"
+"""The run whose artifacts are in examples/*/h200 (-n 7 on one GPU, counters on, one call)."""
 EARLIER = ROOT / "benchmarks" / "results" / "h200x2-2026-11-30c"
 """An earlier run cut into four calls: its stage JUnit files test the stage-time merge."""
 
