@@ -714,8 +714,7 @@ def task_select(spec: dict[str, Any]) -> None:
                 id=p.id,
                 type=p.type,
                 reason=(
-                    ("made nothing faster" if gain.ci_low <= 1.0 else SMALL_GAIN)
-                    + f": {gain.ratio:.3f}x (95% CI {gain.ci_low:.3f}–"
+                    _verdict(gain) + f": {gain.ratio:.3f}x (95% CI {gain.ci_low:.3f}–"
                     f"{gain.ci_high:.3f}) against the plan without it"
                     + (", also on the second pass" if second_chance else "")
                 ),
@@ -817,15 +816,32 @@ two builds and a second pass for nothing a user would measure."""
 SMALL_GAIN = f"gained under {MIN_RUNG_GAIN - 1:.0%}"
 
 
+MUCH_SLOWER = 0.5
+"""A rung whose paired CI lies wholly below this, the call over twice as slow, gets no second
+pass. Of the rungs the H200 runs kept on their second pass, the worst had timed 0.79x on its
+first (bf16 on conv_block under a launch-bound plan), none near a halving; bf16 on a CPU
+without bf16 units ran 0.29x, and its second pass cost the README's conv_block run 32 s of
+timing."""
+SLOWER = "made the call over twice as slow"
+
+
 def faster_enough(gain: Speedup) -> bool:
     """Whether selection keeps a rung that measured ``gain`` against the plan below it."""
     return gain.ci_low > 1.0 and gain.ratio >= MIN_RUNG_GAIN
 
 
+def _verdict(gain: Speedup) -> str:
+    """Why a rung that measured ``gain`` was dropped (a dropped reason's first words)."""
+    if gain.ci_high < MUCH_SLOWER:
+        return SLOWER
+    return "made nothing faster" if gain.ci_low <= 1.0 else SMALL_GAIN
+
+
 def _worth_a_second_pass(reasons: list[str], revived: bool) -> bool:
     """Whether a dropped rung is tried again on top of the final plan: when it made nothing
-    (or too little) faster, since some gains only appear together, or applied nowhere and a
-    rung before it was kept on this second pass (the pattern it needs may exist now)."""
+    (or too little) faster, since some gains only appear together, but not when it made the
+    call over twice as slow; or when it applied nowhere and a rung before it was kept on this
+    second pass (the pattern it needs may exist now)."""
     if all(r.startswith(("made nothing faster", SMALL_GAIN)) for r in reasons):
         return True
     return revived and all(r.startswith("applied nowhere") for r in reasons)

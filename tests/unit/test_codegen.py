@@ -193,6 +193,23 @@ def test_which_dropped_rungs_get_a_second_pass() -> None:
     assert not _worth_a_second_pass([slower[0], "changed the output: ..."], revived=True)
     small = ["gained under 1%: 1.003x (95% CI 1.001–1.005) against the plan without it"]
     assert _worth_a_second_pass(small, revived=False)
+    halved = ["made the call over twice as slow: 0.292x (95% CI 0.285–0.301) against ..."]
+    assert not _worth_a_second_pass(halved, revived=True)
+
+
+def test_a_dropped_rung_says_how_it_fared() -> None:
+    """The first words of a dropped rung's reason, which decide its second pass: bf16 on this
+    CPU ran 0.29x (README's conv_block run), gpt2's GELU rewrite 1.003x on the H200."""
+    from pytest_opprof.runner import SLOWER, SMALL_GAIN, _verdict
+    from pytest_opprof.schema import Speedup
+
+    def gain(ratio: float, low: float, high: float) -> Speedup:
+        return Speedup(baseline="current", candidate="rung", ratio=ratio, ci_low=low, ci_high=high)
+
+    assert _verdict(gain(0.292, 0.285, 0.301)) == SLOWER
+    assert _verdict(gain(0.80, 0.45, 0.95)) == "made nothing faster"  # not surely halved
+    assert _verdict(gain(0.998, 0.994, 1.001)) == "made nothing faster"
+    assert _verdict(gain(1.003, 1.001, 1.005)) == SMALL_GAIN
 
 
 def test_a_rung_is_kept_only_when_confidently_faster_by_one_percent() -> None:
