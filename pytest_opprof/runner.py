@@ -22,11 +22,10 @@ from typing import TYPE_CHECKING, Any
 from pytest_opprof import devicelock
 
 if TYPE_CHECKING:
-    from collections.abc import Callable, Sequence, Set
+    from collections.abc import Callable
 
     from pytest_opprof.backend.plan import Rung
     from pytest_opprof.capture.timing import RoundSamples
-    from pytest_opprof.schema import IrLevel, Proposal, Speedup
 
 EXIT_USER_ERROR = 3
 _STARTED = time.perf_counter()
@@ -537,6 +536,13 @@ def task_select(spec: dict[str, Any]) -> None:
 
     from pytest_opprof.backend.build import build
     from pytest_opprof.backend.plan import add_proposal, inside_model_graph
+    from pytest_opprof.backend.selection import (
+        applied_nowhere,
+        faster_enough,
+        selection_rungs,
+        verdict,
+        worth_a_second_pass,
+    )
     from pytest_opprof.capture.system import resolve_device
     from pytest_opprof.capture.timing import synchronize, time_interleaved
     from pytest_opprof.measure import latency_stats, paired_gain, slow_host_rounds
@@ -657,7 +663,7 @@ def task_select(spec: dict[str, Any]) -> None:
             f"built {name}: model {t1 - t0:.1f} s, compile and first call "
             f"{time.perf_counter() - t1:.1f} s" + (f" ({note})" if note else "")
         )
-        unchanged = _applied_nowhere(rung.proposals, built.results)
+        unchanged = applied_nowhere(rung.proposals, built.results)
         if unchanged is not None:
             # Timing an identical program only measures noise; a lucky CI must not keep it.
             variants.append(VariantResult(name=name, plan=plan, error="applied nowhere"))
@@ -714,7 +720,7 @@ def task_select(spec: dict[str, Any]) -> None:
                 id=p.id,
                 type=p.type,
                 reason=(
-                    _verdict(gain) + f": {gain.ratio:.3f}x (95% CI {gain.ci_low:.3f}–"
+                    verdict(gain) + f": {gain.ratio:.3f}x (95% CI {gain.ci_low:.3f}–"
                     f"{gain.ci_high:.3f}) against the plan without it"
                     + (", also on the second pass" if second_chance else "")
                 ),
@@ -731,7 +737,7 @@ def task_select(spec: dict[str, Any]) -> None:
         if kept[i]:
             continue
         reasons = [dropped[p.id].reason for p in rung.proposals]
-        if _worth_a_second_pass(reasons, revived) and attempt(rung, second_chance=True):
+        if worth_a_second_pass(reasons, revived) and attempt(rung, second_chance=True):
             revived = True
     final = state["plan"]
     checked_as = numerics_dtype(final.dtype, tf32=_runs_tf32(eager, final, device))
@@ -747,33 +753,6 @@ def task_select(spec: dict[str, Any]) -> None:
         numerics_dtype=checked_as if checked_as == TF32 else None,
     )
     write_artifact(out_dir / "profiler_output" / "backend_selection.json", selection)
-
-
-def selection_rungs(proposals: Sequence[Proposal], device: str, skip: Set[str]) -> list[Rung]:
-    """The ladder selection climbs: the proposals' rungs (``backend.plan.ladder``) and, on a
-    GPU, the rungs no rule proposes — ``gemm_out_dtype`` right after bf16, and CUDA graphs
-    before everything else: first one graph of the whole call (graph breaks included), then
-    Inductor's per-graph CUDA graphs, which selection does not build once the whole call is
-    one graph. ``skip``: the types the workload's ``OPPROF["skip"]`` names."""
-    from pytest_opprof.backend.plan import Rung, ladder
-
-    rungs: list[Rung] = ladder(proposals)
-    if device != "cuda":
-        return rungs
-    precision = next((i for i, r in enumerate(rungs) if r.name == "dtype_promotion"), None)
-    if (
-        precision is not None
-        and "gemm_out_dtype" not in skip
-        and not any(r.name == "gemm_out_dtype" for r in rungs)
-    ):
-        # Right after bf16: a GEMM whose result is only cast back up can write fp32 itself,
-        # which the fp32 profile cannot show (it has no cast).
-        rungs.insert(precision + 1, Rung("gemm_out_dtype", (_auto_gemm_out_dtype(),)))
-    if "cuda_graphs" in skip:
-        return rungs
-    if not any(r.name == "cuda_graphs" for r in rungs):
-        rungs.insert(0, Rung("cuda_graphs", (_auto_cuda_graphs(),)))
-    return [Rung("cuda_graphs_model", (_auto_cuda_graphs(scope="model"),)), *rungs]
 
 
 def _pristine_copy(model: Any, reload: Callable[[], Any]) -> Any:
@@ -806,123 +785,6 @@ def _runs_tf32(model: Any, plan: Any, device: str) -> bool:
         return True
     convs = any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
     return bool(convs and torch.backends.cudnn.allow_tf32)
-
-
-MIN_RUNG_GAIN = 1.01
-"""A rung is kept when it is confidently faster (the paired 95% CI above 1) and by at least
-this much at the median. Timed on CUDA graphs the intervals narrow to a few tenths of a
-percent: gpt2 kept its GELU rewrite and frozen weights at 1.003x each (H200, 2026-12-01),
-two builds and a second pass for nothing a user would measure."""
-SMALL_GAIN = f"gained under {MIN_RUNG_GAIN - 1:.0%}"
-
-
-MUCH_SLOWER = 0.5
-"""A rung whose paired CI lies wholly below this, the call over twice as slow, gets no second
-pass. Of the rungs the H200 runs kept on their second pass, the worst had timed 0.79x on its
-first (bf16 on conv_block under a launch-bound plan), none near a halving; bf16 on a CPU
-without bf16 units ran 0.29x, and its second pass cost the README's conv_block run 32 s of
-timing."""
-SLOWER = "made the call over twice as slow"
-
-
-def faster_enough(gain: Speedup) -> bool:
-    """Whether selection keeps a rung that measured ``gain`` against the plan below it."""
-    return gain.ci_low > 1.0 and gain.ratio >= MIN_RUNG_GAIN
-
-
-def _verdict(gain: Speedup) -> str:
-    """Why a rung that measured ``gain`` was dropped (a dropped reason's first words)."""
-    if gain.ci_high < MUCH_SLOWER:
-        return SLOWER
-    return "made nothing faster" if gain.ci_low <= 1.0 else SMALL_GAIN
-
-
-def _worth_a_second_pass(reasons: list[str], revived: bool) -> bool:
-    """Whether a dropped rung is tried again on top of the final plan: when it made nothing
-    (or too little) faster, since some gains only appear together, but not when it made the
-    call over twice as slow; or when it applied nowhere and a rung before it was kept on this
-    second pass (the pattern it needs may exist now)."""
-    if all(r.startswith(("made nothing faster", SMALL_GAIN)) for r in reasons):
-        return True
-    return revived and all(r.startswith("applied nowhere") for r in reasons)
-
-
-def _applied_nowhere(proposals: Any, results: Any) -> str | None:
-    """What the passes said when every proposal of a rung has a pass record and none of them
-    applied (the program is unchanged); None when any applied or one has no record (Inductor
-    settings and CUDA graphs record none)."""
-    said = []
-    for p in proposals:
-        mine = [r for r in results if r.name == p.type]
-        if not mine:
-            return None
-        if any(r.status == "APPLIED" for r in mine):
-            return None
-        said.append(f"{p.id}: {mine[0].detail}")
-    return "; ".join(said) if said else None
-
-
-def _auto_gemm_out_dtype() -> Any:
-    """``gemm_out_dtype`` is tried after ``dtype_promotion`` on every GPU workload: the cast
-    it removes only exists once bf16 is in."""
-    return _tried_by_selection(
-        "gemm_out_dtype-selection",
-        "gemm_out_dtype",
-        "aten",
-        "GEMMs whose bf16 result is only cast to float32",
-        "convert(views(mm(a, b)), float32) -> views(mm.dtype(a, b, float32))",
-        "tried by measured selection after dtype_promotion on every GPU workload",
-    )
-
-
-def _auto_cuda_graphs(scope: str = "graph") -> Any:
-    """CUDA graphs are tried on every GPU workload (DESIGN §2.3: variants with CUDA graphs on
-    and off), proposed or not: once other rungs shorten the kernels, launch overhead is often
-    what is left, which the eager profile cannot show. ``scope="graph"``: Inductor's CUDA
-    graph trees, one per compiled graph; ``"model"``: one graph of the whole call, which also
-    covers the code between graph breaks and skips the per-call Python of guards and trees."""
-    whole = scope == "model"
-    return _tried_by_selection(
-        "cuda_graphs-model" if whole else "cuda_graphs-selection",
-        "cuda_graphs",
-        "non_graph" if whole else "inductor_config",
-        "whole model" if whole else "whole graph",
-        "record the whole compiled call as one CUDA graph and replay it (backend.model_graph)"
-        if whole
-        else "compile with Inductor's CUDA graph trees (triton.cudagraphs=True)",
-        "tried by measured selection on every GPU workload",
-        params={"scope": scope},
-    )
-
-
-def _tried_by_selection(
-    pid: str,
-    kind: str,
-    level: IrLevel,
-    target: str,
-    step: str,
-    rationale: str,
-    params: dict[str, Any] | None = None,
-) -> Any:
-    """A proposal no rule made: selection tries it and keeps it only if measured faster."""
-    from pytest_opprof.schema import Evidence, Impact, Proposal
-
-    return Proposal(
-        id=pid,
-        type=kind,
-        ir_level=level,
-        targets=[target],
-        evidence=[Evidence(metric="tried_by", value="measured selection", source="backend")],
-        fx_steps=[step],
-        params=params or {},
-        impact=Impact(
-            estimated_saving_us=0.0,
-            estimated_speedup=1.0,
-            basis="not estimated: tried because selection measures it",
-        ),
-        confidence="low",
-        rationale=rationale,
-    )
 
 
 def _flat(value: Any) -> list[Any]:

@@ -420,7 +420,7 @@ def test_with_cuda_graphs_first_selection_builds_fewer_variants_and_needs_no_sec
     layout rungs were timed against launch-bound plans and kept only on the second pass; with
     CUDA graphs first and precision second (third-n7), each rung is timed in the conditions of
     the plan it ends in, and no kept rung gained under 1%."""
-    from pytest_opprof.runner import MIN_RUNG_GAIN
+    from pytest_opprof.backend.selection import MIN_RUNG_GAIN
 
     def built(run: Path, workload: str) -> int:
         return sum(v.name not in ("eager", "compile") for v in _selection(run, workload).variants)

@@ -64,20 +64,20 @@ def test_whole_model_cuda_graph_plan_is_written_as_a_flag(tmp_path: Path) -> Non
 
 def test_whole_model_cuda_graph_replaces_inductor_graphs_in_the_plan() -> None:
     from pytest_opprof.backend.plan import add_proposal
-    from pytest_opprof.runner import _auto_cuda_graphs
+    from pytest_opprof.backend.selection import auto_cuda_graphs
 
-    plan = add_proposal(BackendPlan(), _auto_cuda_graphs())
+    plan = add_proposal(BackendPlan(), auto_cuda_graphs())
     assert plan.config_patches == {"triton.cudagraphs": True} and not plan.cuda_graph_model
-    plan = add_proposal(plan, _auto_cuda_graphs(scope="model"))
+    plan = add_proposal(plan, auto_cuda_graphs(scope="model"))
     assert plan.config_patches == {} and plan.cuda_graph_model
     assert plan.proposals == ["cuda_graphs-selection", "cuda_graphs-model"]
 
 
 def test_inductor_cuda_graphs_are_not_tried_inside_a_whole_model_graph() -> None:
     from pytest_opprof.backend.plan import add_proposal, inside_model_graph
-    from pytest_opprof.runner import _auto_cuda_graphs
+    from pytest_opprof.backend.selection import auto_cuda_graphs
 
-    trees, whole = _auto_cuda_graphs(), _auto_cuda_graphs(scope="model")
+    trees, whole = auto_cuda_graphs(), auto_cuda_graphs(scope="model")
     assert not inside_model_graph(BackendPlan(), trees)
     assert not inside_model_graph(add_proposal(BackendPlan(), trees), whole)
     in_one_graph = add_proposal(BackendPlan(), whole)
@@ -94,20 +94,20 @@ def test_optimize_records_no_graph_without_cuda() -> None:
 def test_a_rung_that_applied_nowhere_is_recognised() -> None:
     from types import SimpleNamespace
 
+    from pytest_opprof.backend.selection import applied_nowhere
     from pytest_opprof.passes.base import PassResult
-    from pytest_opprof.runner import _applied_nowhere
 
     sdpa = SimpleNamespace(id="sdpa_replacement-1", type="sdpa_replacement")
     gelu = SimpleNamespace(id="activation_substitution-1", type="activation_substitution")
     missed = PassResult("sdpa_replacement", "NOT_APPLIED", "no softmax(q @ k^T) @ v chain")
     kept = PassResult("activation_substitution", "NOT_APPLIED", "left as is")
-    said = _applied_nowhere([sdpa, gelu], [missed, kept])
+    said = applied_nowhere([sdpa, gelu], [missed, kept])
     assert said is not None and "sdpa_replacement-1: no softmax" in said and "left as is" in said
     hit = PassResult("sdpa_replacement", "APPLIED", "1 attention block(s)", 1)
-    assert _applied_nowhere([sdpa, gelu], [hit, kept]) is None
+    assert applied_nowhere([sdpa, gelu], [hit, kept]) is None
     # A type that records nothing (Inductor settings, CUDA graphs) cannot be judged.
     graphs = SimpleNamespace(id="cuda_graphs-selection", type="cuda_graphs")
-    assert _applied_nowhere([graphs], []) is None
+    assert applied_nowhere([graphs], []) is None
 
 
 def test_each_graph_rewrite_is_its_own_rung(make_proposal: Any) -> None:
@@ -141,7 +141,7 @@ def test_selection_times_cuda_graphs_then_precision_before_every_other_rung(
     would end in: with CUDA graphs last, bf16 on conv_block, mlp_activations and the LSTM
     gained 0.99–1.07× against a launch-bound plan and 1.41–4.00× on the second pass; gpt2's
     SDPA rewrite 0.98× at float32 and 1.20× at bf16."""
-    from pytest_opprof.runner import selection_rungs
+    from pytest_opprof.backend.selection import selection_rungs
 
     proposals = [
         make_proposal("dtype_promotion-1", "dtype_promotion", "non_graph"),
@@ -182,40 +182,40 @@ def test_selection_times_cuda_graphs_then_precision_before_every_other_rung(
 def test_which_dropped_rungs_get_a_second_pass() -> None:
     """A rung that made nothing faster is retried on the final plan; one that applied nowhere
     only once a rung before it was kept on the second pass (gemm_out_dtype after bf16)."""
-    from pytest_opprof.runner import _worth_a_second_pass
+    from pytest_opprof.backend.selection import worth_a_second_pass
 
     slower = ["made nothing faster: 0.998x (95% CI 0.994–1.001) against the plan without it"]
     nowhere = ["applied nowhere: gemm_out_dtype-selection: no bf16/fp16 GEMM ..."]
-    assert _worth_a_second_pass(slower, revived=False)
-    assert not _worth_a_second_pass(nowhere, revived=False)
-    assert _worth_a_second_pass(nowhere, revived=True)
-    assert not _worth_a_second_pass(["failed to build: RuntimeError"], revived=True)
-    assert not _worth_a_second_pass([slower[0], "changed the output: ..."], revived=True)
+    assert worth_a_second_pass(slower, revived=False)
+    assert not worth_a_second_pass(nowhere, revived=False)
+    assert worth_a_second_pass(nowhere, revived=True)
+    assert not worth_a_second_pass(["failed to build: RuntimeError"], revived=True)
+    assert not worth_a_second_pass([slower[0], "changed the output: ..."], revived=True)
     small = ["gained under 1%: 1.003x (95% CI 1.001–1.005) against the plan without it"]
-    assert _worth_a_second_pass(small, revived=False)
+    assert worth_a_second_pass(small, revived=False)
     halved = ["made the call over twice as slow: 0.292x (95% CI 0.285–0.301) against ..."]
-    assert not _worth_a_second_pass(halved, revived=True)
+    assert not worth_a_second_pass(halved, revived=True)
 
 
 def test_a_dropped_rung_says_how_it_fared() -> None:
     """The first words of a dropped rung's reason, which decide its second pass: bf16 on this
     CPU ran 0.29x (README's conv_block run), gpt2's GELU rewrite 1.003x on the H200."""
-    from pytest_opprof.runner import SLOWER, SMALL_GAIN, _verdict
+    from pytest_opprof.backend.selection import SLOWER, SMALL_GAIN, verdict
     from pytest_opprof.schema import Speedup
 
     def gain(ratio: float, low: float, high: float) -> Speedup:
         return Speedup(baseline="current", candidate="rung", ratio=ratio, ci_low=low, ci_high=high)
 
-    assert _verdict(gain(0.292, 0.285, 0.301)) == SLOWER
-    assert _verdict(gain(0.80, 0.45, 0.95)) == "made nothing faster"  # not surely halved
-    assert _verdict(gain(0.998, 0.994, 1.001)) == "made nothing faster"
-    assert _verdict(gain(1.003, 1.001, 1.005)) == SMALL_GAIN
+    assert verdict(gain(0.292, 0.285, 0.301)) == SLOWER
+    assert verdict(gain(0.80, 0.45, 0.95)) == "made nothing faster"  # not surely halved
+    assert verdict(gain(0.998, 0.994, 1.001)) == "made nothing faster"
+    assert verdict(gain(1.003, 1.001, 1.005)) == SMALL_GAIN
 
 
 def test_a_rung_is_kept_only_when_confidently_faster_by_one_percent() -> None:
     """Timed on CUDA graphs, gpt2's GELU rewrite and frozen weights were confidently faster by
     0.3% each: kept, each cost a build and a second pass for nothing a user would measure."""
-    from pytest_opprof.runner import MIN_RUNG_GAIN, SMALL_GAIN, faster_enough
+    from pytest_opprof.backend.selection import MIN_RUNG_GAIN, SMALL_GAIN, faster_enough
     from pytest_opprof.schema import Speedup
 
     def gain(ratio: float, low: float, high: float) -> Speedup:

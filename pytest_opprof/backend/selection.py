@@ -1,0 +1,153 @@
+"""Measured selection's rules: which rungs it climbs and in what order, which it keeps, and
+which get a second pass. Pure Python; ``runner.task_select`` builds and times the rungs."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence, Set
+from typing import TYPE_CHECKING, Any
+
+from pytest_opprof.backend.plan import Rung, ladder
+from pytest_opprof.schema import Evidence, Impact, IrLevel, Proposal, Speedup
+
+if TYPE_CHECKING:
+    from pytest_opprof.passes.base import PassResult
+
+
+def selection_rungs(proposals: Sequence[Proposal], device: str, skip: Set[str]) -> list[Rung]:
+    """The ladder selection climbs: the proposals' rungs (``backend.plan.ladder``) and, on a
+    GPU, the rungs no rule proposes — ``gemm_out_dtype`` right after bf16, and CUDA graphs
+    before everything else: first one graph of the whole call (graph breaks included), then
+    Inductor's per-graph CUDA graphs, which selection does not build once the whole call is
+    one graph. ``skip``: the types the workload's ``OPPROF["skip"]`` names."""
+    rungs = ladder(proposals)
+    if device != "cuda":
+        return rungs
+    precision = next((i for i, r in enumerate(rungs) if r.name == "dtype_promotion"), None)
+    if (
+        precision is not None
+        and "gemm_out_dtype" not in skip
+        and not any(r.name == "gemm_out_dtype" for r in rungs)
+    ):
+        # Right after bf16: a GEMM whose result is only cast back up can write fp32 itself,
+        # which the fp32 profile cannot show (it has no cast).
+        rungs.insert(precision + 1, Rung("gemm_out_dtype", (auto_gemm_out_dtype(),)))
+    if "cuda_graphs" in skip:
+        return rungs
+    if not any(r.name == "cuda_graphs" for r in rungs):
+        rungs.insert(0, Rung("cuda_graphs", (auto_cuda_graphs(),)))
+    return [Rung("cuda_graphs_model", (auto_cuda_graphs(scope="model"),)), *rungs]
+
+
+MIN_RUNG_GAIN = 1.01
+"""A rung is kept when it is confidently faster (the paired 95% CI above 1) and by at least
+this much at the median. Timed on CUDA graphs the intervals narrow to a few tenths of a
+percent: gpt2 kept its GELU rewrite and frozen weights at 1.003x each (H200, 2026-12-01),
+two builds and a second pass for nothing a user would measure."""
+SMALL_GAIN = f"gained under {MIN_RUNG_GAIN - 1:.0%}"
+
+
+MUCH_SLOWER = 0.5
+"""A rung whose paired CI lies wholly below this, the call over twice as slow, gets no second
+pass. Of the rungs the H200 runs kept on their second pass, the worst had timed 0.79x on its
+first (bf16 on conv_block under a launch-bound plan), none near a halving; bf16 on a CPU
+without bf16 units ran 0.29x, and its second pass cost the README's conv_block run 32 s of
+timing."""
+SLOWER = "made the call over twice as slow"
+
+
+def faster_enough(gain: Speedup) -> bool:
+    """Whether selection keeps a rung that measured ``gain`` against the plan below it."""
+    return gain.ci_low > 1.0 and gain.ratio >= MIN_RUNG_GAIN
+
+
+def verdict(gain: Speedup) -> str:
+    """Why a rung that measured ``gain`` was dropped (a dropped reason's first words)."""
+    if gain.ci_high < MUCH_SLOWER:
+        return SLOWER
+    return "made nothing faster" if gain.ci_low <= 1.0 else SMALL_GAIN
+
+
+def worth_a_second_pass(reasons: list[str], revived: bool) -> bool:
+    """Whether a dropped rung is tried again on top of the final plan: when it made nothing
+    (or too little) faster, since some gains only appear together, but not when it made the
+    call over twice as slow; or when it applied nowhere and a rung before it was kept on this
+    second pass (the pattern it needs may exist now)."""
+    if all(r.startswith(("made nothing faster", SMALL_GAIN)) for r in reasons):
+        return True
+    return revived and all(r.startswith("applied nowhere") for r in reasons)
+
+
+def applied_nowhere(proposals: Sequence[Proposal], results: Sequence[PassResult]) -> str | None:
+    """What the passes said when every proposal of a rung has a pass record and none of them
+    applied (the program is unchanged); None when any applied or one has no record (Inductor
+    settings and CUDA graphs record none)."""
+    said = []
+    for p in proposals:
+        mine = [r for r in results if r.name == p.type]
+        if not mine:
+            return None
+        if any(r.status == "APPLIED" for r in mine):
+            return None
+        said.append(f"{p.id}: {mine[0].detail}")
+    return "; ".join(said) if said else None
+
+
+def auto_gemm_out_dtype() -> Proposal:
+    """``gemm_out_dtype`` is tried after ``dtype_promotion`` on every GPU workload: the cast
+    it removes only exists once bf16 is in."""
+    return _tried_by_selection(
+        "gemm_out_dtype-selection",
+        "gemm_out_dtype",
+        "aten",
+        "GEMMs whose bf16 result is only cast to float32",
+        "convert(views(mm(a, b)), float32) -> views(mm.dtype(a, b, float32))",
+        "tried by measured selection after dtype_promotion on every GPU workload",
+    )
+
+
+def auto_cuda_graphs(scope: str = "graph") -> Proposal:
+    """CUDA graphs are tried on every GPU workload (DESIGN §2.3: variants with CUDA graphs on
+    and off), proposed or not: once other rungs shorten the kernels, launch overhead is often
+    what is left, which the eager profile cannot show. ``scope="graph"``: Inductor's CUDA
+    graph trees, one per compiled graph; ``"model"``: one graph of the whole call, which also
+    covers the code between graph breaks and skips the per-call Python of guards and trees."""
+    whole = scope == "model"
+    return _tried_by_selection(
+        "cuda_graphs-model" if whole else "cuda_graphs-selection",
+        "cuda_graphs",
+        "non_graph" if whole else "inductor_config",
+        "whole model" if whole else "whole graph",
+        "record the whole compiled call as one CUDA graph and replay it (backend.model_graph)"
+        if whole
+        else "compile with Inductor's CUDA graph trees (triton.cudagraphs=True)",
+        "tried by measured selection on every GPU workload",
+        params={"scope": scope},
+    )
+
+
+def _tried_by_selection(
+    pid: str,
+    kind: str,
+    level: IrLevel,
+    target: str,
+    step: str,
+    rationale: str,
+    params: dict[str, Any] | None = None,
+) -> Proposal:
+    """A proposal no rule made: selection tries it and keeps it only if measured faster."""
+    return Proposal(
+        id=pid,
+        type=kind,
+        ir_level=level,
+        targets=[target],
+        evidence=[Evidence(metric="tried_by", value="measured selection", source="backend")],
+        fx_steps=[step],
+        params=params or {},
+        impact=Impact(
+            estimated_saving_us=0.0,
+            estimated_speedup=1.0,
+            basis="not estimated: tried because selection measures it",
+        ),
+        confidence="low",
+        rationale=rationale,
+    )
