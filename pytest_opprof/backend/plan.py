@@ -10,11 +10,11 @@ rungs were timed in; the order decides what each rung is timed against.
 A rung is timed against the plan below it, so the ladder starts with the two changes that
 move a call's time the most, and every later rung is timed in the conditions of the plan it
 would end in. Where the plan's GPU waits on the host, a shorter kernel gains nothing
-measurable: with CUDA graphs last (until 2026-12-01), seven H200 runs of the examples kept
-bf16 on conv_block, mlp_activations and the LSTM only on the second pass, at 1.41–4.00×, after
-0.99–1.07× on the first. And a rewrite's gain can depend on the precision: gpt2's SDPA
-rewrite timed 0.98× at float32 and 1.20× at bf16 (2026-12-01, CUDA graphs first, precision
-after the rewrites), so precision comes before them.
+measurable: with CUDA graphs last (until 2026-12-01), in the six H200 runs of the examples
+that kept bf16 on conv_block, mlp_activations or the LSTM only on the second pass, at
+1.35–4.63×, it had timed 0.81–1.04× on the first. And a rewrite's gain can depend on the
+precision: gpt2's SDPA rewrite timed 0.98× at float32 and 1.20× at bf16 (2026-12-01, CUDA
+graphs first, precision after the rewrites), so precision comes before them.
 """
 
 from __future__ import annotations

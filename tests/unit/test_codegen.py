@@ -139,7 +139,7 @@ def test_selection_times_cuda_graphs_then_precision_before_every_other_rung(
 ) -> None:
     """On a GPU a rung is timed on top of CUDA graphs and bf16, the conditions of the plan it
     would end in: with CUDA graphs last, bf16 on conv_block, mlp_activations and the LSTM
-    gained 0.99–1.07× against a launch-bound plan and 1.41–4.00× on the second pass; gpt2's
+    gained 0.81–1.04× against a launch-bound plan and 1.35–4.63× on the second pass; gpt2's
     SDPA rewrite 0.98× at float32 and 1.20× at bf16."""
     from pytest_opprof.backend.selection import selection_rungs
 
