@@ -43,6 +43,7 @@ MIN_RUNG_GAIN = 1.01
 this much at the median. Timed on CUDA graphs the intervals narrow to a few tenths of a
 percent: gpt2 kept its GELU rewrite and frozen weights at 1.003x each (H200, 2026-12-01),
 two builds and a second pass for nothing a user would measure."""
+NO_GAIN = "made nothing faster"
 SMALL_GAIN = f"gained under {MIN_RUNG_GAIN - 1:.0%}"
 
 
@@ -64,7 +65,7 @@ def verdict(gain: Speedup) -> str:
     """Why a rung that measured ``gain`` was dropped (a dropped reason's first words)."""
     if gain.ci_high < MUCH_SLOWER:
         return SLOWER
-    return "made nothing faster" if gain.ci_low <= 1.0 else SMALL_GAIN
+    return NO_GAIN if gain.ci_low <= 1.0 else SMALL_GAIN
 
 
 def worth_a_second_pass(reasons: list[str], revived: bool) -> bool:
@@ -72,7 +73,7 @@ def worth_a_second_pass(reasons: list[str], revived: bool) -> bool:
     (or too little) faster, since some gains only appear together, but not when it made the
     call over twice as slow; or when it applied nowhere and a rung before it was kept on this
     second pass (the pattern it needs may exist now)."""
-    if all(r.startswith(("made nothing faster", SMALL_GAIN)) for r in reasons):
+    if all(r.startswith((NO_GAIN, SMALL_GAIN)) for r in reasons):
         return True
     return revived and all(r.startswith("applied nowhere") for r in reasons)
 
