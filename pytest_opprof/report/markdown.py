@@ -430,10 +430,9 @@ def _host_speed_note(timing: Timing, *, said: bool = False) -> str:
         return ""
     bound = []
     for name in ("compile", "eager"):
-        gpu_ms, base = timing.gpu_time_ms.get(name), timing.variants.get(name)
-        if gpu_ms and base is not None and gpu_ms < HOST_BOUND_SHARE * base.median_ms:
+        if (split := _host_bound(timing, name)) is not None:
             label = BASELINE_LABELS.get(name, name)
-            bound.append(f"{label} (GPU {fmt_ms(gpu_ms)} of {fmt_ms(base.median_ms)})")
+            bound.append(f"{label} (GPU {fmt_ms(split[0])} of {fmt_ms(split[1])})")
     if not bound:
         return ""
     us = statistics.median(timing.host_us)
@@ -450,6 +449,15 @@ def _host_speed_note(timing: Timing, *, said: bool = False) -> str:
     )
 
 
+def _host_bound(timing: Timing, name: str) -> tuple[float, float] | None:
+    """A baseline's GPU time and latency (ms) where its call is host-bound: the GPU works less
+    than ``HOST_BOUND_SHARE`` of it. None where it is not, or either figure is missing."""
+    gpu_ms, base = timing.gpu_time_ms.get(name), timing.variants.get(name)
+    if not gpu_ms or base is None or gpu_ms >= HOST_BOUND_SHARE * base.median_ms:
+        return None
+    return gpu_ms, base.median_ms
+
+
 def _host_bound_note(timing: Timing) -> str:
     """Why the processes' ratios disagree, where the baseline's call is host-bound: its latency
     is the host CPU's speed in that process, and that speed differs between processes on a
@@ -460,14 +468,12 @@ def _host_bound_note(timing: Timing) -> str:
             continue
         if max(r.process_ratios) / min(r.process_ratios) <= PROCESS_SPREAD:
             continue
-        gpu_ms = timing.gpu_time_ms.get(r.baseline)
-        base = timing.variants.get(r.baseline)
-        if not gpu_ms or base is None or not base.median_ms:
-            continue
-        share = gpu_ms / base.median_ms
-        if share < HOST_BOUND_SHARE:
+        if (split := _host_bound(timing, r.baseline)) is not None:
+            gpu_ms, base_ms = split
             label = BASELINE_LABELS.get(r.baseline, r.baseline)
-            parts.append(f"{fmt_ms(gpu_ms)} of {label}'s {fmt_ms(base.median_ms)} ({share:.0%})")
+            parts.append(
+                f"{fmt_ms(gpu_ms)} of {label}'s {fmt_ms(base_ms)} ({gpu_ms / base_ms:.0%})"
+            )
     if not parts:
         return ""
     one = len(parts) == 1

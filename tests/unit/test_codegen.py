@@ -197,32 +197,31 @@ def test_which_dropped_rungs_get_a_second_pass() -> None:
     assert not worth_a_second_pass(halved, revived=True)
 
 
+def _gain(ratio: float, low: float, high: float) -> Any:
+    """A rung's measured gain against the plan below it."""
+    from pytest_opprof.schema import Speedup
+
+    return Speedup(baseline="current", candidate="rung", ratio=ratio, ci_low=low, ci_high=high)
+
+
 def test_a_dropped_rung_says_how_it_fared() -> None:
     """The first words of a dropped rung's reason, which decide its second pass: bf16 on this
     CPU ran 0.29x (README's conv_block run), gpt2's GELU rewrite 1.003x on the H200."""
     from pytest_opprof.backend.selection import SLOWER, SMALL_GAIN, verdict
-    from pytest_opprof.schema import Speedup
 
-    def gain(ratio: float, low: float, high: float) -> Speedup:
-        return Speedup(baseline="current", candidate="rung", ratio=ratio, ci_low=low, ci_high=high)
-
-    assert verdict(gain(0.292, 0.285, 0.301)) == SLOWER
-    assert verdict(gain(0.80, 0.45, 0.95)) == "made nothing faster"  # not surely halved
-    assert verdict(gain(0.998, 0.994, 1.001)) == "made nothing faster"
-    assert verdict(gain(1.003, 1.001, 1.005)) == SMALL_GAIN
+    assert verdict(_gain(0.292, 0.285, 0.301)) == SLOWER
+    assert verdict(_gain(0.80, 0.45, 0.95)) == "made nothing faster"  # not surely halved
+    assert verdict(_gain(0.998, 0.994, 1.001)) == "made nothing faster"
+    assert verdict(_gain(1.003, 1.001, 1.005)) == SMALL_GAIN
 
 
 def test_a_rung_is_kept_only_when_confidently_faster_by_one_percent() -> None:
     """Timed on CUDA graphs, gpt2's GELU rewrite and frozen weights were confidently faster by
     0.3% each: kept, each cost a build and a second pass for nothing a user would measure."""
     from pytest_opprof.backend.selection import MIN_RUNG_GAIN, SMALL_GAIN, faster_enough
-    from pytest_opprof.schema import Speedup
 
-    def gain(ratio: float, low: float, high: float) -> Speedup:
-        return Speedup(baseline="current", candidate="rung", ratio=ratio, ci_low=low, ci_high=high)
-
-    assert faster_enough(gain(1.12, 1.10, 1.14))
-    assert faster_enough(gain(MIN_RUNG_GAIN, 1.001, 1.02))
-    assert not faster_enough(gain(1.003, 1.001, 1.005))  # confident, too small
-    assert not faster_enough(gain(1.05, 0.99, 1.11))  # large, not confident
+    assert faster_enough(_gain(1.12, 1.10, 1.14))
+    assert faster_enough(_gain(MIN_RUNG_GAIN, 1.001, 1.02))
+    assert not faster_enough(_gain(1.003, 1.001, 1.005))  # confident, too small
+    assert not faster_enough(_gain(1.05, 0.99, 1.11))  # large, not confident
     assert SMALL_GAIN == "gained under 1%"
