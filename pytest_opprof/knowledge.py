@@ -580,6 +580,8 @@ EDGE_CASE_APPLIES_TO: dict[str, frozenset[str] | None] = {
             "sdpa_replacement",
             "bn_fold",
             "activation_substitution",
+            "gemm_epilogue",
+            "attention_backend",
             "pretranspose_weights",
             "cuda_graphs",
             "algorithm_selection",

@@ -27,6 +27,8 @@ TRANSFORMATION_TYPES: tuple[str, ...] = (
     "sdpa_replacement",
     "pretranspose_weights",
     "activation_substitution",
+    "gemm_epilogue",
+    "attention_backend",
     "batch_padding",
     "cuda_graphs",
     "algorithm_selection",

@@ -539,6 +539,7 @@ def task_select(spec: dict[str, Any]) -> None:
     from pytest_opprof.backend.selection import (
         applied_nowhere,
         faster_enough,
+        not_tried,
         selection_rungs,
         verdict,
         worth_a_second_pass,
@@ -550,6 +551,7 @@ def task_select(spec: dict[str, Any]) -> None:
         BackendPlan,
         BackendSelection,
         DroppedProposal,
+        FxGraphSummary,
         Optimizations,
         VariantResult,
         WaterfallStep,
@@ -596,30 +598,15 @@ def task_select(spec: dict[str, Any]) -> None:
         WaterfallStep(step=ref_name, latency_ms=ref_ms, speedup_cumulative=1.0, speedup_added=1.0)
     ]
     skip = set(spec.get("overrides", {}).get("skip", []))
-    dropped: dict[str, DroppedProposal] = {
-        p.id: DroppedProposal(
-            id=p.id, type=p.type, reason="skipped by the workload's OPPROF['skip']"
-        )
-        for p in opt.proposals
-        if p.type in skip
+    dropped = {
+        pid: DroppedProposal(id=pid, type=kind, reason=reason)
+        for pid, (kind, reason) in not_tried(opt.proposals, skip).items()
     }
-    for p in opt.proposals:
-        if p.params.get("implemented") is False and p.id not in dropped:
-            # An LLM proposal of a type no registered pass implements: its code (if any) was
-            # written to params["pass_file"] for a person to review; selection never runs it.
-            dropped[p.id] = DroppedProposal(
-                id=p.id,
-                type=p.type,
-                reason=(
-                    "no pass implements this type; selection does not run LLM-written code "
-                    + (
-                        f"(stage 3 checks {p.params['pass_file']} on its own)"
-                        if p.params.get("pass_file")
-                        else "and it carried none"
-                    )
-                ),
-            )
-    rungs = selection_rungs([p for p in opt.proposals if p.id not in dropped], device, skip)
+    graph_path = out_dir / "graph.json"
+    graph = read_artifact(graph_path, FxGraphSummary) if graph_path.is_file() else None
+    rungs = selection_rungs(
+        [p for p in opt.proposals if p.id not in dropped], device, skip, graph=graph
+    )
 
     def attempt(rung: Rung, second_chance: bool) -> bool:
         plan = state["plan"]

@@ -105,6 +105,8 @@ GRAPH_ORDER: tuple[str, ...] = (
     "sdpa_replacement",
     "activation_substitution",
     "bn_fold",
+    "gemm_epilogue",
+    "attention_backend",
 )
 
 

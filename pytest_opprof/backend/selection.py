@@ -7,15 +7,49 @@ from collections.abc import Sequence, Set
 from typing import TYPE_CHECKING, Any
 
 from pytest_opprof.backend.plan import Rung, ladder
-from pytest_opprof.schema import Evidence, Impact, IrLevel, Proposal, Speedup
+from pytest_opprof.schema import Evidence, FxGraphSummary, Impact, IrLevel, Proposal, Speedup
 
 if TYPE_CHECKING:
     from pytest_opprof.passes.base import PassResult
 
 
-def selection_rungs(proposals: Sequence[Proposal], device: str, skip: Set[str]) -> list[Rung]:
+def not_tried(proposals: Sequence[Proposal], skip: Set[str]) -> dict[str, tuple[str, str]]:
+    """The proposals selection never builds, id -> (type, why): those of a type the workload's
+    ``OPPROF["skip"]`` names; an LLM proposal of a type no registered pass implements (its code,
+    if any, was written to ``params["pass_file"]`` for stage 3 to check apart); and a rewrite
+    whose chain the torch.compile profile already runs inside one kernel
+    (``params["compiled_already"]``): Inductor builds every variant, and compiles the rewrite
+    to that same kernel (gpt2's tanh-GELU timed 0.997–1.003× in the H200 runs of 2026-12-01)."""
+    out: dict[str, tuple[str, str]] = {}
+    for p in proposals:
+        if p.type in skip:
+            why = "skipped by the workload's OPPROF['skip']"
+        elif p.params.get("implemented") is False:
+            why = "no pass implements this type; selection does not run LLM-written code " + (
+                f"(stage 3 checks {p.params['pass_file']} on its own)"
+                if p.params.get("pass_file")
+                else "and it carried none"
+            )
+        elif p.params.get("compiled_already"):
+            why = (
+                "not tried: the torch.compile profile already runs it inside one kernel "
+                f"({p.params['compiled_already']}), which Inductor builds here too"
+            )
+        else:
+            continue
+        out[p.id] = (p.type, why)
+    return out
+
+
+def selection_rungs(
+    proposals: Sequence[Proposal],
+    device: str,
+    skip: Set[str],
+    graph: FxGraphSummary | None = None,
+) -> list[Rung]:
     """The ladder selection climbs: the proposals' rungs (``backend.plan.ladder``) and, on a
-    GPU, the rungs no rule proposes — ``gemm_out_dtype`` right after bf16, and CUDA graphs
+    GPU, the rungs no rule proposes — ``gemm_out_dtype`` right after bf16 where a GEMM writes
+    an output of the captured ``graph`` (or where there is no graph to tell), and CUDA graphs
     before everything else: first one graph of the whole call (graph breaks included), then
     Inductor's per-graph CUDA graphs, which selection does not build once the whole call is
     one graph. ``skip``: the types the workload's ``OPPROF["skip"]`` names."""
@@ -27,6 +61,7 @@ def selection_rungs(proposals: Sequence[Proposal], device: str, skip: Set[str]) 
         precision is not None
         and "gemm_out_dtype" not in skip
         and not any(r.name == "gemm_out_dtype" for r in rungs)
+        and gemm_writes_an_output(graph)
     ):
         # Right after bf16: a GEMM whose result is only cast back up can write fp32 itself,
         # which the fp32 profile cannot show (it has no cast).
@@ -36,6 +71,19 @@ def selection_rungs(proposals: Sequence[Proposal], device: str, skip: Set[str]) 
     if not any(r.name == "cuda_graphs" for r in rungs):
         rungs.insert(0, Rung("cuda_graphs", (auto_cuda_graphs(),)))
     return [Rung("cuda_graphs_model", (auto_cuda_graphs(scope="model"),)), *rungs]
+
+
+def gemm_writes_an_output(graph: FxGraphSummary | None) -> bool:
+    """Whether a GEMM without a bias writes one of the graph's outputs (through views and
+    casts): the only place where bf16 leaves a GEMM whose result is just cast back up to
+    float32. Without a graph summary, assume it may. Building the rung to find out cost gpt2's
+    selection 17 s on the H200 (h200-2026-12-01c), for a pass that applied nowhere."""
+    if graph is None:
+        return True
+    from pytest_opprof.propose.graph import views
+    from pytest_opprof.propose.patterns import find_output_gemms
+
+    return any(find_output_gemms(v) for v in views(graph))
 
 
 MIN_RUNG_GAIN = 1.01

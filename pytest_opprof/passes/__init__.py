@@ -26,10 +26,12 @@ from pytest_opprof.backend.plan import EXTRA_PASSES_ENV as ENV_VAR
 from pytest_opprof.passes import (
     activation_substitution,
     algorithm_selection,
+    attention_backend,
     batch_padding,
     bn_fold,
     cuda_graphs,
     dtype_promotion,
+    gemm_epilogue,
     gemm_out_dtype,
     memory_layout,
     pretranspose_weights,
@@ -71,6 +73,18 @@ REGISTRY: dict[str, PassSpec] = {
             "aten",
             gemm_out_dtype.apply,
             "bf16/fp16 GEMM whose result is only cast up writes fp32 itself (CUDA)",
+        ),
+        _spec(
+            "gemm_epilogue",
+            "aten",
+            gemm_epilogue.apply,
+            "ReLU / tanh-GELU after a biased GEMM applied in cuBLASLt's epilogue (CUDA)",
+        ),
+        _spec(
+            "attention_backend",
+            "aten",
+            attention_backend.apply,
+            "cuDNN attention moved to FlashAttention where flash computes the same call (CUDA)",
         ),
         _spec(
             "memory_layout",

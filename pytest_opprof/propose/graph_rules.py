@@ -22,6 +22,7 @@ from pytest_opprof.propose.context import (
     top,
 )
 from pytest_opprof.propose.impact import bytes_at_bandwidth_us
+from pytest_opprof.schema import Evidence
 
 
 def bn_fold(ctx: Context) -> list[Draft]:
@@ -163,6 +164,52 @@ def sdpa_replacement(ctx: Context) -> list[Draft]:
     ]
 
 
+def attention_backend(ctx: Context) -> list[Draft]:
+    """Fused attention, written as SDPA or by hand (which ``sdpa_replacement`` makes SDPA):
+    which fused kernel runs it fastest at the plan's precision is measured, not modelled —
+    PyTorch prefers cuDNN's for bf16 on sm90, whose memset before each call idles a CUDA
+    graph, while flash is slower on some shapes."""
+    if not ctx.gpu:
+        return []
+    sites: list[tuple[str, Evidence]] = []
+    for v in ctx.views:
+        for node in v.calls(graph.SDPA_CALLS):
+            sites.append((node.name, ev("attention", node.target, v.source(node, ".target"))))
+        for m in patterns.find_manual_attention(v):
+            sites.append((m.nodes[-1], m.evidence[0]))
+    if not sites:
+        return []
+    rationale = (
+        f"{len(sites)} attention(s): at bf16 / fp16 on sm90 PyTorch runs them on cuDNN, whose "
+        "kernel is preceded by a copy-engine memset that leaves the GPU idle around it inside a "
+        "CUDA graph; FlashAttention needs none but is slower on some shapes, so selection "
+        "times both."
+    )
+    steps = [
+        "aten level: match _scaled_dot_product_cudnn_attention(q, k, v, attn_bias=None, ...) "
+        "whose log-sum-exp and RNG outputs are unused, bf16/fp16 on CUDA, head size a multiple "
+        "of 8 and at most 256",
+        "replace with _scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, scale=...) "
+        "where its output has the same layout",
+        "graph.lint(); recompile",
+    ]
+    return [
+        Draft(
+            "attention_backend",
+            "aten",
+            [name for name, _ in sites],
+            [e for _, e in sites[:MAX_EVIDENCE_PER_KIND]],
+            steps,
+            ctx.budget.impact(
+                0.0, "not modelled: which fused kernel is faster depends on the shape; measured"
+            ),
+            SCORE_LOW,
+            rationale,
+            {"backend": "flash"},
+        )
+    ]
+
+
 def activation_substitution(ctx: Context) -> list[Draft]:
     matches = [m for v in ctx.views for m in patterns.find_tanh_gelu(v)]
     if not matches:
@@ -181,14 +228,16 @@ def activation_substitution(ctx: Context) -> list[Draft]:
     )
     evidence = [e for m in matches[:MAX_EVIDENCE_PER_KIND] for e in m.evidence]
     score = 0.7
+    params: dict[str, str] = {"replacement": "gelu_tanh"}
     fused = _compiled_gelu_kernel(ctx)
     if fused is not None:
+        params["compiled_already"] = fused[0]
         name, source, ops = fused
         evidence.append(ev("torch.compile kernel holding the chain", ops, source))
         rationale += (
             f" The torch.compile profile already runs the chain inside one kernel ({name}: "
             f"{', '.join(ops)}), so the estimate holds against eager only; against torch.compile "
-            "expect no gain."
+            "expect no gain, and selection, which builds with Inductor, does not try it."
         )
         score = SCORE_LOW
     steps = [
@@ -207,7 +256,52 @@ def activation_substitution(ctx: Context) -> list[Draft]:
             impact,
             score,
             rationale,
-            {"replacement": "gelu_tanh"},
+            params,
+        )
+    ]
+
+
+def gemm_epilogue(ctx: Context) -> list[Draft]:
+    """A biased GEMM's ReLU / tanh-GELU applied in cuBLASLt's epilogue (CUDA only: the CPU
+    kernel's GELU is the exact one). Its pointwise kernel after the GEMM goes, with its read
+    and write of the GEMM's output."""
+    if not ctx.gpu:
+        return []
+    matches = [m for v in ctx.views for m in patterns.find_gemm_activation(v)]
+    if not matches:
+        return []
+    data = sum(2 * m.info["numel"] * m.info["itemsize"] for m in matches)
+    impact = ctx.budget.impact(
+        ctx.budget.wall_saving(bytes_at_bandwidth_us(data, ctx.spec), launches=len(matches)),
+        f"roofline: {len(matches)} pointwise pass(es) fewer ({data / 1e6:.1f} MB at HBM "
+        "bandwidth) × busy share, plus their launches × launch overhead × idle share",
+    )
+    kinds = sorted({m.info["activation"] for m in matches})
+    rationale = (
+        f"{len(matches)} biased GEMM(s) feed nothing but {' / '.join(kinds)}: torch.compile "
+        "keeps the GEMM a cuBLAS call and runs the activation as one more kernel over its "
+        "output; cuBLASLt applies bias and activation in the GEMM's epilogue "
+        "(aten._addmm_activation), which Inductor calls as it is."
+    )
+    steps = [
+        "aten level: match addmm(bias, a, b) → views → relu, or → the tanh-GELU formula "
+        "(spelled out, or Inductor's decomposition of gelu(approximate='tanh')), the GEMM's "
+        "result read by nothing else",
+        "replace with aten._addmm_activation(bias, a, b, use_gelu=...) and the same views; "
+        "a GELU only on CUDA, where the epilogue's GELU is the tanh form",
+        "graph.lint(); recompile",
+    ]
+    return [
+        Draft(
+            "gemm_epilogue",
+            "aten",
+            [n for m in matches for n in m.nodes[:1]],
+            [e for m in matches[:MAX_EVIDENCE_PER_KIND] for e in m.evidence],
+            steps,
+            impact,
+            SCORE_MEDIUM,
+            rationale,
+            {"activations": kinds},
         )
     ]
 

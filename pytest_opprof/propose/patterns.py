@@ -309,6 +309,102 @@ def find_tanh_gelu(view: GraphView) -> list[Match]:
     return matches
 
 
+VIEW_CALLS = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten"})
+CAST_CALLS = frozenset({"to", "float", "type", "_to_copy", "convert_element_type"})
+
+
+def find_output_gemms(view: GraphView) -> list[Match]:
+    """GEMMs without a bias (``linear`` without one, ``matmul``/``mm``/``bmm``) whose result,
+    through views and casts, is an output of the graph: after bf16 these write the model's
+    float32 output, which ``gemm_out_dtype`` lets them write themselves (an ``addmm``'s bias
+    add keeps its cast apart)."""
+    out = next((n for n in view.nodes if n.op == "output"), None)
+    if out is None:
+        return []
+    names = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", " ".join(out.args))
+    matches = []
+    for name in dict.fromkeys(names):
+        node = view.by_name.get(name)
+        while node is not None and is_call(node) and canon(node.target) in VIEW_CALLS | CAST_CALLS:
+            node = view.arg(node, 0)
+        if node is None or not is_call(node):
+            continue
+        bare_linear = is_linear(node) and node.op != "call_module" and not _has_bias(view, node)
+        if not (bare_linear or canon(node.target) in MATMUL_CALLS):
+            continue
+        evidence = [_ev(f"{node.name} (output GEMM)", node.target, view.source(node, ".target"))]
+        matches.append(Match("output_gemm", view.index, (node.name,), evidence))
+    return matches
+
+
+RELU_CALLS = frozenset({"relu", "relu_"})
+
+
+def find_gemm_activation(view: GraphView) -> list[Match]:
+    """A biased linear (``linear`` with a bias, ``addmm``) whose result, through views used
+    only once, feeds nothing but a ReLU or a tanh-form GELU (``gelu(approximate='tanh')``, or
+    the formula spelled out: :func:`find_tanh_gelu`)."""
+    spelled = {m.info["input"]: m for m in find_tanh_gelu(view)}
+    matches = []
+    for gemm in view.nodes:
+        kind = canon(gemm.target) if is_call(gemm) else ""
+        if not (
+            (is_linear(gemm) and gemm.op != "call_module" and _has_bias(view, gemm))
+            or kind == "addmm"
+        ):
+            continue
+        out, chain = gemm, [gemm.name]
+        while len(users := view.users(out)) == 1 and canon(users[0].target) in VIEW_CALLS:
+            out = users[0]
+            chain.append(out.name)
+        users = view.users(out)
+        act, act_node = None, None
+        if len(users) == 1 and _is_relu(users[0]):
+            act, act_node = "relu", users[0]
+        elif len(users) == 1 and _is_tanh_gelu_call(users[0]):
+            act, act_node = "gelu_tanh", users[0]
+        elif out.name in spelled and all(u.name in spelled[out.name].nodes for u in users):
+            act = "gelu_tanh"
+        if act is None:
+            continue
+        nodes = (*chain, act_node.name) if act_node is not None else tuple(chain)
+        evidence = [_ev(f"{gemm.name} (biased GEMM)", gemm.target, view.source(gemm, ".target"))]
+        if act_node is not None:
+            evidence.append(_ev("activation", act_node.target, view.source(act_node, ".target")))
+        else:
+            evidence.extend(spelled[out.name].evidence[:1])
+        matches.append(
+            Match(
+                "gemm_activation",
+                view.index,
+                nodes,
+                evidence,
+                {
+                    "activation": act,
+                    "numel": numel(out.shape),
+                    "itemsize": itemsize(out.dtype),
+                },
+            )
+        )
+    return matches
+
+
+def _has_bias(view: GraphView, linear: FxNode) -> bool:
+    bias = view.arg(linear, 2) or view.by_name.get(str(linear.kwargs.get("bias", "")))
+    return bias is not None
+
+
+def _is_relu(node: FxNode) -> bool:
+    if node.op == "call_module":
+        return module_kind(node) == "ReLU"
+    return is_call(node) and canon(node.target) in RELU_CALLS
+
+
+def _is_tanh_gelu_call(node: FxNode) -> bool:
+    approximate = str(node.kwargs.get("approximate", "")).strip("'\"")
+    return is_call(node) and canon(node.target) == "gelu" and approximate == "tanh"
+
+
 def _const_and_node(view: GraphView, node: FxNode) -> tuple[float | None, FxNode | None, int]:
     const, other, at = None, None, -1
     for i in range(len(node.args)):

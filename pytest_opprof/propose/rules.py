@@ -559,6 +559,8 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("qkv_fusion", graph_rules.qkv_fusion),
     ("sdpa_replacement", graph_rules.sdpa_replacement),
     ("activation_substitution", graph_rules.activation_substitution),
+    ("gemm_epilogue", graph_rules.gemm_epilogue),
+    ("attention_backend", graph_rules.attention_backend),
     ("pretranspose_weights", graph_rules.pretranspose_weights),
     ("batch_padding", graph_rules.batch_padding),
     ("algorithm_selection", algorithm_selection),

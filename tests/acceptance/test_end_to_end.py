@@ -115,7 +115,9 @@ def test_all_stages_on_a_tiny_workload(pytester: pytest.Pytester) -> None:
     # The recapture's timing ran in two processes (the recapture's and one more), pooled.
     timing = json.loads((out / "tiny/profile_optimized.json").read_text())["timing"]
     assert timing["variants"]["optimized"]["processes"] == 2
-    assert timing["variants"]["optimized"]["samples_per_process"] == [3, 3]
+    # three rounds each, and up to as many more where a round ran on a slowed host
+    per_process = timing["variants"]["optimized"]["samples_per_process"]
+    assert len(per_process) == 2 and all(3 <= n <= 6 for n in per_process), per_process
     pooled = [s for s in timing["speedups"] if s["candidate"] != "optimized_baseline_dtype"]
     assert pooled and all(len(s["process_ratios"]) == 2 for s in pooled)
     assert "timed again" in (out / "tiny/profiler_output/retime1.log").read_text()

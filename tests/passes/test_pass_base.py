@@ -21,6 +21,8 @@ from pytest_opprof.passes.base import (
 ALL_TYPES = {
     "dtype_promotion": "aten",
     "gemm_out_dtype": "aten",
+    "gemm_epilogue": "aten",
+    "attention_backend": "aten",
     "memory_layout": "aten",
     "bn_fold": "aten",
     "qkv_fusion": "functional",

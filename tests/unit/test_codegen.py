@@ -179,6 +179,49 @@ def test_selection_times_cuda_graphs_then_precision_before_every_other_rung(
     ]
 
 
+def test_gemm_out_dtype_is_built_only_where_a_gemm_writes_an_output(make_proposal: Any) -> None:
+    """The auto rung after bf16 exists for a GEMM whose result is only cast back up to float32,
+    which only a GEMM writing a graph output leaves: embedding_projection's bias-free logits,
+    not gpt2 (a LayerNorm writes its output; the rung cost it 17 s on the H200 and applied
+    nowhere) nor conv_block (its classifier's bias add stands between GEMM and cast)."""
+    from pytest_opprof.backend.selection import selection_rungs
+    from pytest_opprof.schema import FxGraphSummary, read_artifact
+
+    graphs = Path(__file__).resolve().parents[1] / "data" / "graphs"
+    bf16 = [make_proposal("dtype_promotion-1", "dtype_promotion", "non_graph")]
+
+    def built(name: str | None) -> bool:
+        graph = read_artifact(graphs / f"{name}.graph.json", FxGraphSummary) if name else None
+        return any(r.name == "gemm_out_dtype" for r in selection_rungs(bf16, "cuda", set(), graph))
+
+    assert built("embedding_projection")
+    assert not built("gpt2") and not built("conv_block") and not built("mlp_activations")
+    assert built(None)  # no graph summary to tell: build it and see
+
+
+def test_what_selection_never_builds(make_proposal: Any) -> None:
+    from pytest_opprof.backend.selection import not_tried
+
+    proposals = [
+        make_proposal("bn_fold-1", "bn_fold", "aten"),
+        make_proposal("llm-x-1", "x", params={"implemented": False, "pass_file": "llm/x.py"}),
+        make_proposal(
+            "activation_substitution-1",
+            "activation_substitution",
+            params={"compiled_already": "triton_poi_fused_add_mul_pow_tanh_view_2"},
+        ),
+        make_proposal("qkv_fusion-1", "qkv_fusion"),
+    ]
+    why = not_tried(proposals, {"bn_fold"})
+    assert set(why) == {"bn_fold-1", "llm-x-1", "activation_substitution-1"}
+    assert why["bn_fold-1"] == ("bn_fold", "skipped by the workload's OPPROF['skip']")
+    assert "stage 3 checks llm/x.py" in why["llm-x-1"][1]
+    assert why["activation_substitution-1"][1].startswith(
+        "not tried: the torch.compile profile already runs it inside one kernel "
+        "(triton_poi_fused_add_mul_pow_tanh_view_2)"
+    )
+
+
 def test_which_dropped_rungs_get_a_second_pass() -> None:
     """A rung that made nothing faster is retried on the final plan; one that applied nowhere
     only once a rung before it was kept on the second pass (gemm_out_dtype after bf16)."""

@@ -142,9 +142,47 @@ def test_activation_substitution_says_torch_compile_already_fuses_the_gelu() -> 
     assert len(held) == 1 and "aten::tanh" in str(held[0].value)
     assert evidence_matches(held[0], profile, graph)
     assert sub.confidence == "low"
+    # selection does not build it (backend.selection.not_tried)
+    assert (
+        sub.params["compiled_already"].startswith("triton_") and "does not try it" in sub.rationale
+    )
     # Without the compiled timeline the same graph gets the plain proposal.
     eager_only = profile.model_copy(update={"timelines": profile.timelines[:1]})
     plain = next(
         p for p in propose(eager_only, graph).proposals if p.type == "activation_substitution"
     )
     assert "expect no gain" not in plain.rationale and plain.confidence != "low"
+    assert "compiled_already" not in plain.params
+
+
+@needs_profiles
+@pytest.mark.parametrize("name", FOUND or ["none"])
+def test_gemm_epilogue_where_a_biased_gemm_feeds_relu_or_tanh_gelu(name: str) -> None:
+    """gpt2's twelve Linear → tanh-GELU (spelled out) and mlp_activations' Linear → ReLU; not
+    embedding_projection's exact GELU nor mlp_activations' GELU / SiLU / Tanh layers."""
+    _, _, opt = run(name)
+    epilogue = [p for p in opt.proposals if p.type == "gemm_epilogue"]
+    expected = {"gpt2": (12, ["gelu_tanh"]), "mlp_activations": (1, ["relu"])}
+    if name not in expected:
+        assert not epilogue
+        return
+    count, kinds = expected[name]
+    (proposal,) = epilogue
+    assert (len(proposal.targets), proposal.params["activations"]) == (count, kinds)
+    assert proposal.ir_level == "aten" and proposal.impact.estimated_saving_us > 0
+
+
+@needs_profiles
+@pytest.mark.parametrize("name", FOUND or ["none"])
+def test_attention_backend_where_there_is_attention(name: str) -> None:
+    """sdpa_attention's SDPA call and gpt2's twelve hand-written attentions: which fused kernel
+    runs them fastest is left to selection (low confidence, no modelled saving)."""
+    _, _, opt = run(name)
+    moves = [p for p in opt.proposals if p.type == "attention_backend"]
+    expected = {"gpt2": 12, "sdpa_attention": 1}
+    if name not in expected:
+        assert not moves
+        return
+    (proposal,) = moves
+    assert len(proposal.targets) == expected[name]
+    assert proposal.confidence == "low" and proposal.impact.estimated_saving_us == 0.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import statistics
 import time
 from pathlib import Path
 
@@ -128,8 +129,12 @@ def test_each_round_records_how_much_of_it_the_launching_thread_had_its_cpu() ->
     )
     assert {k: len(v) for k, v in samples.cpu_share.items()} == {"busy": 4, "away": 4}
     assert {k: len(v) for k, v in samples.preempted.items()} == {"busy": 4, "away": 4}
-    assert min(samples.cpu_share["busy"]) > 0.6  # two shared CI cores: not always all of it
+    # Two shared CI cores: the busy call can lose half its CPU to the other test worker, so
+    # its share is compared with the sleeping call's, which stays near 0 whatever the load.
     assert max(samples.cpu_share["away"]) < 0.3
+    assert statistics.median(samples.cpu_share["busy"]) > max(
+        0.4, 3 * max(samples.cpu_share["away"])
+    )
     assert all(n >= 0 for v in samples.preempted.values() for n in v)
     if Path("/proc/stat").exists():
         host = samples.host

@@ -1,0 +1,162 @@
+"""gemm_epilogue: a linear layer's activation applied in the GEMM's epilogue (cuBLASLt).
+
+Inductor keeps a GEMM an extern call (cuBLAS) and fuses the activation after it into a Triton
+pointwise kernel: one more launch, and the GEMM's output written, read and written again.
+``aten._addmm_activation(bias, a, b, use_gelu)`` has cuBLASLt add the bias and apply ReLU or
+GELU while the tile is still in registers (``CUBLASLT_EPILOGUE_RELU_BIAS`` /
+``GELU_BIAS``), and Inductor lowers it to that extern call as it is (``make_fallback``, no
+decomposition). On the H200 (benchmarks/results/h200-2026-12-01c/probes/epilogue_probe.jsonl)
+twelve bf16 MLP blocks in one CUDA graph took 0.234 ms with gpt2's GEMM + tanh-GELU kernels
+and 0.210 ms with the GELU in the epilogue; mlp_activations' Linear + ReLU, 0.149 and 0.132 ms.
+
+The epilogue's GELU is the tanh approximation on CUDA (the CPU kernel applies the exact GELU,
+``torch/_decomp/decompositions.py`` ``_addmm_activation``), so a GELU is rewritten only on
+CUDA and only where it is the tanh form; ReLU is exact everywhere.
+
+Pattern (aten level, after Inductor's decompositions): ``addmm(bias, a, b)`` with a 1-D bias,
+then views, each used only by the next, then ``relu`` or the tanh-GELU formula
+(``activation_substitution._match``: spelled out by hand or by Inductor's decomposition of
+``gelu(approximate='tanh')``, which computes it in fp32 between two casts). The GEMM's result
+may have no other use: the pre-activation values would still have to be written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from pytest_opprof.passes.activation_substitution import _erase_dead, _is, _match
+from pytest_opprof.passes.base import (
+    PassResult,
+    fake_value,
+    is_op,
+    meta_key,
+    run_graph_pass,
+    set_fake_value,
+    single_user,
+)
+from pytest_opprof.passes.dtype_promotion import _VIEWS, _cast_dtype, _is_cast
+
+NAME = "gemm_epilogue"
+aten = torch.ops.aten
+FLOATS = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def tanh_gelu_epilogue(device: torch.device) -> bool:
+    """Whether ``_addmm_activation(use_gelu=True)`` applies the tanh-form GELU on ``device``."""
+    return device.type == "cuda"
+
+
+def apply(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    *,
+    devices: Sequence[str] = ("cuda",),
+) -> PassResult:
+    """Fold each ReLU / tanh-GELU after a biased GEMM into the GEMM's epilogue. ``devices``:
+    where the fused kernels exist (cuBLASLt: CUDA)."""
+    return run_graph_pass(NAME, gm, example_inputs, lambda g, _: _rewrite(g, tuple(devices)))
+
+
+def _rewrite(gm: torch.fx.GraphModule, devices: tuple[str, ...]) -> tuple[int, str]:
+    graph = gm.graph
+    key = meta_key(graph)
+    fused: list[str] = []
+    for node in list(graph.nodes):
+        site = _relu_site(node) or _gelu_site(node)
+        if site is None:
+            continue
+        src, final, dead, gelu = site
+        gemm, views = _gemm_through_views(src)
+        if gemm is None or not _fits(gemm, devices, gelu):
+            continue
+        with graph.inserting_before(gemm):
+            kwargs: dict[str, Any] = {"use_gelu": True} if gelu else {}
+            out = graph.call_function(aten._addmm_activation.default, tuple(gemm.args), kwargs)
+            set_fake_value(out, key)
+        replacement: torch.fx.Node = out
+        with graph.inserting_before(final):
+            for view in reversed(views):  # the same views, now on the activated result
+                view_op: Any = view.target
+                replacement = graph.call_function(
+                    view_op, (replacement, *view.args[1:]), dict(view.kwargs)
+                )
+                set_fake_value(replacement, key)
+        final.replace_all_uses_with(replacement)
+        _erase_dead(graph, [final, *dead, *views, gemm])
+        fused.append("gelu" if gelu else "relu")
+    if not fused:
+        return 0, "no biased GEMM whose only use is a ReLU or tanh-GELU"
+    kinds = ", ".join(f"{fused.count(k)} {k}" for k in ("relu", "gelu") if k in fused)
+    return len(fused), f"{len(fused)} GEMM(s) apply their activation in the epilogue ({kinds})"
+
+
+Site = tuple[torch.fx.Node, torch.fx.Node, list[torch.fx.Node], bool]
+"""(the GEMM's viewed result, the node whose uses get the fused result, the nodes that die,
+whether the activation is the GELU)."""
+
+
+def _relu_site(node: torch.fx.Node) -> Site | None:
+    if not is_op(node, aten.relu) or not isinstance(node.args[0], torch.fx.Node):
+        return None
+    src = node.args[0]
+    return (src, node, [], False) if single_user(src) is node else None
+
+
+def _gelu_site(tanh: torch.fx.Node) -> Site | None:
+    """The tanh-GELU around ``tanh``, on the low-precision result itself or, as Inductor's
+    decomposition computes it, on its fp32 copy with the result cast back."""
+    if not _is(tanh, "tanh"):
+        return None
+    match = _match(tanh)
+    if match is None:
+        return None
+    x, root, nodes = match
+    inside = {*nodes, root}
+    src, final, dead = x, root, [*nodes, root]
+    if _is_cast(x) and isinstance(x.args[0], torch.fx.Node):
+        back = single_user(root)
+        low = fake_value(x.args[0])
+        if (
+            back is None
+            or not _is_cast(back)
+            or not isinstance(low, torch.Tensor)
+            or _cast_dtype(back) != low.dtype
+            or single_user(x.args[0]) is not x
+        ):
+            return None
+        src, final, dead = x.args[0], back, [*dead, x]
+    if not all(u in inside for u in x.users):
+        return None
+    return src, final, dead, True
+
+
+def _gemm_through_views(src: torch.fx.Node) -> tuple[torch.fx.Node | None, list[torch.fx.Node]]:
+    """The ``addmm`` under ``src`` and the views between them (outermost first), each used only
+    by the next; (None, []) where there is none."""
+    views: list[torch.fx.Node] = []
+    node: Any = src
+    while is_op(node, *_VIEWS):
+        if views and single_user(node) is not views[-1]:
+            return None, []
+        views.append(node)
+        node = node.args[0]
+    if not is_op(node, aten.addmm) or len(node.args) != 3 or node.kwargs:
+        return None, []  # beta / alpha: the epilogue adds the bias as it is
+    if views and single_user(node) is not views[-1]:
+        return None, []
+    return node, views
+
+
+def _fits(gemm: torch.fx.Node, devices: tuple[str, ...], gelu: bool) -> bool:
+    out, bias = fake_value(gemm), fake_value(gemm.args[0])
+    if not isinstance(out, torch.Tensor) or not isinstance(bias, torch.Tensor):
+        return False
+    if out.dtype not in FLOATS or bias.dim() != 1 or bias.shape[0] != out.shape[-1]:
+        return False
+    if out.device.type not in devices:
+        return False
+    return not gelu or tanh_gelu_epilogue(out.device)

@@ -1,0 +1,161 @@
+"""gemm_epilogue: a biased GEMM's ReLU / tanh-GELU applied in cuBLASLt's epilogue.
+
+On the CPU ``aten._addmm_activation`` exists too, but its GELU is the exact one: the pass
+rewrites a GELU only where the epilogue's is the tanh form (CUDA). The GELU tests here take the
+CPU for CUDA (``tanh_gelu_epilogue`` patched) to check the rewrite, then check the function on
+what the CPU kernel computes; on the GPU the real cuBLASLt epilogue runs (the gpu test)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from pass_helpers import AtenTrace, count
+
+from pytest_opprof.passes import REGISTRY, gemm_epilogue
+
+aten = torch.ops.aten
+CPU = ("cpu",)
+
+
+def hand_gelu(h: torch.Tensor) -> torch.Tensor:
+    """gpt2's "gelu_new", spelled out."""
+    return 0.5 * h * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (h + 0.044715 * h.pow(3))))
+
+
+def _args(dtype: torch.dtype = torch.float32) -> list[torch.Tensor]:
+    return [
+        torch.randn(2, 5, 16, dtype=dtype),
+        (torch.randn(24, 16) / 4).to(dtype),
+        torch.randn(24).to(dtype),
+    ]
+
+
+@pytest.fixture
+def cpu_as_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(gemm_epilogue, "tanh_gelu_epilogue", lambda device: True)
+
+
+def test_registered_at_the_aten_level() -> None:
+    assert REGISTRY["gemm_epilogue"].level == "aten"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_relu_folds_into_the_gemm(aten_graph: AtenTrace, dtype: torch.dtype) -> None:
+    def fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.relu(F.linear(x, w, b)) * 2
+
+    args = _args(dtype)
+    gm = aten_graph(fn, *args)
+    before = gm(*args)
+    result = gemm_epilogue.apply(gm, args, devices=CPU)
+    assert (result.status, result.matches) == ("APPLIED", 1)
+    assert "1 relu" in result.detail
+    assert count(gm, aten._addmm_activation) == 1
+    assert count(gm, aten.addmm, aten.relu) == 0
+    torch.testing.assert_close(gm(*args), before)
+
+
+@pytest.mark.parametrize("spelled", ["by_hand", "decomposed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tanh_gelu_folds_into_the_gemm(
+    aten_graph: AtenTrace, cpu_as_cuda: None, spelled: str, dtype: torch.dtype
+) -> None:
+    """Both forms: gpt2's formula on the GEMM's result (in its dtype), and Inductor's
+    decomposition of gelu(approximate='tanh') (in fp32 between two casts for bf16)."""
+
+    def fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, w, b)
+        return hand_gelu(h) if spelled == "by_hand" else F.gelu(h, approximate="tanh")
+
+    args = _args(dtype)
+    gm = aten_graph(fn, *args)
+    before = gm(*args)
+    result = gemm_epilogue.apply(gm, args, devices=CPU)
+    assert (result.status, result.matches) == ("APPLIED", 1), result.detail
+    assert count(gm, aten._addmm_activation) == 1
+    assert count(gm, aten.addmm, aten.tanh, aten.mul, aten.pow) == 0
+    out = gm(*args)
+    assert out.dtype == dtype and out.shape == before.shape
+    # what the CPU kernel computes: the exact GELU of the biased GEMM
+    exact = F.gelu(F.linear(*(a.float() for a in args))).to(dtype)
+    torch.testing.assert_close(out, exact, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.float(), before.float(), rtol=3e-2, atol=2e-2)
+
+
+def test_gelu_is_left_where_the_epilogue_is_exact(aten_graph: AtenTrace) -> None:
+    """On the CPU the epilogue's GELU is the exact one: a tanh-GELU stays; ReLU still fuses."""
+
+    def fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return hand_gelu(F.linear(x, w, b)) + F.relu(F.linear(x, w, b))
+
+    args = _args()
+    gm = aten_graph(fn, *args)
+    result = gemm_epilogue.apply(gm, args, devices=CPU)
+    assert result.matches == 1 and "1 relu" in result.detail
+    assert count(gm, aten.tanh) == 1 and count(gm, aten.addmm) == 1
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        # no bias: no addmm
+        lambda x, w, b: F.relu(F.linear(x, w)),
+        # the pre-activation values are used too
+        lambda x, w, b: (lambda h: F.relu(h) + h)(F.linear(x, w, b)),
+        # an activation the epilogue does not have
+        lambda x, w, b: F.silu(F.linear(x, w, b)),
+        # the exact GELU
+        lambda x, w, b: F.gelu(F.linear(x, w, b)),
+        # a scaled GEMM (beta / alpha)
+        lambda x, w, b: F.relu(torch.addmm(b, x[0], w.t(), beta=0.5)),
+    ],
+    ids=["no_bias", "second_use", "silu", "exact_gelu", "beta"],
+)
+def test_no_match_leaves_the_graph(aten_graph: AtenTrace, cpu_as_cuda: None, fn: Any) -> None:
+    args = _args()
+    gm = aten_graph(fn, *args)
+    code = gm.code
+    result = gemm_epilogue.apply(gm, args, devices=CPU)
+    assert (result.status, result.matches) == ("NOT_APPLIED", 0), result.detail
+    assert gm.code == code
+
+
+def test_cuda_only_by_default(aten_graph: AtenTrace) -> None:
+    def fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return F.relu(F.linear(x, w, b))
+
+    args = _args()
+    gm = aten_graph(fn, *args)
+    assert gemm_epilogue.apply(gm, args).matches == 0
+
+
+@pytest.mark.gpu
+def test_through_the_backend_on_cuda() -> None:
+    """The real cuBLASLt epilogue through Inductor's lowering, on gpt2's MLP in bf16."""
+    from pytest_opprof.backend.compiler import make_backend
+    from pytest_opprof.passes.base import PassResult
+
+    class Mlp(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.up, self.gate = torch.nn.Linear(256, 1024), torch.nn.Linear(256, 1024)
+            self.down = torch.nn.Linear(1024, 256)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.down(hand_gelu(self.up(x)) * F.relu(self.gate(x)))
+
+    torch.manual_seed(0)
+    model = Mlp().cuda().bfloat16().eval()
+    x = torch.randn(4, 64, 256, device="cuda", dtype=torch.bfloat16)
+    results: list[PassResult] = []
+    backend = make_backend(aten=["gemm_epilogue"], results=results)
+    with torch.no_grad():
+        got = torch.compile(model, backend=backend)(x)
+        reference = model.float()(x.float())
+    assert [(r.status, r.matches) for r in results] == [("APPLIED", 2)]
+    error = (got.float() - reference).norm() / reference.norm()
+    assert error < 1.6e-2
