@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "benchmarks" / "results" / "h200-2026-12-01b" / "counters-n7"
+RESULTS = ROOT / "benchmarks" / "results" / "h200-2026-12-01c" / "counters-n7"
 """The run whose artifacts are in examples/*/h200 (-n 7 on one GPU, counters on, one call)."""
 EARLIER = ROOT / "benchmarks" / "results" / "h200x2-2026-11-30c"
 """An earlier run cut into four calls: its stage JUnit files test the stage-time merge."""
@@ -230,6 +230,16 @@ SELECTION_RUNS = (
     "third-n7-retimed",
     "fourth-n7",
 )
+PASSES = ROOT / "benchmarks" / "results" / "h200-2026-12-01c"
+PASSES_RUNS = (
+    "counters-n7",
+    "first-n7",
+    "first-n7-retimed",
+    "second-n7",
+    "second-n7-retimed",
+    "third-n7",
+    "third-n7-retimed",
+)
 
 
 @pytest.mark.parametrize(
@@ -251,7 +261,8 @@ SELECTION_RUNS = (
             "same-n7-retimed",
         )
     ]
-    + [SELECTION / r for r in SELECTION_RUNS],
+    + [SELECTION / r for r in SELECTION_RUNS]
+    + [PASSES / r for r in PASSES_RUNS],
     ids=lambda f: f"{f.parent.name}/{f.name}",
 )
 def test_the_committed_tables_of_the_timed_runs_are_what_the_tool_writes(folder: Path) -> None:
@@ -260,7 +271,7 @@ def test_the_committed_tables_of_the_timed_runs_are_what_the_tool_writes(folder:
     table = tool.markdown(result)
     assert table == (folder / "summary.md").read_text(encoding="utf-8")
     # only processes that shared a GPU waited for it
-    shared = (SHARED, MAKING_WAY, BATCHED, OFF_GPU, HOST_SPEED, SELECTION)
+    shared = (SHARED, MAKING_WAY, BATCHED, OFF_GPU, HOST_SPEED, SELECTION, PASSES)
     assert ("of them waiting for the GPU" in table) == (folder.parent in shared)
     done = {n: r for n, r in result["workloads"].items() if r.get("status") != "missing"}
     assert len(done) == (3 if folder.name == "one-gpu-cut" else 7)  # cut by the GPU's time
@@ -462,3 +473,69 @@ def test_the_same_backends_timed_twice_after_the_ladders_change() -> None:
         "CIs overlap for 7 of 7; ratios within ±3% for 4 of 7.",
         "CIs overlap for 6 of 7; ratios within ±3% for 4 of 7.",
     ]
+
+
+def _passes_selection(run: str, workload: str) -> Any:
+    return json_of(PASSES / run / workload / "profiler_output" / "backend_selection.json")
+
+
+def _added(run: str, workload: str) -> dict[str, float]:
+    """Each kept rung's gain over the plan below it, by proposal id, from the waterfall."""
+    steps = _passes_selection(run, workload)["waterfall"][1:]
+    return {s["step"].split("(")[1].rstrip(")").split(")")[0]: s["speedup_added"] for s in steps}
+
+
+@pytest.mark.parametrize("run", ["counters-n7", "first-n7", "second-n7", "third-n7"])
+def test_the_epilogue_and_flash_rungs_were_kept_by_measurement(run: str) -> None:
+    """h200-2026-12-01c: gemm_epilogue kept on gpt2 (its twelve GEMM + tanh-GELU) and on
+    mlp_activations (its Linear + ReLU); attention_backend on gpt2 and sdpa_attention, each
+    at least 1% faster than the plan below it, in all four runs."""
+    kept = {
+        ("gpt2", "gemm_epilogue-1"),
+        ("gpt2", "attention_backend-1"),
+        ("mlp_activations", "gemm_epilogue-1"),
+        ("sdpa_attention", "attention_backend-1"),
+    }
+    for workload, pid in kept:
+        gain = _added(run, workload).get(pid)
+        assert gain is not None and gain >= 1.01, (run, workload, pid, gain)
+    for workload in ("conv_block", "depthwise_separable_conv", "embedding_projection"):
+        assert not {"gemm_epilogue-1", "attention_backend-1"} & set(_added(run, workload))
+
+
+def test_selection_stopped_building_what_could_not_pay() -> None:
+    """first-n7 built gemm_out_dtype on every GPU workload (it applied only on
+    embedding_projection) and gpt2's tanh-GELU rewrite twice (0.997x, 0.997x); second-n7, with
+    backend.selection's output-GEMM test and not_tried, built neither: 42 variants became 34,
+    gpt2's selection 138 s became 103 s and the seven 245 s became 204 s. The plans are the
+    same but for depthwise_separable_conv's frozen weights, kept at 1.079x in first-n7 and
+    dropped at 0.988x in second-n7 (they came and went between runs before, too)."""
+
+    def built(run: str) -> dict[str, list[str]]:
+        names = {}
+        for workload in (PASSES / run).iterdir():
+            if workload.is_dir():
+                variants = _passes_selection(run, workload.name)["variants"]
+                names[workload.name] = [
+                    v["name"] for v in variants if v["name"] not in ("eager", "compile")
+                ]
+        return names
+
+    first, second = built("first-n7"), built("second-n7")
+    assert sum(map(len, first.values())) == 42 and sum(map(len, second.values())) == 34
+    assert [w for w, v in second.items() if any("gemm_out_dtype" in n for n in v)] == [
+        "embedding_projection"
+    ]
+    assert not any("activation_substitution" in n for n in second["gpt2"])
+    dropped = {d["id"]: d["reason"] for d in _passes_selection("second-n7", "gpt2")["dropped"]}
+    assert dropped["activation_substitution-1"].startswith("not tried: the torch.compile")
+    for workload in first:
+        plans = [_passes_selection(r, workload)["chosen"] for r in ("first-n7", "second-n7")]
+        if workload == "depthwise_separable_conv":
+            plans[0] = plans[0].removesuffix("+pretranspose_weights-1")
+        assert plans[0] == plans[1], workload
+    walls = [
+        int((PASSES / r / "wall_seconds.txt").read_text().split()[0])
+        for r in ("first-n7", "second-n7")
+    ]
+    assert walls == [245, 204]
