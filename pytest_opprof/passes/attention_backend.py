@@ -93,7 +93,9 @@ def _rewrite(gm: torch.fx.GraphModule, devices: tuple[str, ...]) -> tuple[int, s
     )
 
 
-def _flash_call(node: torch.fx.Node, devices: tuple[str, ...]) -> tuple[tuple, dict] | None:
+def _flash_call(
+    node: torch.fx.Node, devices: tuple[str, ...]
+) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
     """The flash call computing the same attention as ``node``, or None where it cannot."""
     names = ("attn_bias", "compute_log_sumexp", "dropout_p", "is_causal", "return_debug_mask")
     values: dict[str, Any] = dict(zip(names, node.args[3:], strict=False))
