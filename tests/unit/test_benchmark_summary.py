@@ -539,3 +539,14 @@ def test_selection_stopped_building_what_could_not_pay() -> None:
         for r in ("first-n7", "second-n7")
     ]
     assert walls == [245, 204]
+
+
+def test_the_readme_shows_the_committed_runs_table() -> None:
+    """The README's headline table and geometric mean are the committed run's, as
+    summarize.py wrote them."""
+    summary = (RESULTS / "summary.md").read_text(encoding="utf-8").splitlines()
+    table = [line for line in summary[: summary.index("") if "" in summary else None]]
+    geomean = next(line for line in summary if line.startswith("Geometric mean"))
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert "\n".join(table) in readme
+    assert geomean.rstrip(".") + "." in readme
