@@ -545,7 +545,7 @@ def test_the_readme_shows_the_committed_runs_table() -> None:
     """The README's headline table and geometric mean are the committed run's, as
     summarize.py wrote them."""
     summary = (RESULTS / "summary.md").read_text(encoding="utf-8").splitlines()
-    table = [line for line in summary[: summary.index("") if "" in summary else None]]
+    table = summary[: summary.index("")]  # the table ends at the first blank line
     geomean = next(line for line in summary if line.startswith("Geometric mean"))
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "\n".join(table) in readme
