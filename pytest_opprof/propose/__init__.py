@@ -246,9 +246,9 @@ def _context_notes(ctx: Context) -> list[str]:
     if not ctx.gpu:
         notes.append(
             "CPU profile: no hardware-table entry, so operators carry no bottleneck class and "
-            "no roofline; the GPU-only rules (cuda_graphs, batch_padding, algorithm_selection) "
-            "did not run; dtype_promotion is proposed at low confidence (bf16 on the CPU is "
-            "often slower)"
+            "no roofline; the GPU-only rules (cuda_graphs, batch_padding, algorithm_selection, "
+            "gemm_epilogue, attention_backend) did not run; dtype_promotion is proposed at low "
+            "confidence (bf16 on the CPU is often slower)"
         )
     else:
         counters = any(f.has_counters for f in ctx.facts.values())
@@ -268,7 +268,8 @@ def _context_notes(ctx: Context) -> list[str]:
     if ctx.graph is None:
         notes.append(
             "no FX graph summary: the graph detectors (bn_fold, qkv_fusion, sdpa_replacement, "
-            "activation_substitution, NCHW convolutions, batch_padding) did not run"
+            "activation_substitution, gemm_epilogue, attention_backend, NCHW convolutions, "
+            "batch_padding) did not run"
         )
     elif not ctx.graph.graphs:
         notes.append(
