@@ -13,14 +13,12 @@ timed with CUDA events and its kernels named. One JSON line per variant.
 
 from __future__ import annotations
 
-import argparse
 import json
 from typing import Any
 
 import torch
-import torch._functorch.config
 import torch.nn.functional as F
-from sdpa_probe import activities, graphed, replay_ms
+from sdpa_probe import graphed, measured, setup
 
 SHAPES = {  # name: (rows, width, hidden, activation)
     "gpt2_mlp": (512, 768, 3072, "gelu_tanh"),
@@ -48,13 +46,7 @@ class Mlp(torch.nn.Module):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--layers", type=int, default=12)
-    parser.add_argument("--reps", type=int, default=50)
-    parser.add_argument("--rounds", type=int, default=9)
-    args = parser.parse_args()
-    torch._functorch.config.enable_autograd_cache = False
-    print(json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}), flush=True)
+    args = setup()
     for shape, (rows, width, hidden, act) in SHAPES.items():
         torch.manual_seed(0)
         plain = Mlp(width, hidden, act, False).cuda().to(torch.bfloat16).eval()
@@ -73,16 +65,7 @@ def main() -> None:
                         fn = torch.compile(model, fullgraph=True) if mode == "inductor" else model
                         err = (fn(x).float() - reference).norm() / reference.norm()
                         g, _ = graphed(fn, x, args.layers)
-                        ms, per = replay_ms(g, args.reps, args.rounds)
-                        acts = activities(g)
-                    row.update(
-                        ms=round(ms, 5),
-                        rounds_ms=per,
-                        rel_err=float(err),
-                        kernels_us=round(sum(a[1] for a in acts), 2),
-                        idle_us=round(sum(a[2] for a in acts), 2),
-                        per_layer=acts[: max(1, len(acts) // args.layers)],
-                    )
+                        row.update(rel_err=float(err), **measured(g, args))
                 except Exception as exc:  # one variant's failure is its row
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 print(json.dumps(row), flush=True)

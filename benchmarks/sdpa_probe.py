@@ -18,6 +18,7 @@ import json
 import statistics
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -99,7 +100,9 @@ def activities(g: Any) -> list[tuple[str, float, float]]:
     return out
 
 
-def main() -> None:
+def setup() -> argparse.Namespace:
+    """The probes' options (``--layers`` blocks per graph, ``--reps`` replays per round,
+    ``--rounds``), AOTAutograd's cache off, and the header line naming torch and the GPU."""
     parser = argparse.ArgumentParser()
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--reps", type=int, default=50)
@@ -109,6 +112,26 @@ def main() -> None:
     # serve the first backend's graph to the others
     torch._functorch.config.enable_autograd_cache = False
     print(json.dumps({"torch": torch.__version__, "gpu": torch.cuda.get_device_name()}), flush=True)
+    return args
+
+
+def measured(g: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """One variant's figures from its CUDA graph of ``--layers`` blocks (``graphed``): the
+    median replay (ms) and each round's, and one replay's GPU activities: their µs, the idle
+    µs before them, and those of the first layer by name."""
+    ms, per = replay_ms(g, args.reps, args.rounds)
+    acts = activities(g)
+    return {
+        "ms": round(ms, 5),
+        "rounds_ms": per,
+        "kernels_us": round(sum(a[1] for a in acts), 2),
+        "idle_us": round(sum(a[2] for a in acts), 2),
+        "per_layer": acts[: max(1, len(acts) // args.layers)],
+    }
+
+
+def main() -> None:
+    args = setup()
     for shape, (b, h, s, d, causal) in SHAPES.items():
         torch.manual_seed(0)
         block = Block(h, h * d, causal).cuda().to(torch.bfloat16).eval()
@@ -128,20 +151,11 @@ def main() -> None:
                                 fn(x)
                         else:
                             fn = block
-                        with sdpa_kernel(backend) if mode == "eager" else torch.no_grad():
+                        with sdpa_kernel(backend) if mode == "eager" else nullcontext():
                             err = (fn(x).float() - reference).norm() / reference.norm()
                             g, _ = graphed(fn, x, args.layers)
                         row["build_s"] = round(time.perf_counter() - started, 1)
-                        ms, per = replay_ms(g, args.reps, args.rounds)
-                        acts = activities(g)
-                    row.update(
-                        ms=round(ms, 5),
-                        rounds_ms=per,
-                        rel_err=float(err),
-                        kernels_us=round(sum(a[1] for a in acts), 2),
-                        idle_us=round(sum(a[2] for a in acts), 2),
-                        per_layer=acts[: max(1, len(acts) // args.layers)],
-                    )
+                        row.update(rel_err=float(err), **measured(g, args))
                 except Exception as exc:  # one variant's failure is its row
                     row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
                 print(json.dumps(row), flush=True)
