@@ -403,6 +403,19 @@ def erase_if_dead(graph: torch.fx.Graph, nodes: Sequence[Any]) -> int:
     return erased
 
 
+def reapply_views(
+    graph: torch.fx.Graph, result: torch.fx.Node, views: Sequence[torch.fx.Node], key: str
+) -> torch.fx.Node:
+    """``views`` (outermost first, as found walking down from a use) applied again, innermost
+    first, on ``result``, at the graph's insertion point; the last new node (``result`` where
+    there are none)."""
+    for view in reversed(views):
+        op: Any = view.target
+        result = graph.call_function(op, (result, *view.args[1:]), dict(view.kwargs))
+        set_fake_value(result, key)
+    return result
+
+
 def single_user(node: torch.fx.Node) -> torch.fx.Node | None:
     users = list(node.users)
     return users[0] if len(users) == 1 else None

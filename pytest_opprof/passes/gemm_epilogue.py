@@ -28,12 +28,14 @@ from typing import Any
 import torch
 import torch.fx
 
-from pytest_opprof.passes.activation_substitution import _erase_dead, _is, _match
+from pytest_opprof.passes.activation_substitution import _is, _match
 from pytest_opprof.passes.base import (
     PassResult,
+    erase_if_dead,
     fake_value,
     is_op,
     meta_key,
+    reapply_views,
     run_graph_pass,
     set_fake_value,
     single_user,
@@ -77,16 +79,10 @@ def _rewrite(gm: torch.fx.GraphModule, devices: tuple[str, ...]) -> tuple[int, s
             kwargs: dict[str, Any] = {"use_gelu": True} if gelu else {}
             out = graph.call_function(aten._addmm_activation.default, tuple(gemm.args), kwargs)
             set_fake_value(out, key)
-        replacement: torch.fx.Node = out
-        with graph.inserting_before(final):
-            for view in reversed(views):  # the same views, now on the activated result
-                view_op: Any = view.target
-                replacement = graph.call_function(
-                    view_op, (replacement, *view.args[1:]), dict(view.kwargs)
-                )
-                set_fake_value(replacement, key)
+        with graph.inserting_before(final):  # the same views, now on the activated result
+            replacement = reapply_views(graph, out, views, key)
         final.replace_all_uses_with(replacement)
-        _erase_dead(graph, [final, *dead, *views, gemm])
+        erase_if_dead(graph, [final, *dead, *views, gemm])
         fused.append("gelu" if gelu else "relu")
     if not fused:
         return 0, "no biased GEMM whose only use is a ReLU or tanh-GELU"

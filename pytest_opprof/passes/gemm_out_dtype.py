@@ -28,6 +28,7 @@ from pytest_opprof.passes.base import (
     fake_value,
     is_op,
     meta_key,
+    reapply_views,
     run_graph_pass,
     set_fake_value,
 )
@@ -93,14 +94,8 @@ def _rewrite(gm: torch.fx.GraphModule, devices: tuple[str, ...]) -> tuple[int, s
         with graph.inserting_before(node):
             wide = graph.call_function(pairs[node.target], (*node.args[:2], torch.float32))
             set_fake_value(wide, key)
-        replacement: torch.fx.Node = wide
-        with graph.inserting_before(cast):
-            for view in reversed(views):  # the same views, now on the fp32 result
-                view_op: Any = view.target
-                replacement = graph.call_function(
-                    view_op, (replacement, *view.args[1:]), dict(view.kwargs)
-                )
-                set_fake_value(replacement, key)
+        with graph.inserting_before(cast):  # the same views, now on the fp32 result
+            replacement = reapply_views(graph, wide, views, key)
         cast.replace_all_uses_with(replacement)
         for stale in [cast, *views, node]:
             graph.erase_node(stale)
