@@ -26,6 +26,7 @@ if TYPE_CHECKING:
 
     from pytest_opprof.backend.plan import Rung
     from pytest_opprof.capture.timing import RoundSamples
+    from pytest_opprof.schema import FxGraphSummary
 
 EXIT_USER_ERROR = 3
 _STARTED = time.perf_counter()
@@ -525,6 +526,15 @@ def task_counters_target(spec: dict[str, Any]) -> None:
     counters_target_task(spec)
 
 
+def _captured_graph(out_dir: Path) -> FxGraphSummary | None:
+    """The capture stage's FX graph summary (``graph.json``, validated on read), or None where
+    capture wrote none."""
+    from pytest_opprof.schema import FxGraphSummary, read_artifact
+
+    path = out_dir / "graph.json"
+    return read_artifact(path, FxGraphSummary) if path.is_file() else None
+
+
 def task_select(spec: dict[str, Any]) -> None:
     """Measured selection: climb the ladder of proposals, keeping a rung only when it is
     confidently faster than the plan below it (paired, interleaved rounds), by at least
@@ -538,9 +548,8 @@ def task_select(spec: dict[str, Any]) -> None:
     from pytest_opprof.backend.plan import add_proposal, inside_model_graph
     from pytest_opprof.backend.selection import (
         applied_nowhere,
+        climbed,
         faster_enough,
-        not_tried,
-        selection_rungs,
         verdict,
         worth_a_second_pass,
     )
@@ -551,7 +560,6 @@ def task_select(spec: dict[str, Any]) -> None:
         BackendPlan,
         BackendSelection,
         DroppedProposal,
-        FxGraphSummary,
         Optimizations,
         VariantResult,
         WaterfallStep,
@@ -598,15 +606,11 @@ def task_select(spec: dict[str, Any]) -> None:
         WaterfallStep(step=ref_name, latency_ms=ref_ms, speedup_cumulative=1.0, speedup_added=1.0)
     ]
     skip = set(spec.get("overrides", {}).get("skip", []))
+    not_built, rungs = climbed(opt.proposals, device, skip, _captured_graph(out_dir))
     dropped = {
         pid: DroppedProposal(id=pid, type=kind, reason=reason)
-        for pid, (kind, reason) in not_tried(opt.proposals, skip).items()
+        for pid, (kind, reason) in not_built.items()
     }
-    graph_path = out_dir / "graph.json"
-    graph = read_artifact(graph_path, FxGraphSummary) if graph_path.is_file() else None
-    rungs = selection_rungs(
-        [p for p in opt.proposals if p.id not in dropped], device, skip, graph=graph
-    )
 
     def attempt(rung: Rung, second_chance: bool) -> bool:
         plan = state["plan"]

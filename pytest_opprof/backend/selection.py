@@ -73,6 +73,16 @@ def selection_rungs(
     return [Rung("cuda_graphs_model", (auto_cuda_graphs(scope="model"),)), *rungs]
 
 
+def climbed(
+    proposals: Sequence[Proposal], device: str, skip: Set[str], graph: FxGraphSummary | None
+) -> tuple[dict[str, tuple[str, str]], list[Rung]]:
+    """What selection sets aside without building it (``not_tried``: id -> (type, why)), and
+    the rungs it climbs with the rest (``selection_rungs``)."""
+    aside = not_tried(proposals, skip)
+    kept = [p for p in proposals if p.id not in aside]
+    return aside, selection_rungs(kept, device, skip, graph)
+
+
 def gemm_writes_an_output(graph: FxGraphSummary | None) -> bool:
     """Whether a GEMM without a bias writes one of the graph's outputs (through views and
     casts): the only place where bf16 leaves a GEMM whose result is just cast back up to

@@ -199,6 +199,39 @@ def test_gemm_out_dtype_is_built_only_where_a_gemm_writes_an_output(make_proposa
     assert built(None)  # no graph summary to tell: build it and see
 
 
+def test_what_task_select_climbs_with_the_captured_graph(
+    make_proposal: Any, tmp_path: Path
+) -> None:
+    """task_select's ladder from its out folder: the capture's graph.json decides the
+    gemm_out_dtype rung, and not_tried's proposals are neither rungs nor built."""
+    import shutil
+
+    from pytest_opprof.backend.selection import climbed
+    from pytest_opprof.runner import _captured_graph
+
+    graphs = Path(__file__).resolve().parents[1] / "data" / "graphs"
+    proposals = [
+        make_proposal("dtype_promotion-1", "dtype_promotion", "non_graph"),
+        make_proposal(
+            "activation_substitution-1",
+            "activation_substitution",
+            params={"compiled_already": "triton_poi_fused_add_mul_pow_tanh_view_2"},
+        ),
+    ]
+    assert _captured_graph(tmp_path) is None  # capture wrote none: build the rung and see
+    aside, rungs = climbed(proposals, "cuda", set(), _captured_graph(tmp_path))
+    assert set(aside) == {"activation_substitution-1"}
+    assert [r.name for r in rungs] == [
+        "cuda_graphs_model",
+        "cuda_graphs",
+        "dtype_promotion",
+        "gemm_out_dtype",
+    ]
+    shutil.copy(graphs / "gpt2.graph.json", tmp_path / "graph.json")
+    _, rungs = climbed(proposals, "cuda", set(), _captured_graph(tmp_path))
+    assert "gemm_out_dtype" not in [r.name for r in rungs]
+
+
 def test_what_selection_never_builds(make_proposal: Any) -> None:
     from pytest_opprof.backend.selection import not_tried
 
