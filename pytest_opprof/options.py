@@ -266,8 +266,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
         parse_timing_processes,
         None,
         "fresh processes the recapture's timing runs in, pooled, the interval resampling "
-        "processes (default: 3 on a GPU, where a host-bound baseline's speed moves between "
-        "processes; 1 on the CPU)",
+        "processes and reaching as far as their own ratios' spread allows (default: 3 on a "
+        "GPU, where a host-bound baseline's speed moves between processes; 1 on the CPU)",
         metavar="N",
     ),
     _opt(

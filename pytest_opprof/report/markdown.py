@@ -380,7 +380,8 @@ def _timing_note(timing: Timing) -> str:
     note = (
         f"{head}, baseline and candidate timed interleaved in each of {processes} fresh "
         "processes, pooled; the CI is a paired bootstrap that resamples processes, then rounds "
-        "within each."
+        "within each, widened to Student's t over the processes' own ratios where that reaches "
+        "further."
     )
     if spread:
         note += " Each process's own ratio: " + "; ".join(spread) + "."

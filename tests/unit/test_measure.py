@@ -1,9 +1,13 @@
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 
+from pytest_opprof import measure
 from pytest_opprof.measure import (
     Replica,
+    between_processes,
     bootstrap_median_ci,
     gate_verdict,
     geometric_mean,
@@ -234,3 +238,47 @@ def test_pooling_sets_aside_a_slowed_processes_rounds_for_every_variant_timed_in
     # Without the references (a process from before them) nothing is set aside.
     bare = pooled_timing(first, [Replica({"compile": [0.4] * 6, "optimized": [0.1] * 6})])
     assert bare.variants["compile"].set_aside == [] and bare.host_us == []
+
+
+# ------------------------------------------------------------------ the interval across processes
+
+
+def test_between_processes_is_students_t_over_the_processes_logarithms() -> None:
+    """Three processes at 2.46x, 2.66x and 2.78x (conv_block's, second-n7): t with two degrees
+    of freedom (4.303) times their logarithms' standard error, either side of the pooled
+    ratio; one process, or processes that agree, give no width."""
+    import math
+    import statistics
+
+    ratios = [2.46, 2.66, 2.78]
+    logs = [math.log(r) for r in ratios]
+    half = 4.303 * statistics.stdev(logs) / math.sqrt(3)
+    lo, hi = between_processes(2.66, ratios)
+    assert lo == pytest.approx(2.66 * math.exp(-half)) and hi == pytest.approx(
+        2.66 * math.exp(half)
+    )
+    assert lo < 2.46 and hi > 2.78  # three processes say little about their spread
+    assert between_processes(2.0, [2.0]) == (2.0, 2.0)
+    assert between_processes(2.0, [2.0, 2.0, 2.0]) == pytest.approx((2.0, 2.0))
+    many = between_processes(2.0, [1.9, 2.1] * 20)  # 39 degrees of freedom: near 1.96
+    assert many[1] / 2.0 == pytest.approx(
+        math.exp(2.024 * statistics.stdev([math.log(1.9), math.log(2.1)] * 20) / math.sqrt(40)),
+        rel=1e-3,
+    )
+
+
+def test_several_processes_widen_the_bootstrap_where_their_ratios_disagree() -> None:
+    """Three processes whose rounds are tight but whose levels differ (a host-bound baseline at
+    1.0, 1.1 and 1.2 ms): the bootstrap can only redraw those three, the widened interval
+    reaches past them. Processes that agree leave the bootstrap's interval as it was."""
+    base = [1.0, 1.01, 0.99, 1.0, 1.1, 1.11, 1.09, 1.1, 1.2, 1.21, 1.19, 1.2]
+    cand = [0.5] * 12
+    s = speedup("compile", base, "optimized", cand, groups=[4, 4, 4])
+    assert s.ci_low < 1.9 and s.ci_high > 2.5
+    v = latency_stats(base, 10, groups=[4, 4, 4])
+    assert v.ci_low_ms < 0.95 and v.ci_high_ms > 1.25
+    same = [1.0, 1.02, 0.98, 1.01] * 3
+    agreeing = speedup("compile", same, "optimized", cand, groups=[4, 4, 4])
+    with mock.patch.object(measure, "_widened", lambda lo, hi, _e, _p: (lo, hi)):
+        assert speedup("compile", same, "optimized", cand, groups=[4, 4, 4]) == agreeing
+        assert speedup("compile", base, "optimized", cand, groups=[4, 4, 4]).ci_high < 2.5
