@@ -87,9 +87,9 @@ def between_processes(estimate: float, per_process: Sequence[float]) -> tuple[fl
 
     The hierarchical bootstrap alone is too sure of itself with three processes: it can only
     redraw those three, so its interval hardly reaches past the outermost. On the H200, of the
-    49 pairs of the same seven backends timed twice a minute apart (benchmarks/results, every
-    ``*-retimed`` run), its speedup intervals missed each other in 5; this one overlapped in
-    all 49."""
+    63 pairs of the same seven backends timed twice a minute apart (benchmarks/results, every
+    ``*-retimed`` run), its speedup intervals missed each other in 6; this one overlapped in
+    all 63, among them the 14 pairs of h200-2026-12-01d, timed after it was written."""
     logs = [math.log(x) for x in per_process if x > 0]
     if len(logs) < 2 or estimate <= 0:
         return estimate, estimate
