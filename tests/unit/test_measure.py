@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import math
+import statistics
 from unittest import mock
 
 import pytest
@@ -247,9 +249,6 @@ def test_between_processes_is_students_t_over_the_processes_logarithms() -> None
     """Three processes at 2.46x, 2.66x and 2.78x (conv_block's, second-n7): t with two degrees
     of freedom (4.303) times their logarithms' standard error, either side of the pooled
     ratio; one process, or processes that agree, give no width."""
-    import math
-    import statistics
-
     ratios = [2.46, 2.66, 2.78]
     logs = [math.log(r) for r in ratios]
     half = 4.303 * statistics.stdev(logs) / math.sqrt(3)
