@@ -107,6 +107,7 @@ def setup() -> argparse.Namespace:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--shapes", default="", help="comma-separated shape names (all if empty)")
     args = parser.parse_args()
     # AOTAutograd's cache keys on the Dynamo graph, not on the SDPA backend flags: a hit would
     # serve the first backend's graph to the others

@@ -342,8 +342,9 @@ RELU_CALLS = frozenset({"relu", "relu_"})
 
 def find_gemm_activation(view: GraphView) -> list[Match]:
     """A biased linear (``linear`` with a bias, ``addmm``) whose result, through views used
-    only once, feeds nothing but a ReLU or a tanh-form GELU (``gelu(approximate='tanh')``, or
-    the formula spelled out: :func:`find_tanh_gelu`)."""
+    only once, feeds nothing but a ReLU, a tanh-form GELU (``gelu(approximate='tanh')``, or
+    the formula spelled out: :func:`find_tanh_gelu`), or an exact GELU (``gelu``, which the
+    pass folds only once the GEMM runs in bf16 / fp16)."""
     spelled = {m.info["input"]: m for m in find_tanh_gelu(view)}
     matches = []
     for gemm in view.nodes:
@@ -363,6 +364,8 @@ def find_gemm_activation(view: GraphView) -> list[Match]:
             act, act_node = "relu", users[0]
         elif len(users) == 1 and _is_tanh_gelu_call(users[0]):
             act, act_node = "gelu_tanh", users[0]
+        elif len(users) == 1 and _is_exact_gelu_call(users[0]):
+            act, act_node = "gelu_exact", users[0]
         elif out.name in spelled and all(u.name in spelled[out.name].nodes for u in users):
             act = "gelu_tanh"
         if act is None:
@@ -403,6 +406,12 @@ def _is_relu(node: FxNode) -> bool:
 def _is_tanh_gelu_call(node: FxNode) -> bool:
     approximate = str(node.kwargs.get("approximate", "")).strip("'\"")
     return is_call(node) and canon(node.target) == "gelu" and approximate == "tanh"
+
+
+def _is_exact_gelu_call(node: FxNode) -> bool:
+    """``F.gelu(x)`` (an ``nn.GELU()`` as Dynamo inlines it) without the tanh approximation."""
+    approximate = str(node.kwargs.get("approximate", "none")).strip("'\"")
+    return is_call(node) and canon(node.target) == "gelu" and approximate == "none"
 
 
 def _const_and_node(view: GraphView, node: FxNode) -> tuple[float | None, FxNode | None, int]:

@@ -1,4 +1,4 @@
-"""gemm_epilogue: a biased GEMM's ReLU / tanh-GELU applied in cuBLASLt's epilogue.
+"""gemm_epilogue: a biased GEMM's ReLU / GELU applied in cuBLASLt's epilogue.
 
 On the CPU ``aten._addmm_activation`` exists too, but its GELU is the exact one: the pass
 rewrites a GELU only where the epilogue's is the tanh form (CUDA). The GELU tests here take the
@@ -86,17 +86,76 @@ def test_tanh_gelu_folds_into_the_gemm(
     torch.testing.assert_close(out.float(), before.float(), rtol=3e-2, atol=2e-2)
 
 
-def test_gelu_is_left_where_the_epilogue_is_exact(aten_graph: AtenTrace) -> None:
-    """On the CPU the epilogue's GELU is the exact one: a tanh-GELU stays; ReLU still fuses."""
+@pytest.mark.parametrize("spelled", ["decomposed", "by_hand_swapped"])
+def test_exact_gelu_in_bf16_becomes_the_epilogues_tanh_form(
+    aten_graph: AtenTrace, cpu_as_cuda: None, spelled: str
+) -> None:
+    """In bf16 the exact GELU (Inductor's erf decomposition, or the same formula with its
+    operands the other way round) folds in too; what the epilogue computes differs from it by
+    less than bf16's own rounding."""
 
     def fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return hand_gelu(F.linear(x, w, b)) + F.relu(F.linear(x, w, b))
+        h = F.linear(x, w, b)
+        if spelled == "decomposed":
+            return F.gelu(h)
+        return (1.0 + torch.erf(0.7071067811865476 * h)) * (0.5 * h)
+
+    args = _args(torch.bfloat16)
+    gm = aten_graph(fn, *args)
+    before = gm(*args)
+    result = gemm_epilogue.apply(gm, args, devices=CPU)
+    assert (result.status, result.matches) == ("APPLIED", 1), result.detail
+    assert "1 exact gelu as tanh" in result.detail
+    assert count(gm, aten._addmm_activation) == 1
+    assert count(gm, aten.addmm, aten.erf) == 0
+    out = gm(*args)
+    assert out.dtype == torch.bfloat16 and out.shape == before.shape
+    torch.testing.assert_close(out.float(), before.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize(
+    "fn",
+    [
+        # 1/sqrt(2) off: some other function
+        lambda h: 0.5 * h * (1.0 + torch.erf(0.75 * h)),
+        # the half taken of something else
+        lambda h: 0.5 * h.flip(-1) * (1.0 + torch.erf(0.7071067811865476 * h)),
+        # erf + 2
+        lambda h: 0.5 * h * (2.0 + torch.erf(0.7071067811865476 * h)),
+    ],
+    ids=["scale", "other_half", "plus_two"],
+)
+def test_near_miss_erf_formulas_are_left(aten_graph: AtenTrace, cpu_as_cuda: None, fn: Any) -> None:
+    args = _args(torch.bfloat16)
+    gm = aten_graph(lambda x, w, b: fn(F.linear(x, w, b)), *args)
+    code = gm.code
+    result = gemm_epilogue.apply(gm, args, devices=CPU)
+    assert (result.status, result.matches) == ("NOT_APPLIED", 0), result.detail
+    assert gm.code == code
+
+
+@pytest.mark.parametrize(
+    ("gelu", "left", "as_cuda"),
+    [(hand_gelu, aten.tanh, False), (F.gelu, aten.erf, True)],
+    ids=["tanh_on_cpu", "exact_at_fp32"],
+)
+def test_a_gelu_the_epilogue_would_change_is_left(
+    aten_graph: AtenTrace, monkeypatch: pytest.MonkeyPatch, gelu: Any, left: Any, as_cuda: bool
+) -> None:
+    """On the CPU the epilogue's GELU is the exact one: a tanh-GELU stays. At fp32 the tanh
+    form's 2e-4 would be the largest error in the call: an exact GELU stays on CUDA too. A ReLU
+    beside either still folds."""
+    if as_cuda:
+        monkeypatch.setattr(gemm_epilogue, "tanh_gelu_epilogue", lambda device: True)
+
+    def fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return gelu(F.linear(x, w, b)) + F.relu(F.linear(x, w, b))
 
     args = _args()
     gm = aten_graph(fn, *args)
     result = gemm_epilogue.apply(gm, args, devices=CPU)
     assert result.matches == 1 and "1 relu" in result.detail
-    assert count(gm, aten.tanh) == 1 and count(gm, aten.addmm) == 1
+    assert count(gm, left) == 1 and count(gm, aten.addmm) == 1
 
 
 @pytest.mark.parametrize(
@@ -108,7 +167,7 @@ def test_gelu_is_left_where_the_epilogue_is_exact(aten_graph: AtenTrace) -> None
         lambda x, w, b: (lambda h: F.relu(h) + h)(F.linear(x, w, b)),
         # an activation the epilogue does not have
         lambda x, w, b: F.silu(F.linear(x, w, b)),
-        # the exact GELU
+        # the exact GELU at fp32
         lambda x, w, b: F.gelu(F.linear(x, w, b)),
         # a scaled GEMM (beta / alpha)
         lambda x, w, b: F.relu(torch.addmm(b, x[0], w.t(), beta=0.5)),
@@ -135,7 +194,8 @@ def test_cuda_only_by_default(aten_graph: AtenTrace) -> None:
 
 @pytest.mark.gpu
 def test_through_the_backend_on_cuda() -> None:
-    """The real cuBLASLt epilogue through Inductor's lowering, on gpt2's MLP in bf16."""
+    """The real cuBLASLt epilogue through Inductor's lowering, on gpt2's MLP in bf16 with an
+    exact GELU beside its tanh one."""
     from pytest_opprof.backend.compiler import make_backend
     from pytest_opprof.passes.base import PassResult
 
@@ -143,10 +203,12 @@ def test_through_the_backend_on_cuda() -> None:
         def __init__(self) -> None:
             super().__init__()
             self.up, self.gate = torch.nn.Linear(256, 1024), torch.nn.Linear(256, 1024)
+            self.exact = torch.nn.Linear(256, 1024)
             self.down = torch.nn.Linear(1024, 256)
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.down(hand_gelu(self.up(x)) * F.relu(self.gate(x)))
+            h = hand_gelu(self.up(x)) * F.relu(self.gate(x)) + F.gelu(self.exact(x))
+            return self.down(h)
 
     torch.manual_seed(0)
     model = Mlp().cuda().bfloat16().eval()
@@ -156,6 +218,7 @@ def test_through_the_backend_on_cuda() -> None:
     with torch.no_grad():
         got = torch.compile(model, backend=backend)(x)
         reference = model.float()(x.float())
-    assert [(r.status, r.matches) for r in results] == [("APPLIED", 2)]
+    assert [(r.status, r.matches) for r in results] == [("APPLIED", 3)]
+    assert "1 exact gelu as tanh" in results[0].detail
     error = (got.float() - reference).norm() / reference.norm()
     assert error < 1.6e-2

@@ -1,10 +1,9 @@
 """Issue 5's "Done when" on the real H200 profiles of the seven examples.
 
-Each ``profile.json`` of ``tests/data/h200/<example>/`` — else of ``tests/data/propose/h200/``,
-captured without counters (see SOURCE.md there) — with its ``graph.json`` (else the CPU-captured
-``tests/data/graphs/<example>.graph.json``: Dynamo's graph does not depend on the device) must
-give the proposals a performance engineer names first, and every evidence value must be found
-in the artifacts.
+Each committed ``examples/<example>/h200/profile.json`` (the README's H200 run) with its
+``graph.json`` (else the CPU-captured ``tests/data/graphs/<example>.graph.json``: Dynamo's graph
+does not depend on the device) must give the proposals a performance engineer names first, and
+every evidence value must be found in the artifacts.
 """
 
 from __future__ import annotations
@@ -17,11 +16,8 @@ from pytest_opprof.propose import evidence_matches, propose
 from pytest_opprof.schema import FxGraphSummary, Optimizations, Profile, read_artifact
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-H200 = next(
-    (d for d in (DATA / "h200", DATA / "propose" / "h200") if any(d.glob("*/profile.json"))),
-    DATA / "h200",
-)
-FOUND = sorted(p.parent.name for p in H200.glob("*/profile.json"))
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+FOUND = sorted(p.parent.parent.name for p in EXAMPLES.glob("*/h200/profile.json"))
 SMALL = ("conv_block", "mlp_activations", "sdpa_attention", "depthwise_separable_conv")
 
 # What a performance engineer names first for each example (EXAMPLES.md, issue 5).
@@ -36,13 +32,13 @@ EXPECTED: dict[str, set[str]] = {
 }
 
 needs_profiles = pytest.mark.skipif(
-    not FOUND, reason="no H200 profiles under tests/data/h200/<example>/profile.json yet"
+    not FOUND, reason="no H200 profiles under examples/<example>/h200/profile.json yet"
 )
 
 
 def load(name: str) -> tuple[Profile, FxGraphSummary | None]:
-    profile = read_artifact(H200 / name / "profile.json", Profile)
-    for path in (H200 / name / "graph.json", DATA / "graphs" / f"{name}.graph.json"):
+    profile = read_artifact(EXAMPLES / name / "h200" / "profile.json", Profile)
+    for path in (EXAMPLES / name / "h200" / "graph.json", DATA / "graphs" / f"{name}.graph.json"):
         if path.exists():
             return profile, read_artifact(path, FxGraphSummary)
     return profile, None
@@ -157,12 +153,17 @@ def test_activation_substitution_says_torch_compile_already_fuses_the_gelu() -> 
 
 @needs_profiles
 @pytest.mark.parametrize("name", FOUND or ["none"])
-def test_gemm_epilogue_where_a_biased_gemm_feeds_relu_or_tanh_gelu(name: str) -> None:
-    """gpt2's twelve Linear → tanh-GELU (spelled out) and mlp_activations' Linear → ReLU; not
-    embedding_projection's exact GELU nor mlp_activations' GELU / SiLU / Tanh layers."""
+def test_gemm_epilogue_where_a_biased_gemm_feeds_relu_or_gelu(name: str) -> None:
+    """gpt2's twelve Linear → tanh-GELU (spelled out), mlp_activations' Linear → ReLU and
+    Linear → GELU, embedding_projection's Linear → GELU (the exact GELUs said to fold only in
+    bf16); not mlp_activations' SiLU and Tanh layers."""
     _, _, opt = run(name)
     epilogue = [p for p in opt.proposals if p.type == "gemm_epilogue"]
-    expected = {"gpt2": (12, ["gelu_tanh"]), "mlp_activations": (1, ["relu"])}
+    expected = {
+        "gpt2": (12, ["gelu_tanh"]),
+        "mlp_activations": (2, ["gelu_exact", "relu"]),
+        "embedding_projection": (1, ["gelu_exact"]),
+    }
     if name not in expected:
         assert not epilogue
         return
@@ -170,6 +171,8 @@ def test_gemm_epilogue_where_a_biased_gemm_feeds_relu_or_tanh_gelu(name: str) ->
     (proposal,) = epilogue
     assert (len(proposal.targets), proposal.params["activations"]) == (count, kinds)
     assert proposal.ir_level == "aten" and proposal.impact.estimated_saving_us > 0
+    assert ("only once the GEMM runs in bf16" in proposal.rationale) == ("gelu_exact" in kinds)
+    assert proposal.params["captured_itemsize"] == 4  # the seven are captured in float32
 
 
 @needs_profiles
