@@ -3,10 +3,13 @@
 The shape defaults to embedding_projection's logits (8192 x 512 @ 512 x 32000, weight stored
 (N, K) as nn.Linear keeps it). Each variant is timed with CUDA events (median of ``--reps``
 calls after warmup) and its kernels named by torch.profiler, so a run says whether Inductor's
-autotuner (Triton templates, with and without persistent TMA) beats cuBLAS for the fp32-output
-GEMM, and what the bf16-output GEMM costs beside it. Writes one JSON line per variant.
+autotuner (Triton templates, with and without persistent TMA), cuBLASLt as torch's preferred
+library, or our own persistent TMA kernel (``persistent_mm.py``, autotuned over its tiles, with
+and without warp specialization) beats cuBLAS for the fp32-output GEMM, and what the
+bf16-output GEMM costs beside it. The ``_cuda_graph`` variants are replays of one captured
+call, without the host's launch cost. Writes one JSON line per variant.
 
-    python benchmarks/gemm_probe.py [--m 8192 --k 512 --n 32000] > probe.jsonl
+    python benchmarks/gemm_probe.py [--m 8192 --k 512 --n 32000] [--only a,b] > probe.jsonl
 """
 
 from __future__ import annotations
@@ -53,12 +56,47 @@ def compiled(fn: Callable[..., Any], mode: str | None, **patches: Any) -> Callab
         return c
 
 
+def graphed(fn: Callable[..., Any], *args: torch.Tensor) -> Callable[..., Any]:
+    """``fn`` on these arguments captured in one CUDA graph (warmed up first, so autotuning
+    is over before the capture); the returned callable replays it and returns its output."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            fn(*args)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn(*args)
+
+    def replay(*_: Any) -> torch.Tensor:
+        graph.replay()
+        return out
+
+    return replay
+
+
+def lt(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with cuBLASLt as torch's preferred BLAS library while it runs."""
+
+    def run(*args: Any) -> Any:
+        before = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            return fn(*args)
+        finally:
+            torch.backends.cuda.preferred_blas_library(before)
+
+    return run
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--m", type=int, default=8192)
     parser.add_argument("--k", type=int, default=512)
     parser.add_argument("--n", type=int, default=32000)
     parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--only", default="", help="comma-separated substrings of variant names")
     args = parser.parse_args()
     m, k, n = args.m, args.k, args.n
     a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -79,6 +117,27 @@ def main() -> None:
         ("inductor_max_autotune_fp32_out", lambda: compiled(mm_fp32, "max-autotune-no-cudagraphs")),
         ("inductor_max_autotune_bf16_out", lambda: compiled(mm_bf16, "max-autotune-no-cudagraphs")),
     ]
+    import persistent_mm  # beside this script
+
+    def triton_fp32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return persistent_mm.mm(x, weight.t(), torch.float32)
+
+    specialized = persistent_mm.autotuned(warp_specialize=True)
+
+    def triton_fp32_ws(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return persistent_mm.mm(x, weight.t(), torch.float32, specialized)
+
+    def triton_bf16(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return persistent_mm.mm(x, weight.t(), torch.bfloat16)
+
+    variants += [
+        ("cublas_fp32_out_cuda_graph", lambda: graphed(mm_fp32, a, w)),
+        ("cublaslt_fp32_out_cuda_graph", lambda: graphed(lt(mm_fp32), a, w)),
+        ("opprof_persistent_tma_fp32_out_cuda_graph", lambda: graphed(triton_fp32, a, w)),
+        ("opprof_ws_tma_fp32_out_cuda_graph", lambda: graphed(triton_fp32_ws, a, w)),
+        ("opprof_persistent_tma_fp32_out", lambda: triton_fp32),
+        ("opprof_persistent_tma_bf16_out", lambda: triton_bf16),
+    ]
     if has_tma:
         variants.append(
             (
@@ -90,6 +149,9 @@ def main() -> None:
                 ),
             )
         )
+    if args.only:
+        wanted = args.only.split(",")
+        variants = [v for v in variants if any(part in v[0] for part in wanted)]
     reference = mm_fp32(a, w).float()
     print(
         json.dumps(
@@ -117,6 +179,14 @@ def main() -> None:
                 ms = median_ms(functools.partial(fn, a, w), args.reps)
                 row["kernels"] = kernels(functools.partial(fn, a, w))
             row["ms"] = round(ms, 4)
+            if name.startswith("opprof_"):
+                tuner = specialized if "_ws_" in name else persistent_mm._mm_kernel
+                row["best_config"] = str(tuner.best_config)
+                timings = getattr(tuner, "configs_timings", None) or {}
+                row["configs_ms"] = sorted(
+                    (round(float(t[0] if isinstance(t, list | tuple) else t), 4), str(c))
+                    for c, t in timings.items()
+                )[:8]
             row["tflops"] = round(flops / ms / 1e9, 1)
             row["out_dtype"] = str(out.dtype)
             row["rel_err"] = float(
