@@ -545,7 +545,7 @@ def task_select(spec: dict[str, Any]) -> None:
     import torch
 
     from pytest_opprof.backend.build import build
-    from pytest_opprof.backend.plan import add_proposal, inside_model_graph
+    from pytest_opprof.backend.plan import add_proposal, cannot_change
     from pytest_opprof.backend.selection import (
         applied_nowhere,
         climbed,
@@ -614,15 +614,12 @@ def task_select(spec: dict[str, Any]) -> None:
 
     def attempt(rung: Rung, second_chance: bool) -> bool:
         plan = state["plan"]
-        if any(inside_model_graph(plan, p) for p in rung.proposals):
-            why = (
-                "the plan records the whole call as one CUDA graph (cuda_graphs-model), "
-                "inside which Inductor's CUDA graphs cannot run"
-            )
+        moot = next(filter(None, (cannot_change(plan, p) for p in rung.proposals)), None)
+        if moot is not None:
             for p in rung.proposals:
                 before = dropped.get(p.id)
                 reason = (
-                    f"{before.reason}; not tried again: {why}" if before else f"not tried: {why}"
+                    f"{before.reason}; not tried again: {moot}" if before else f"not tried: {moot}"
                 )
                 dropped[p.id] = DroppedProposal(id=p.id, type=p.type, reason=reason)
             return False

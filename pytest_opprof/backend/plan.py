@@ -98,6 +98,34 @@ def inside_model_graph(plan: BackendPlan, proposal: Proposal) -> bool:
     return replaced_by_model_graph(plan, proposal.type, proposal.params.get("scope"))
 
 
+def cannot_change(plan: BackendPlan, proposal: Proposal) -> str | None:
+    """Why ``proposal`` can change nothing on top of ``plan``, so that selection does not
+    build its rung; None where it may:
+
+    - Inductor's per-graph CUDA graphs inside a plan that records the whole call as one
+      (:func:`inside_model_graph`);
+    - a ``gemm_epilogue`` with nothing but exact GELUs to fold, on GEMMs captured in float32
+      that the plan keeps in float32: the pass folds an exact GELU only where the GEMM computes
+      in bf16 / fp16 (``passes.gemm_epilogue``)."""
+    if inside_model_graph(plan, proposal):
+        return (
+            "the plan records the whole call as one CUDA graph (cuda_graphs-model), "
+            "inside which Inductor's CUDA graphs cannot run"
+        )
+    params = proposal.params
+    if (
+        proposal.type == "gemm_epilogue"
+        and set(params.get("activations", ())) == {"gelu_exact"}
+        and params.get("captured_itemsize") == 4
+        and plan.dtype in (None, "float32")
+    ):
+        return (
+            "its exact GELUs fold only where their GEMMs compute in bf16 / fp16, and the plan "
+            "keeps them in float32"
+        )
+    return None
+
+
 # The graph rewrites, each its own rung in this order (a user pass after them, by name), so
 # that each one's gain is measured and reported on its own (gpt2's SDPA and GELU rewrites).
 GRAPH_ORDER: tuple[str, ...] = (

@@ -85,6 +85,32 @@ def test_inductor_cuda_graphs_are_not_tried_inside_a_whole_model_graph() -> None
     assert not inside_model_graph(in_one_graph, whole)
 
 
+def test_an_epilogue_of_exact_gelus_alone_is_not_built_on_a_float32_plan() -> None:
+    """The pass folds an exact GELU only in bf16 / fp16: on GEMMs captured in float32 and kept
+    there, a gemm_epilogue with nothing else to fold is not built; with a ReLU beside, with
+    bf16 in the plan, or on a model captured in bf16, it is."""
+    from pytest_opprof.backend.plan import add_proposal, cannot_change
+    from pytest_opprof.backend.selection import auto_cuda_graphs, auto_gemm_out_dtype
+
+    def epilogue(kinds: list[str], itemsize: int) -> Any:
+        params = {"activations": kinds, "captured_itemsize": itemsize}
+        return auto_gemm_out_dtype().model_copy(
+            update={"id": "gemm_epilogue-1", "type": "gemm_epilogue", "params": params}
+        )
+
+    bf16 = auto_gemm_out_dtype().model_copy(
+        update={"id": "dtype_promotion-1", "type": "dtype_promotion", "params": {}}
+    )
+    fp32 = BackendPlan()
+    said = cannot_change(fp32, epilogue(["gelu_exact"], 4))
+    assert said is not None and "bf16 / fp16" in said
+    assert cannot_change(fp32, epilogue(["gelu_exact", "relu"], 4)) is None
+    assert cannot_change(fp32, epilogue(["gelu_exact"], 2)) is None
+    assert cannot_change(add_proposal(fp32, bf16), epilogue(["gelu_exact"], 4)) is None
+    whole = add_proposal(fp32, auto_cuda_graphs(scope="model"))
+    assert "one CUDA graph" in (cannot_change(whole, auto_cuda_graphs()) or "")
+
+
 def test_optimize_records_no_graph_without_cuda() -> None:
     model = torch.nn.Linear(2, 2).eval()
     fn = runtime.optimize(model, "eager", compile=False, cuda_graph=True)
