@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "benchmarks" / "results" / "h200-2026-12-01d" / "counters-n7"
+RESULTS = ROOT / "benchmarks" / "results" / "h200-2026-12-02" / "counters-n7"
 """The run whose artifacts are in examples/*/h200 (-n 7 on one GPU, counters on, one call)."""
 EARLIER = ROOT / "benchmarks" / "results" / "h200x2-2026-11-30c"
 """An earlier run cut into four calls: its stage JUnit files test the stage-time merge."""
@@ -243,6 +243,7 @@ PASSES_RUNS = (
 )
 WIDER = ROOT / "benchmarks" / "results" / "h200-2026-12-01d"
 WIDER_RUNS = ("counters-n7", "counters-n7-retimed", "plain-n7", "plain-n7-retimed")
+EXACT_GELU = ROOT / "benchmarks" / "results" / "h200-2026-12-02"
 
 
 @pytest.mark.parametrize(
@@ -266,7 +267,8 @@ WIDER_RUNS = ("counters-n7", "counters-n7-retimed", "plain-n7", "plain-n7-retime
     ]
     + [SELECTION / r for r in SELECTION_RUNS]
     + [PASSES / r for r in PASSES_RUNS]
-    + [WIDER / r for r in WIDER_RUNS],
+    + [WIDER / r for r in WIDER_RUNS]
+    + [EXACT_GELU / r for r in WIDER_RUNS],
     ids=lambda f: f"{f.parent.name}/{f.name}",
 )
 def test_the_committed_tables_of_the_timed_runs_are_what_the_tool_writes(folder: Path) -> None:
@@ -275,7 +277,17 @@ def test_the_committed_tables_of_the_timed_runs_are_what_the_tool_writes(folder:
     table = tool.markdown(result)
     assert table == (folder / "summary.md").read_text(encoding="utf-8")
     # only processes that shared a GPU waited for it
-    shared = (SHARED, MAKING_WAY, BATCHED, OFF_GPU, HOST_SPEED, SELECTION, PASSES, WIDER)
+    shared = (
+        SHARED,
+        MAKING_WAY,
+        BATCHED,
+        OFF_GPU,
+        HOST_SPEED,
+        SELECTION,
+        PASSES,
+        WIDER,
+        EXACT_GELU,
+    )
     assert ("of them waiting for the GPU" in table) == (folder.parent in shared)
     done = {n: r for n, r in result["workloads"].items() if r.get("status") != "missing"}
     assert len(done) == (3 if folder.name == "one-gpu-cut" else 7)  # cut by the GPU's time
@@ -447,17 +459,20 @@ def _recomputed(path: Path, *, widened: bool = True) -> Any:
 
 def test_every_backend_timed_twice_has_overlapping_intervals_once_widened() -> None:
     """Every committed pair of the same backends timed twice on one machine a minute apart
-    (each ``*-retimed`` run beside its run: 9 pairs of 7 workloads), recomputed from their
-    rounds: the bootstrap over three processes alone missed the other timing in 6 of 63, the
-    interval widened to Student's t over the processes' ratios in none (the two pairs of
-    h200-2026-12-01d were timed after the widening was written). What stays: 19 of the 63
-    ratios moved by more than 3%."""
+    (each ``*-retimed`` run beside its run: 11 pairs of 7 workloads), recomputed from their
+    rounds: the bootstrap over three processes alone missed the other timing in 9 of 77, the
+    interval widened to Student's t over the processes' ratios in 2 (the four pairs of
+    h200-2026-12-01d and h200-2026-12-02 were timed after the widening was written). The two:
+    conv_block in both pairs of h200-2026-12-02, whose torch.compile baseline ran 20-30% slower
+    in all three processes of each retiming, with the host's other CPUs busier (a shift, not
+    a spread, that no interval over one run's processes can cover). 26 of the 77 ratios moved
+    by more than 3%."""
     pairs = [
         (run.with_name(run.name.removesuffix("-retimed")) / w.name, w)
         for run in sorted((ROOT / "benchmarks" / "results").glob("h200-*/*-retimed"))
         for w in sorted(p for p in run.iterdir() if p.is_dir())
     ]
-    assert len(pairs) == 63
+    assert len(pairs) == 77
     missed = {True: 0, False: 0}
     moved = 0
     for first, again in pairs:
@@ -468,8 +483,8 @@ def test_every_backend_timed_twice_has_overlapping_intervals_once_widened() -> N
             )
             missed[widened] += not (x.ci_low <= y.ci_high and y.ci_low <= x.ci_high)
         moved += abs(y.ratio / x.ratio - 1) > 0.03
-    assert missed == {True: 0, False: 6}
-    assert moved == 19
+    assert missed == {True: 2, False: 9}
+    assert moved == 26
 
 
 def _selection(run: Path, workload: str) -> Any:
@@ -603,3 +618,38 @@ def test_the_readme_shows_the_committed_runs_table() -> None:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "\n".join(table) in readme
     assert geomean.rstrip(".") + "." in readme
+
+
+@pytest.mark.parametrize("run", WIDER_RUNS)
+def test_the_exact_gelu_went_into_the_gemms_epilogue_by_measurement(run: str) -> None:
+    """h200-2026-12-02: embedding_projection's and mlp_activations' exact GELUs, in bf16, run
+    as cuBLASLt's tanh-GELU epilogue (``gemm_epilogue``), kept by selection at 1.02x and
+    1.08-1.15x over the plan below; embedding_projection's optimized call went from
+    0.621-0.630 ms (h200-2026-12-01d) to 0.603-0.604 ms, its GEMM + GELU pair one GEMM."""
+    import gzip
+
+    from pytest_opprof.schema import Profile, Timing
+
+    for workload, detail, least in (
+        ("embedding_projection", "(1 exact gelu as tanh)", 1.02),
+        ("mlp_activations", "(1 relu, 1 exact gelu as tanh)", 1.05),
+    ):
+        folder = EXACT_GELU / run / workload
+        validation = json_of(folder / "profiler_output" / "validation_report.json")
+        (result,) = [p for p in validation["passes"] if p["name"] == "gemm_epilogue"]
+        assert result["status"] == "APPLIED" and result["detail"].endswith(detail)
+        gain = next(
+            s["speedup_added"]
+            for s in json_of(folder / "profiler_output" / "backend_selection.json")["waterfall"]
+            if "(gemm_epilogue-1)" in s["step"]
+        )
+        assert gain >= least, (workload, gain)
+    folder = EXACT_GELU / run / "embedding_projection"
+    with gzip.open(folder / "profile_optimized.json.gz", "rt", encoding="utf-8") as f:
+        profile = Profile.model_validate_json(f.read())
+    timing: Timing = profile.timing
+    assert 0.600 < timing.variants["optimized"].median_ms < 0.606
+    (optimized,) = [t for t in profile.timelines if t.label == "optimized"]
+    names = [k.name for op in optimized.operators for k in op.kernels]
+    assert any("gelubias" in n for n in names)
+    assert not any("gelu" in n and n.startswith("triton_") for n in names)
