@@ -15,7 +15,7 @@ import pytest
 from pytest_opprof.backend.codegen import render_optimized, render_test
 from pytest_opprof.schema import BackendPlan, BackendSelection, ValidationReport, read_artifact
 
-DATA = Path(__file__).parents[1] / "data"
+ROOT = Path(__file__).parents[2]
 
 WORKLOAD = """
 import torch
@@ -114,7 +114,7 @@ def test_validate_a_generated_backend_and_its_edits(tmp_path: Path) -> None:
 
 def test_propose_from_a_real_h200_profile(tmp_path: Path) -> None:
     for name in ("profile.json", "graph.json"):
-        shutil.copy(DATA / "h200" / "conv_block" / name, tmp_path / name)
+        shutil.copy(ROOT / "examples" / "conv_block" / "h200" / name, tmp_path / name)
     result = _opprof("propose", str(tmp_path / "profile.json"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     proposals = json.loads((tmp_path / "optimizations.json").read_text())["proposals"]
@@ -139,7 +139,7 @@ def test_preflight_reports_the_cpu_fallback(tmp_path: Path) -> None:
 
 def test_propose_llm_without_a_key_keeps_the_rules(tmp_path: Path) -> None:
     for name in ("profile.json", "graph.json"):
-        shutil.copy(DATA / "h200" / "conv_block" / name, tmp_path / name)
+        shutil.copy(ROOT / "examples" / "conv_block" / "h200" / name, tmp_path / name)
     plain = _opprof("propose", str(tmp_path / "profile.json"), cwd=tmp_path)
     rules = (tmp_path / "optimizations.json").read_text()
     env_free = subprocess.run(
