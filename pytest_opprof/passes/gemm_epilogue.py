@@ -73,8 +73,9 @@ def apply(
     *,
     devices: Sequence[str] = ("cuda",),
 ) -> PassResult:
-    """Fold each ReLU / tanh-GELU after a biased GEMM into the GEMM's epilogue. ``devices``:
-    where the fused kernels exist (cuBLASLt: CUDA)."""
+    """Fold each ReLU / tanh-GELU after a biased GEMM, and each exact GELU after a bf16 / fp16
+    one, into the GEMM's epilogue. ``devices``: where the fused kernels exist (cuBLASLt:
+    CUDA)."""
     return run_graph_pass(NAME, gm, example_inputs, lambda g, _: _rewrite(g, tuple(devices)))
 
 
