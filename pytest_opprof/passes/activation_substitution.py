@@ -143,22 +143,29 @@ def _match(tanh: torch.fx.Node) -> tuple[torch.fx.Node, torch.fx.Node, list[torc
                 break
     else:
         return None
-    # outside: 0.5 * x * (1 + tanh)
-    one_plus = single_user(tanh)
+    outside = half_x_times_one_plus(tanh, x)
+    if outside is None:
+        return None
+    root_node, outer_nodes = outside
+    return x, root_node, nodes + outer_nodes
+
+
+def half_x_times_one_plus(
+    f: torch.fx.Node, x: torch.fx.Node
+) -> tuple[torch.fx.Node, list[torch.fx.Node]] | None:
+    """The outside of a GELU, ``0.5 * x * (1 + f)`` around ``f`` (``tanh`` in the tanh form,
+    ``erf`` in the exact one), its products in any arrangement: the root, and the nodes from
+    ``1 + f`` up to it. None where there is no such product or it changes the tensor type."""
+    one_plus = single_user(f)
     if one_plus is None or not _is(one_plus, "add"):
         return None
-    other = one_plus.args[1] if one_plus.args[0] is tanh else one_plus.args[0]
+    other = one_plus.args[1] if one_plus.args[0] is f else one_plus.args[0]
     if not _close(scalar(other), 1.0):
         return None
-    nodes.append(one_plus)
     root = _outer_product(one_plus, x)
-    if root is None:
+    if root is None or not _same_tensor_type(x, root[0]):
         return None
-    root_node, outer_nodes = root
-    nodes += outer_nodes
-    if not _same_tensor_type(x, root_node):
-        return None
-    return x, root_node, nodes
+    return root[0], [one_plus, *root[1]]
 
 
 def _product(node: torch.fx.Node) -> tuple[list[Any], float, list[torch.fx.Node]]:

@@ -32,14 +32,19 @@ would still have to be written.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx
 
-from pytest_opprof.passes.activation_substitution import _is, _match
+from pytest_opprof.passes.activation_substitution import (
+    _close,
+    _is,
+    _match,
+    _product,
+    half_x_times_one_plus,
+)
 from pytest_opprof.passes.base import (
     PassResult,
     erase_if_dead,
@@ -48,7 +53,6 @@ from pytest_opprof.passes.base import (
     meta_key,
     reapply_views,
     run_graph_pass,
-    scalar,
     set_fake_value,
     single_user,
 )
@@ -59,7 +63,7 @@ aten = torch.ops.aten
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 LOW = (torch.bfloat16, torch.float16)
 """Where the exact GELU may become the epilogue's tanh form: the dtype's rounding outweighs it."""
-_HALF, _RSQRT2 = 0.5, 0.7071067811865476
+_RSQRT2 = 0.7071067811865476
 
 
 def tanh_gelu_epilogue(device: torch.device) -> bool:
@@ -132,42 +136,20 @@ def _gelu_site(tanh: torch.fx.Node) -> Site | None:
 
 
 def _erf_gelu_site(erf: torch.fx.Node) -> Site | None:
-    """The exact GELU around ``erf`` as Inductor decomposes it,
-    ``mul(mul(x, 0.5), add(erf(mul(x, 0.7071...)), 1))`` (either operand order), on the
-    low-precision result itself or on its fp32 copy with the result cast back."""
-    inner = erf.args[0] if is_op(erf, aten.erf) else None
-    if not isinstance(inner, torch.fx.Node) or single_user(inner) is not erf:
+    """The exact GELU around ``erf``, ``0.5 * x * (1 + erf(x * 0.7071...))`` with its products
+    in any arrangement (Inductor's decomposition: ``mul(mul(x, 0.5), add(erf(mul(x, 0.7071...)),
+    1))``), on the low-precision result itself or on its fp32 copy with the result cast back."""
+    if not is_op(erf, aten.erf) or not isinstance(erf.args[0], torch.fx.Node):
         return None
-    x, add = _scaled(inner, _RSQRT2), single_user(erf)
-    if x is None or add is None or not is_op(add, aten.add) or add.kwargs:
+    factors, const, inner = _product(erf.args[0])
+    if len(factors) != 1 or not isinstance(factors[0], torch.fx.Node) or not _close(const, _RSQRT2):
         return None
-    if scalar(_beside(add, erf)) != 1.0:
+    x = factors[0]
+    outside = half_x_times_one_plus(erf, x)
+    if outside is None:
         return None
-    root = single_user(add)
-    if root is None or not is_op(root, aten.mul) or root.kwargs:
-        return None
-    half = _beside(root, add)
-    if _scaled(half, _HALF) is not x or single_user(half) is not root:
-        return None
-    return _around(x, root, [inner, erf, add, half], EXACT_GELU)
-
-
-def _scaled(node: Any, factor: float) -> torch.fx.Node | None:
-    """``t`` where ``node`` is ``mul(t, factor)`` or ``mul(factor, t)``."""
-    if not is_op(node, aten.mul) or node.kwargs or len(node.args) != 2:
-        return None
-    for i in (0, 1):
-        value, other = scalar(node.args[i]), node.args[1 - i]
-        if value is not None and isinstance(other, torch.fx.Node):
-            return other if math.isclose(value, factor, rel_tol=1e-6) else None
-    return None
-
-
-def _beside(node: torch.fx.Node, known: torch.fx.Node) -> Any:
-    """``node``'s other operand where ``known`` is one of its two; None otherwise."""
-    if len(node.args) != 2 or known not in node.args:
-        return None
-    return node.args[1] if node.args[0] is known else node.args[0]
+    root, outer = outside
+    return _around(x, root, [*inner, erf, *outer], EXACT_GELU)
 
 
 def _around(

@@ -362,10 +362,8 @@ def find_gemm_activation(view: GraphView) -> list[Match]:
         act, act_node = None, None
         if len(users) == 1 and _is_relu(users[0]):
             act, act_node = "relu", users[0]
-        elif len(users) == 1 and _is_tanh_gelu_call(users[0]):
-            act, act_node = "gelu_tanh", users[0]
-        elif len(users) == 1 and _is_exact_gelu_call(users[0]):
-            act, act_node = "gelu_exact", users[0]
+        elif len(users) == 1 and (approximation := _gelu_approximation(users[0])) is not None:
+            act, act_node = ("gelu_tanh" if approximation == "tanh" else "gelu_exact"), users[0]
         elif out.name in spelled and all(u.name in spelled[out.name].nodes for u in users):
             act = "gelu_tanh"
         if act is None:
@@ -403,15 +401,12 @@ def _is_relu(node: FxNode) -> bool:
     return is_call(node) and canon(node.target) in RELU_CALLS
 
 
-def _is_tanh_gelu_call(node: FxNode) -> bool:
-    approximate = str(node.kwargs.get("approximate", "")).strip("'\"")
-    return is_call(node) and canon(node.target) == "gelu" and approximate == "tanh"
-
-
-def _is_exact_gelu_call(node: FxNode) -> bool:
-    """``F.gelu(x)`` (an ``nn.GELU()`` as Dynamo inlines it) without the tanh approximation."""
-    approximate = str(node.kwargs.get("approximate", "none")).strip("'\"")
-    return is_call(node) and canon(node.target) == "gelu" and approximate == "none"
+def _gelu_approximation(node: FxNode) -> str | None:
+    """The ``approximate`` of an ``F.gelu`` call (``nn.GELU()`` as Dynamo inlines it):
+    ``"none"`` for the exact GELU, ``"tanh"``; None for any other node."""
+    if not (is_call(node) and canon(node.target) == "gelu"):
+        return None
+    return str(node.kwargs.get("approximate", "none")).strip("'\"")
 
 
 def _const_and_node(view: GraphView, node: FxNode) -> tuple[float | None, FxNode | None, int]:

@@ -86,19 +86,21 @@ def test_tanh_gelu_folds_into_the_gemm(
     torch.testing.assert_close(out.float(), before.float(), rtol=3e-2, atol=2e-2)
 
 
-@pytest.mark.parametrize("spelled", ["decomposed", "by_hand_swapped"])
+@pytest.mark.parametrize("spelled", ["decomposed", "by_hand_swapped", "by_hand_regrouped"])
 def test_exact_gelu_in_bf16_becomes_the_epilogues_tanh_form(
     aten_graph: AtenTrace, cpu_as_cuda: None, spelled: str
 ) -> None:
     """In bf16 the exact GELU (Inductor's erf decomposition, or the same formula with its
-    operands the other way round) folds in too; what the epilogue computes differs from it by
-    less than bf16's own rounding."""
+    operands the other way round or its products grouped otherwise) folds in too; what the
+    epilogue computes differs from it by less than bf16's own rounding."""
 
     def fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         h = F.linear(x, w, b)
         if spelled == "decomposed":
             return F.gelu(h)
-        return (1.0 + torch.erf(0.7071067811865476 * h)) * (0.5 * h)
+        if spelled == "by_hand_swapped":
+            return (1.0 + torch.erf(0.7071067811865476 * h)) * (0.5 * h)
+        return h * (torch.erf(h * 0.7071067811865476) + 1.0) * 0.5
 
     args = _args(torch.bfloat16)
     gm = aten_graph(fn, *args)
