@@ -52,9 +52,12 @@ class Mlp(torch.nn.Module):
 
 def main() -> None:
     args = setup()
-    for shape, (rows, width, hidden, act) in SHAPES.items():
-        if args.shapes and shape not in args.shapes.split(","):
-            continue
+    chosen = args.shapes.split(",") if args.shapes else list(SHAPES)
+    if unknown := [c for c in chosen if c not in SHAPES]:
+        known = ", ".join(SHAPES)
+        raise SystemExit(f"--shapes: no shape {', '.join(unknown)}; choose from {known}")
+    for shape in chosen:
+        rows, width, hidden, act = SHAPES[shape]
         torch.manual_seed(0)
         plain = Mlp(width, hidden, act, False).cuda().to(torch.bfloat16).eval()
         fused = Mlp(width, hidden, act, True).cuda().to(torch.bfloat16).eval()

@@ -151,7 +151,10 @@ def main() -> None:
         )
     if args.only:
         wanted = args.only.split(",")
+        names = [v[0] for v in variants]
         variants = [v for v in variants if any(part in v[0] for part in wanted)]
+        if not variants:
+            raise SystemExit(f"--only {args.only}: no variant matches; they are {', '.join(names)}")
     reference = mm_fp32(a, w).float()
     print(
         json.dumps(
