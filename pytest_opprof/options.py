@@ -28,6 +28,7 @@ TRANSFORMATION_TYPES: tuple[str, ...] = (
     "pretranspose_weights",
     "activation_substitution",
     "gemm_epilogue",
+    "gemm_algorithm",
     "attention_backend",
     "batch_padding",
     "cuda_graphs",

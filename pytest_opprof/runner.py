@@ -38,6 +38,15 @@ def phase(what: str) -> None:
     print(f"[opprof] +{time.perf_counter() - _STARTED:7.1f} s  {what}", flush=True)
 
 
+def note_tuned_gemms() -> None:
+    """One stage-log line for each GEMM shape ``opprof::tuned_mm`` tuned in this process since
+    the last: which cuBLASLt algorithm it kept, against torch's own. Without the module loaded
+    (no plan routed a GEMM through it) there is none."""
+    cublaslt = sys.modules.get("pytest_opprof.backend.cublaslt")
+    for choice in cublaslt.unreported() if cublaslt is not None else []:
+        phase(choice.describe())
+
+
 _COMPILE_PARTS = (
     ("trace", "bytecode_tracing"),
     ("aot", "create_aot_dispatcher_function"),
@@ -651,6 +660,7 @@ def task_select(spec: dict[str, Any]) -> None:
             f"built {name}: model {t1 - t0:.1f} s, compile and first call "
             f"{time.perf_counter() - t1:.1f} s" + (f" ({note})" if note else "")
         )
+        note_tuned_gemms()
         unchanged = applied_nowhere(rung.proposals, built.results)
         if unchanged is not None:
             # Timing an identical program only measures noise; a lucky CI must not keep it.
@@ -1055,6 +1065,7 @@ def _optimized_calls(
                 ("eager", "optimized_baseline_dtype"),
                 ("compile", "optimized_baseline_dtype"),
             ]
+    note_tuned_gemms()
     return {
         "calls": calls,
         "pairs": pairs,

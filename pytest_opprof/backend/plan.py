@@ -36,6 +36,7 @@ LADDER_ORDER: tuple[str, ...] = (
     "dtype_promotion",
     "gemm_out_dtype",
     "graph",
+    "gemm_algorithm",
     "memory_layout",
     "batch_padding",
     "pretranspose_weights",
@@ -77,7 +78,9 @@ def add_proposal(plan: BackendPlan, proposal: Proposal) -> BackendPlan:
     elif proposal.ir_level == "functional":
         update["functional"] = [*plan.functional, kind]
     elif proposal.ir_level == "aten":
-        update["aten"] = [*plan.aten, kind]
+        # gemm_algorithm last whatever the order its rung was kept in: it takes the mm nodes
+        # the other aten passes match (gemm_out_dtype, bn_fold).
+        update["aten"] = sorted([*plan.aten, kind], key=lambda k: k == "gemm_algorithm")
     else:
         return plan
     return plan.model_copy(update=update)

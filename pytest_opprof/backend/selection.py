@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Sequence, Set
 from typing import TYPE_CHECKING, Any
 
-from pytest_opprof.backend.plan import Rung, ladder
+from pytest_opprof.backend.plan import LADDER_ORDER, Rung, ladder
 from pytest_opprof.schema import Evidence, FxGraphSummary, Impact, IrLevel, Proposal, Speedup
 
 if TYPE_CHECKING:
@@ -49,7 +49,8 @@ def selection_rungs(
 ) -> list[Rung]:
     """The ladder selection climbs: the proposals' rungs (``backend.plan.ladder``) and, on a
     GPU, the rungs no rule proposes — ``gemm_out_dtype`` right after bf16 where a GEMM writes
-    an output of the captured ``graph`` (or where there is no graph to tell), and CUDA graphs
+    an output of the captured ``graph`` (or where there is no graph to tell), ``gemm_algorithm``
+    after the graph rewrites where bf16 is in and a large GEMM without a bias is, and CUDA graphs
     before everything else: first one graph of the whole call (graph breaks included), then
     Inductor's per-graph CUDA graphs, which selection does not build once the whole call is
     one graph. ``skip``: the types the workload's ``OPPROF["skip"]`` names."""
@@ -66,6 +67,17 @@ def selection_rungs(
         # Right after bf16: a GEMM whose result is only cast back up can write fp32 itself,
         # which the fp32 profile cannot show (it has no cast).
         rungs.insert(precision + 1, Rung("gemm_out_dtype", (auto_gemm_out_dtype(),)))
+    if (
+        precision is not None
+        and "gemm_algorithm" not in skip
+        and not any(r.name == "gemm_algorithm" for r in rungs)
+        and has_tunable_gemm(graph)
+    ):
+        # After the graph rewrites, before layout and Inductor's settings (LADDER_ORDER): the
+        # GEMMs it tunes compute in bf16 only once dtype_promotion is in.
+        later = LADDER_ORDER[LADDER_ORDER.index("gemm_algorithm") + 1 :]
+        at = next((i for i, r in enumerate(rungs) if r.name in later), len(rungs))
+        rungs.insert(at, Rung("gemm_algorithm", (auto_gemm_algorithm(),)))
     if "cuda_graphs" in skip:
         return rungs
     if not any(r.name == "cuda_graphs" for r in rungs):
@@ -94,6 +106,17 @@ def gemm_writes_an_output(graph: FxGraphSummary | None) -> bool:
     from pytest_opprof.propose.patterns import find_output_gemms
 
     return any(find_output_gemms(v) for v in views(graph))
+
+
+def has_tunable_gemm(graph: FxGraphSummary | None) -> bool:
+    """Whether a GEMM without a bias of ``MIN_TUNED_GFLOP`` or more is in the graph: what
+    ``gemm_algorithm`` tunes. Without a graph summary, assume there may be one."""
+    if graph is None:
+        return True
+    from pytest_opprof.propose.graph import views
+    from pytest_opprof.propose.patterns import find_tunable_gemms
+
+    return any(find_tunable_gemms(v) for v in views(graph))
 
 
 MIN_RUNG_GAIN = 1.01
@@ -161,6 +184,20 @@ def auto_gemm_out_dtype() -> Proposal:
         "GEMMs whose bf16 result is only cast to float32",
         "convert(views(mm(a, b)), float32) -> views(mm.dtype(a, b, float32))",
         "tried by measured selection after dtype_promotion on every GPU workload",
+    )
+
+
+def auto_gemm_algorithm() -> Proposal:
+    """``gemm_algorithm`` is tried after the graph rewrites on every GPU workload with a large
+    GEMM once bf16 is in: which of cuBLASLt's algorithms is fastest only a measurement says."""
+    return _tried_by_selection(
+        "gemm_algorithm-selection",
+        "gemm_algorithm",
+        "aten",
+        "bf16/fp16 GEMMs without a bias of 1 GFLOP or more",
+        "mm(a, b) -> opprof::tuned_mm(a, b, out_dtype): cuBLASLt's candidates timed on the "
+        "first call, the fastest kept",
+        "tried by measured selection after dtype_promotion on every GPU workload with one",
     )
 
 

@@ -31,6 +31,7 @@ from pytest_opprof.passes import (
     bn_fold,
     cuda_graphs,
     dtype_promotion,
+    gemm_algorithm,
     gemm_epilogue,
     gemm_out_dtype,
     memory_layout,
@@ -79,6 +80,12 @@ REGISTRY: dict[str, PassSpec] = {
             "aten",
             gemm_epilogue.apply,
             "ReLU / tanh-GELU after a biased GEMM applied in cuBLASLt's epilogue (CUDA)",
+        ),
+        _spec(
+            "gemm_algorithm",
+            "aten",
+            gemm_algorithm.apply,
+            "large bf16/fp16 GEMM runs the cuBLASLt algorithm measured fastest for it (CUDA)",
         ),
         _spec(
             "attention_backend",

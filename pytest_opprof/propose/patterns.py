@@ -337,6 +337,36 @@ def find_output_gemms(view: GraphView) -> list[Match]:
     return matches
 
 
+MIN_TUNED_GFLOP = 1.0
+"""2·M·N·K of the smallest GEMM ``gemm_algorithm`` tunes: under a microsecond and a half at
+the H200's bf16 peak, where the tile shape matters less than the launch."""
+
+
+def find_tunable_gemms(view: GraphView, min_gflop: float = MIN_TUNED_GFLOP) -> list[Match]:
+    """GEMMs without a bias that lower to one 2-D ``mm`` (``linear`` without one, ``matmul`` /
+    ``mm`` of a 2-D right operand) of at least ``min_gflop``: what ``gemm_algorithm`` times
+    cuBLASLt's candidate algorithms for (an ``addmm``'s bias and ``bmm``'s batch it leaves)."""
+    matches = []
+    for node, geo in gemm_nodes(view):
+        if geo.kind == "linear":
+            if node.op == "call_module" or _has_bias(view, node):
+                continue
+        elif geo.kind == "matmul":
+            b = view.arg(node, 1)
+            if canon(node.target) not in ("matmul", "mm") or b is None or len(b.shape or []) != 2:
+                continue
+        else:
+            continue
+        if geo.flops < min_gflop * 1e9:
+            continue
+        evidence = [
+            _ev(f"{node.name} (GEMM)", node.target, view.source(node, ".target")),
+            _ev(f"{node.name} FLOPs", geo.flops, view.source(node, ".shape"), "FLOP"),
+        ]
+        matches.append(Match("tunable_gemm", view.index, (node.name,), evidence))
+    return matches
+
+
 RELU_CALLS = frozenset({"relu", "relu_"})
 
 

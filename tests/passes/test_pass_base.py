@@ -22,6 +22,7 @@ ALL_TYPES = {
     "dtype_promotion": "aten",
     "gemm_out_dtype": "aten",
     "gemm_epilogue": "aten",
+    "gemm_algorithm": "aten",
     "attention_backend": "aten",
     "memory_layout": "aten",
     "bn_fold": "aten",

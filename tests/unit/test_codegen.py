@@ -184,6 +184,7 @@ def test_selection_times_cuda_graphs_then_precision_before_every_other_rung(
         ("dtype_promotion", "dtype_promotion-1"),
         ("gemm_out_dtype", "gemm_out_dtype-selection"),
         ("sdpa_replacement", "sdpa_replacement-1"),
+        ("gemm_algorithm", "gemm_algorithm-selection"),
         ("memory_layout", "memory_layout-1"),
     ]
     # A rule's own CUDA graphs proposal takes the place of the one selection would add.
@@ -193,7 +194,8 @@ def test_selection_times_cuda_graphs_then_precision_before_every_other_rung(
         ("cuda_graphs", "cuda_graphs-1"),
         ("dtype_promotion", "dtype_promotion-1"),
     ]
-    assert [n for n, _ in order("cuda", {"cuda_graphs", "gemm_out_dtype"})] == [
+    skip = {"cuda_graphs", "gemm_out_dtype", "gemm_algorithm"}
+    assert [n for n, _ in order("cuda", skip)] == [
         "dtype_promotion",
         "sdpa_replacement",
         "memory_layout",
@@ -225,6 +227,27 @@ def test_gemm_out_dtype_is_built_only_where_a_gemm_writes_an_output(make_proposa
     assert built(None)  # no graph summary to tell: build it and see
 
 
+def test_gemm_algorithm_is_built_where_bf16_has_a_large_gemm(make_proposal: Any) -> None:
+    """The auto rung for cuBLASLt's algorithms needs bf16 (it tunes bf16/fp16 GEMMs) and a GEMM
+    without a bias of 1 GFLOP or more: embedding_projection's [8192, 512] @ [512, 32000]
+    logits (268 GFLOP), not conv_block's classifier or gpt2's biased Conv1D GEMMs."""
+    from pytest_opprof.backend.selection import selection_rungs
+    from pytest_opprof.schema import FxGraphSummary, read_artifact
+
+    graphs = Path(__file__).resolve().parents[1] / "data" / "graphs"
+    bf16 = [make_proposal("dtype_promotion-1", "dtype_promotion", "non_graph")]
+
+    def built(name: str | None, proposals: list[Any] = bf16) -> bool:
+        graph = read_artifact(graphs / f"{name}.graph.json", FxGraphSummary) if name else None
+        rungs = selection_rungs(proposals, "cuda", set(), graph)
+        return any(r.name == "gemm_algorithm" for r in rungs)
+
+    assert built("embedding_projection")
+    assert not built("gpt2") and not built("conv_block") and not built("mlp_activations")
+    assert not built("embedding_projection", [])  # no bf16: nothing for it to tune
+    assert built(None)
+
+
 def test_what_task_select_climbs_with_the_captured_graph(
     make_proposal: Any, tmp_path: Path
 ) -> None:
@@ -252,6 +275,7 @@ def test_what_task_select_climbs_with_the_captured_graph(
         "cuda_graphs",
         "dtype_promotion",
         "gemm_out_dtype",
+        "gemm_algorithm",
     ]
     shutil.copy(graphs / "gpt2.graph.json", tmp_path / "graph.json")
     _, rungs = climbed(proposals, "cuda", set(), _captured_graph(tmp_path))
@@ -327,3 +351,18 @@ def test_a_rung_is_kept_only_when_confidently_faster_by_one_percent() -> None:
     assert not faster_enough(_gain(1.003, 1.001, 1.005))  # confident, too small
     assert not faster_enough(_gain(1.05, 0.99, 1.11))  # large, not confident
     assert SMALL_GAIN == "gained under 1%"
+
+
+def test_gemm_algorithm_runs_after_the_other_aten_passes(make_proposal: Any) -> None:
+    """It takes the ``mm`` nodes gemm_out_dtype and bn_fold match, so it runs last whatever
+    the order its rung was kept in (a second pass keeps a rung after it)."""
+    from pytest_opprof.backend.plan import plan_of
+
+    plan = plan_of(
+        [
+            make_proposal("gemm_algorithm-selection", "gemm_algorithm", "aten"),
+            make_proposal("gemm_out_dtype-selection", "gemm_out_dtype", "aten"),
+            make_proposal("bn_fold-1", "bn_fold", "aten"),
+        ]
+    )
+    assert plan.aten == ["gemm_out_dtype", "bn_fold", "gemm_algorithm"]

@@ -1,0 +1,486 @@
+"""``opprof::tuned_mm``: a GEMM run with the cuBLASLt algorithm measured fastest for its shape.
+
+torch runs the first algorithm cuBLAS(Lt)'s heuristic names for a shape; nothing in torch
+lists the others (TunableOp enumerates candidates on ROCm only). The first is not always the
+fastest: on the H200 (torch 2.11, cuBLAS 13; ``benchmarks/cublaslt_algos.py``,
+benchmarks/results/h200-2026-12-02b/probes) embedding_projection's logits GEMM, [8192, 512] @
+[512, 32000] in bf16 writing fp32, took 0.536 ms under torch's choice
+(``nvjet_sm90_tss_320x128_64x3_1x2_h_bz_coopB``) and 0.453 ms under the seventh of the eight
+candidates the heuristic returned (``nvjet_sm90_tss_176x128_64x5_1x2_h_bz``); writing bf16,
+0.414 and 0.359 ms.
+
+This module calls the libcublasLt that torch itself loaded, through ctypes. The first call of a
+shape (outside CUDA graph capture) asks the heuristic for up to ``CANDIDATES`` algorithms, times
+each beside torch's own call on the real operands, and keeps the fastest where it beats torch's
+by ``MIN_GAIN``; later calls of that shape, captured or not, run the kept one. Anywhere this
+cannot run (no CUDA, no libcublasLt, an unaligned or strided operand, the first call of a shape
+made inside a capture) the op runs ``torch.mm`` as torch would. Every algorithm computes the
+same sums in fp32; the order of the K-reduction may differ (split-K), well inside a bf16
+tolerance.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import math
+import statistics
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+LOGGER = logging.getLogger("pytest_opprof.passes")
+OP_NAME = "opprof::tuned_mm"
+
+CANDIDATES = 16
+"""How many algorithms the heuristic is asked for (it returned 8 for the H200's logits GEMM)."""
+MIN_GAIN = 1.02
+"""A candidate replaces torch's own call only when this much faster at the median: closer
+timings flip between processes, and each process tunes for itself."""
+WORKSPACE_BYTES = 32 * 1024 * 1024
+"""Workspace offered to the algorithms (cuBLAS's own default on Hopper); the H200's candidates
+asked for 4 bytes."""
+TIMED_GPU_MS = 1.0
+"""GPU time each candidate is timed over: enough calls back to back to fill it."""
+
+_COMPUTE_32F = 68
+_CUDA_TYPES = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 14}
+_DESC_TRANSA, _DESC_TRANSB = 3, 4
+_PREF_MAX_WORKSPACE = 1
+_PREF_MIN_ALIGNMENT = {"a": 5, "b": 6, "c": 7, "d": 8}
+_OP_N, _OP_T = 0, 1
+
+
+class _Algo(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_uint64 * 8)]
+
+
+class _Heuristic(ctypes.Structure):
+    """``cublasLtMatmulHeuristicResult_t``."""
+
+    _fields_ = [
+        ("algo", _Algo),
+        ("workspace_size", ctypes.c_size_t),
+        ("state", ctypes.c_int),
+        ("waves", ctypes.c_float),
+        ("reserved", ctypes.c_int * 4),
+    ]
+
+
+class CublasLtError(RuntimeError):
+    """A cuBLASLt call returned a status other than success."""
+
+
+def _check(status: int, call: str) -> None:
+    if status != 0:
+        raise CublasLtError(f"{call} returned cuBLAS status {status}")
+
+
+# ----------------------------------------------------------------------------------- the op
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def tuned_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b`` (2-D), accumulated in fp32 and written as ``out_dtype``."""
+    if a.device.type == "cuda":
+        out = _tuner(a.device).mm(a, b, out_dtype)
+        if out is not None:
+            return out
+    return reference_mm(a, b, out_dtype)
+
+
+@tuned_mm.register_fake
+def _(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return a.new_empty((a.shape[0], b.shape[1]), dtype=out_dtype)
+
+
+def reference_mm(a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """What torch computes for the same call: ``mm``, or ``mm.dtype`` for a wider output on
+    CUDA (the CPU has no ``mm.dtype`` kernel: there the operands are widened first, which sums
+    the same products in fp32)."""
+    if out_dtype == a.dtype:
+        return torch.mm(a, b)
+    if a.device.type == "cuda":
+        return torch.ops.aten.mm.dtype(a, b, out_dtype)
+    return torch.mm(a.to(out_dtype), b.to(out_dtype))
+
+
+# ------------------------------------------------------------------------- the library
+
+
+@dataclass(frozen=True)
+class _Libraries:
+    lt: ctypes.CDLL
+    cudart: ctypes.CDLL
+
+
+_LIBRARIES: list[_Libraries | None] = []
+_LOCK = threading.RLock()
+
+
+def _libraries() -> _Libraries | None:
+    """libcublasLt and libcudart as torch loaded them (found in ``/proc/self/maps``: the same
+    copies torch's own GEMMs use), or None where this process has none."""
+    with _LOCK:
+        if not _LIBRARIES:
+            _LIBRARIES.append(_load())
+        return _LIBRARIES[0]
+
+
+def _load() -> _Libraries | None:
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if ".so" in line})
+    except OSError:
+        return None
+    lt = next((p for p in paths if "/libcublasLt.so" in p), None)
+    cudart = next((p for p in paths if "/libcudart.so" in p), None)
+    if lt is None or cudart is None:
+        LOGGER.warning("tuned_mm: libcublasLt or libcudart is not loaded; torch.mm runs instead")
+        return None
+    return _Libraries(ctypes.CDLL(lt), ctypes.CDLL(cudart))
+
+
+# ----------------------------------------------------------------------------- problems
+
+
+@dataclass(frozen=True)
+class _Operand:
+    """A 2-D operand as cuBLAS's column-major matrix: its ``op`` and layout (rows, cols, ld)."""
+
+    op: int
+    rows: int
+    cols: int
+    ld: int
+
+
+def _column_major(t: torch.Tensor) -> _Operand | None:
+    """``t`` (row-major ``[r, c]`` as torch sees it) read by cuBLAS as the transpose it needs:
+    a row-major ``[r, c]`` is a column-major ``[c, r]`` (op N), a transposed one (stride
+    ``(1, ld)``) a column-major ``[r, c]`` read with op T. None for any other stride."""
+    r, c = t.shape
+    s0, s1 = t.stride()
+    if (s1 == 1 or c == 1) and s0 >= max(c, 1):
+        return _Operand(_OP_N, c, r, s0)
+    if (s0 == 1 or r == 1) and s1 >= max(r, 1):
+        return _Operand(_OP_T, r, c, s1)
+    return None
+
+
+def _alignment(t: torch.Tensor) -> int:
+    """The largest power of two up to 256 that divides the operand's address."""
+    ptr = t.data_ptr()
+    return 256 if ptr % 256 == 0 else ptr & -ptr
+
+
+Key = tuple[Any, ...]
+
+
+@dataclass
+class _Problem:
+    """One GEMM shape and layout under cuBLASLt: ``out[M, N] = a[M, K] @ b[K, N]`` computed as
+    column-major ``out^T = b^T a^T``. Holds the descriptors its calls reuse."""
+
+    lib: ctypes.CDLL
+    handle: ctypes.c_void_p
+    b_op: _Operand
+    a_op: _Operand
+    m: int
+    n: int
+    in_type: int
+    out_type: int
+    alignments: tuple[int, int, int]
+    desc: ctypes.c_void_p = field(default_factory=ctypes.c_void_p)
+    layouts: list[ctypes.c_void_p] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        lib = self.lib
+        _check(
+            lib.cublasLtMatmulDescCreate(
+                ctypes.byref(self.desc), _COMPUTE_32F, _CUDA_TYPES[torch.float32]
+            ),
+            "cublasLtMatmulDescCreate",
+        )
+        for attr, operand in ((_DESC_TRANSA, self.b_op), (_DESC_TRANSB, self.a_op)):
+            value = ctypes.c_int32(operand.op)
+            _check(
+                lib.cublasLtMatmulDescSetAttribute(
+                    self.desc, attr, ctypes.byref(value), ctypes.sizeof(value)
+                ),
+                "cublasLtMatmulDescSetAttribute",
+            )
+        for dtype, operand in (
+            (self.in_type, self.b_op),
+            (self.in_type, self.a_op),
+            (self.out_type, _Operand(_OP_N, self.n, self.m, self.n)),
+        ):
+            layout = ctypes.c_void_p()
+            _check(
+                lib.cublasLtMatrixLayoutCreate(
+                    ctypes.byref(layout),
+                    dtype,
+                    ctypes.c_uint64(operand.rows),
+                    ctypes.c_uint64(operand.cols),
+                    ctypes.c_int64(operand.ld),
+                ),
+                "cublasLtMatrixLayoutCreate",
+            )
+            self.layouts.append(layout)
+
+    def heuristics(self, count: int) -> list[_Heuristic]:
+        """Up to ``count`` algorithms the heuristic deems able to run, best-rated first."""
+        lib = self.lib
+        pref = ctypes.c_void_p()
+        _check(lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "PreferenceCreate")
+        try:
+            settings: list[tuple[int, Any]] = [
+                (_PREF_MAX_WORKSPACE, ctypes.c_uint64(WORKSPACE_BYTES))
+            ]
+            b_align, a_align, d_align = self.alignments
+            for name, align in zip("abcd", (b_align, a_align, d_align, d_align), strict=True):
+                settings.append((_PREF_MIN_ALIGNMENT[name], ctypes.c_uint32(align)))
+            for attr, value in settings:
+                _check(
+                    lib.cublasLtMatmulPreferenceSetAttribute(
+                        pref, attr, ctypes.byref(value), ctypes.sizeof(value)
+                    ),
+                    "PreferenceSetAttribute",
+                )
+            results = (_Heuristic * count)()
+            returned = ctypes.c_int(0)
+            b_layout, a_layout, d_layout = self.layouts
+            _check(
+                lib.cublasLtMatmulAlgoGetHeuristic(
+                    self.handle,
+                    self.desc,
+                    b_layout,
+                    a_layout,
+                    d_layout,
+                    d_layout,
+                    pref,
+                    count,
+                    results,
+                    ctypes.byref(returned),
+                ),
+                "cublasLtMatmulAlgoGetHeuristic",
+            )
+        finally:
+            lib.cublasLtMatmulPreferenceDestroy(pref)
+        return [
+            results[i]
+            for i in range(returned.value)
+            if results[i].state == 0 and results[i].workspace_size <= WORKSPACE_BYTES
+        ]
+
+    def run(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        out: torch.Tensor,
+        algo: _Heuristic,
+        workspace: int,
+    ) -> None:
+        alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        b_layout, a_layout, d_layout = self.layouts
+        _check(
+            self.lib.cublasLtMatmul(
+                self.handle,
+                self.desc,
+                ctypes.byref(alpha),
+                ctypes.c_void_p(b.data_ptr()),
+                b_layout,
+                ctypes.c_void_p(a.data_ptr()),
+                a_layout,
+                ctypes.byref(beta),
+                ctypes.c_void_p(out.data_ptr()),
+                d_layout,
+                ctypes.c_void_p(out.data_ptr()),
+                d_layout,
+                ctypes.byref(algo.algo),
+                ctypes.c_void_p(workspace),
+                ctypes.c_size_t(WORKSPACE_BYTES),
+                ctypes.c_void_p(torch.cuda.current_stream(a.device).cuda_stream),
+            ),
+            "cublasLtMatmul",
+        )
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What tuning one shape found: the candidates' median ms per call (index -1: torch's own
+    call) and the one kept (None: torch's own)."""
+
+    shape: tuple[int, int, int]
+    dtypes: tuple[str, str]
+    times_ms: dict[int, float]
+    kept: int | None
+
+    def describe(self) -> str:
+        m, k, n = self.shape
+        own = self.times_ms.get(-1, math.nan)
+        head = f"tuned_mm [{m}, {k}] @ [{k}, {n}] {self.dtypes[0]} -> {self.dtypes[1]}"
+        if self.kept is None:
+            best = min((t for i, t in self.times_ms.items() if i >= 0), default=math.nan)
+            return f"{head}: torch's own algorithm kept ({own:.4f} ms; best other {best:.4f})"
+        return (
+            f"{head}: cuBLASLt candidate {self.kept} of {len(self.times_ms) - 1}, "
+            f"{self.times_ms[self.kept]:.4f} ms against torch's {own:.4f} ms"
+        )
+
+
+# ------------------------------------------------------------------------------- the tuner
+
+
+class _Tuner:
+    """One device's handle, workspace and tuned shapes."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.libs = _libraries()
+        self.handle = ctypes.c_void_p()
+        self.workspace = 0
+        self.ready = False
+        self.chosen: dict[Key, tuple[_Problem, _Heuristic] | None] = {}
+        self.choices: list[Choice] = []
+
+    def _start(self) -> bool:
+        """Create the handle and the workspace once. The workspace comes from ``cudaMalloc``,
+        not torch's allocator, and lives as long as the process: captured graphs read its
+        address, and an allocation made inside a CUDA graph tree's warm-up would belong to the
+        tree's pool."""
+        if self.ready:
+            return True
+        if self.libs is None:
+            return False
+        with torch.cuda.device(self.device):
+            _check(self.libs.lt.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+            pointer = ctypes.c_void_p()
+            status = self.libs.cudart.cudaMalloc(
+                ctypes.byref(pointer), ctypes.c_size_t(WORKSPACE_BYTES)
+            )
+            if status != 0 or not pointer.value:
+                raise CublasLtError(f"cudaMalloc of the workspace returned {status}")
+            self.workspace = pointer.value
+        self.ready = True
+        return True
+
+    def mm(self, a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor | None:
+        """``a @ b`` under the kept algorithm, or None where torch's own call should run."""
+        if a.dim() != 2 or b.dim() != 2 or a.dtype != b.dtype or a.dtype not in _CUDA_TYPES:
+            return None
+        if out_dtype not in _CUDA_TYPES or a.dtype == torch.float32:
+            return None  # fp32 inputs: torch's TF32 setting decides the compute type
+        a_op, b_op = _column_major(a), _column_major(b)
+        if a_op is None or b_op is None:
+            return None
+        m, k = a.shape
+        n = b.shape[1]
+        if min(m, k, n) == 0:
+            return None
+        alignments = (_alignment(b), _alignment(a), 256)
+        key = (m, k, n, a.dtype, out_dtype, a_op, b_op, alignments)
+        if key not in self.chosen:
+            if torch.cuda.is_current_stream_capturing() or not self._start():
+                return None
+            self.chosen[key] = self._tune(a, b, out_dtype, a_op, b_op, alignments)
+        entry = self.chosen[key]
+        if entry is None:
+            return None
+        problem, algo = entry
+        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+        problem.run(a, b, out, algo, self.workspace)
+        return out
+
+    def _tune(
+        self,
+        a: torch.Tensor,
+        b: torch.Tensor,
+        out_dtype: torch.dtype,
+        a_op: _Operand,
+        b_op: _Operand,
+        alignments: tuple[int, int, int],
+    ) -> tuple[_Problem, _Heuristic] | None:
+        assert self.libs is not None
+        m, k = a.shape
+        n = b.shape[1]
+        problem = _Problem(
+            self.libs.lt,
+            self.handle,
+            b_op,
+            a_op,
+            m,
+            n,
+            _CUDA_TYPES[a.dtype],
+            _CUDA_TYPES[out_dtype],
+            alignments,
+        )
+        candidates = problem.heuristics(CANDIDATES)
+        out = torch.empty((m, n), dtype=out_dtype, device=a.device)
+        times = {-1: _time(lambda: reference_mm(a, b, out_dtype))}
+        for index, algo in enumerate(candidates):
+            try:
+                times[index] = _time(
+                    functools.partial(problem.run, a, b, out, algo, self.workspace)
+                )
+            except CublasLtError as error:
+                LOGGER.info("tuned_mm: candidate %d failed (%s)", index, error)
+        best = min((i for i in times if i >= 0), key=times.__getitem__, default=None)
+        kept = best if best is not None and times[-1] >= MIN_GAIN * times[best] else None
+        choice = Choice((m, k, n), (str(a.dtype)[6:], str(out_dtype)[6:]), times, kept)
+        self.choices.append(choice)
+        LOGGER.info("%s", choice.describe())
+        return None if kept is None else (problem, candidates[kept])
+
+
+def _time(call: Callable[[], Any], rounds: int = 5) -> float:
+    """Median GPU ms per call of ``call`` run back to back. A GPU sleep queued first holds the
+    stream while the host enqueues the calls, so the host's launch cost (ctypes: some 10 us a
+    call) is not what is timed."""
+    call()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    call()
+    end.record()
+    end.synchronize()
+    calls = max(2, min(50, math.ceil(TIMED_GPU_MS / max(start.elapsed_time(end), 1e-3))))
+    per_call = []
+    for _ in range(rounds):
+        torch.cuda._sleep(int(2e6))  # ~1 ms at the H200's clock: longer than enqueueing
+        start.record()
+        for _ in range(calls):
+            call()
+        end.record()
+        end.synchronize()
+        per_call.append(start.elapsed_time(end) / calls)
+    return statistics.median(per_call)
+
+
+_TUNERS: dict[int, _Tuner] = {}
+
+
+def _tuner(device: torch.device) -> _Tuner:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with _LOCK:
+        if index not in _TUNERS:
+            _TUNERS[index] = _Tuner(torch.device("cuda", index))
+        return _TUNERS[index]
+
+
+def choices() -> list[Choice]:
+    """Every shape this process tuned, in order, on every device."""
+    return [c for tuner in _TUNERS.values() for c in tuner.choices]
+
+
+_REPORTED: list[int] = [0]
+
+
+def unreported() -> list[Choice]:
+    """The choices made since the last call (the stage log names each once)."""
+    made = choices()
+    new, _REPORTED[0] = made[_REPORTED[0] :], len(made)
+    return new
