@@ -278,6 +278,28 @@ def measuring(*, share_after: bool = True, quiet: bool = False) -> Iterator[None
 
 
 @contextlib.contextmanager
+def measuring_within() -> Iterator[None]:
+    """A measurement in the middle of this process's GPU work (``opprof::tuned_mm`` timing
+    cuBLASLt's algorithms on a shape's first call): the GPU to this process alone for the block,
+    then held as it was before. A no-op without a lock, while measuring already, or aside for a
+    compile (no GPU work of its own runs there). On the H200, two timing processes that tuned
+    beside the recapture's GPU work kept a GEMM 15% slower than the one it kept alone."""
+    lock = _LOCK
+    if lock is None or lock.held == "exclusive" or lock.aside:
+        yield
+        return
+    before = lock.held
+    lock.exclusive()
+    try:
+        yield
+    finally:
+        if before == "shared":
+            lock.share()
+        else:
+            lock.release()
+
+
+@contextlib.contextmanager
 def off_gpu(sync: Callable[[], None]) -> Iterator[None]:
     """CPU-only work (a compile): where this process holds the GPU shared, let go of it for the
     block, so that a measurer need not wait for the block to end; share again after it, behind

@@ -12,11 +12,12 @@ candidates the heuristic returned (``nvjet_sm90_tss_176x128_64x5_1x2_h_bz``); wr
 This module calls the libcublasLt that torch itself loaded, through ctypes. The first call of a
 shape (outside CUDA graph capture) asks the heuristic for up to ``CANDIDATES`` algorithms, times
 each beside torch's own call on the real operands, and keeps the fastest where it beats torch's
-by ``MIN_GAIN``; later calls of that shape, captured or not, run the kept one. Anywhere this
-cannot run (no CUDA, no libcublasLt, an unaligned or strided operand, the first call of a shape
-made inside a capture) the op runs ``torch.mm`` as torch would. Every algorithm computes the
-same sums in fp32; the order of the K-reduction may differ (split-K), well inside a bf16
-tolerance.
+by ``MIN_GAIN``; later calls of that shape, captured or not, run the kept one. The timing holds
+the GPU alone (``devicelock.measuring_within``): beside another stage process's GPU work on the
+H200, two processes kept candidates 15% slower than the one kept alone. Anywhere this cannot
+run (no CUDA, no libcublasLt, an unaligned or strided operand, the first call of a shape made
+inside a capture) the op runs ``torch.mm`` as torch would. Every algorithm computes the same
+sums in fp32; the order of the K-reduction may differ (split-K), well inside a bf16 tolerance.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from pytest_opprof import devicelock
 
 LOGGER = logging.getLogger("pytest_opprof.passes")
 OP_NAME = "opprof::tuned_mm"
@@ -420,14 +423,15 @@ class _Tuner:
         )
         candidates = problem.heuristics(CANDIDATES)
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
-        times = {-1: _time(lambda: reference_mm(a, b, out_dtype))}
-        for index, algo in enumerate(candidates):
-            try:
-                times[index] = _time(
-                    functools.partial(problem.run, a, b, out, algo, self.workspace)
-                )
-            except CublasLtError as error:
-                LOGGER.info("tuned_mm: candidate %d failed (%s)", index, error)
+        torch.cuda.synchronize(a.device)
+        with devicelock.measuring_within():  # no other process's GPU work in the timings
+            times = {-1: _time(lambda: reference_mm(a, b, out_dtype))}
+            for index, algo in enumerate(candidates):
+                try:
+                    run = functools.partial(problem.run, a, b, out, algo, self.workspace)
+                    times[index] = _time(run)
+                except CublasLtError as error:
+                    LOGGER.info("tuned_mm: candidate %d failed (%s)", index, error)
         best = min((i for i in times if i >= 0), key=times.__getitem__, default=None)
         kept = best if best is not None and times[-1] >= MIN_GAIN * times[best] else None
         choice = Choice((m, k, n), (str(a.dtype)[6:], str(out_dtype)[6:]), times, kept)

@@ -3,6 +3,7 @@ and a dead holder never blocks the GPU. Real processes on a real ``flock``."""
 
 from __future__ import annotations
 
+import fcntl
 import itertools
 import os
 import signal
@@ -177,6 +178,37 @@ def test_a_measurement_that_ends_the_gpu_work_does_not_share_again(
         assert lock.held == "shared"
         devicelock.resume()  # held already: nothing
         assert lock.held == "shared"
+    finally:
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+def test_a_measurement_within_gpu_work_holds_the_gpu_as_before_after(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """An op tuning itself on its first call measures alone, then holds the GPU as before:
+    shared while at work, nothing where it held nothing; inside a measurement it changes
+    nothing."""
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    path = tmp_path / "gpu.lock"
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
+    lock = devicelock.join()
+    assert lock is not None and lock.held == "shared"
+    try:
+        with devicelock.measuring_within():
+            assert lock.held == "exclusive"
+            other = DeviceLock(path)
+            assert not other._at_once(fcntl.LOCK_SH)  # nobody works beside it
+            other.close()
+        assert lock.held == "shared"
+        with devicelock.measuring(share_after=False):
+            with devicelock.measuring_within():
+                assert lock.held == "exclusive"
+            assert lock.held == "exclusive"
+        assert lock.held is None
+        with devicelock.measuring_within():
+            assert lock.held == "exclusive"
+        assert lock.held is None
     finally:
         lock.close()
         monkeypatch.setattr(devicelock, "_LOCK", None)
