@@ -5,10 +5,11 @@ The trace holds the measured iterations only, each inside a CPU-side mark
 runtime call that launched it (matched by ``correlation``) lies inside a mark; anything else is
 counted in a debug figure and left out. Each activity in the window is then:
 
-- ``high``: its launch lies, on the launching thread, inside an ``aten::`` op; the operator is the
-  outermost ``aten::`` op below the mark (``aten::linear``, whose kernel ``aten::addmm``
-  launched). Kineto's ``External id`` on the launch names the innermost op it saw; where time
-  containment finds no op, that link is used instead.
+- ``high``: its launch lies, on the launching thread, inside an ``aten::`` op (or a custom
+  operator's ``namespace::name`` op, such as ``opprof::tuned_mm``); the operator is the
+  outermost such op below the mark (``aten::linear``, whose kernel ``aten::addmm`` launched).
+  Kineto's ``External id`` on the launch names the innermost op it saw; where time containment
+  finds no op, that link is used instead.
 - ``medium``: no ATen op encloses the launch (Inductor's wrapper launched it) and its exact name,
   or the exact name of the record function around the launch (Inductor's Triton launcher opens
   one named after the kernel), is a key of the provenance map; the operator is named after the
@@ -51,6 +52,17 @@ log = logging.getLogger(__name__)
 
 ITERATION_MARK = "opprof::iteration"
 _MARK = re.compile(rf"^{re.escape(ITERATION_MARK)}#(\d+)$")
+_CUSTOM_OP = re.compile(r"^[A-Za-z_]\w*::\w+(?:\.\w+)?$")
+"""A dispatcher operator of another namespace than aten (``torch.library.custom_op``), as
+Kineto names its ``cpu_op`` event: ``opprof::tuned_mm``."""
+
+
+def _is_operator(event: _Event) -> bool:
+    """An ATen op, or a custom operator's ``cpu_op`` event (not a ``record_function`` of the
+    same shape: those are ``user_annotation`` events, the iteration marks among them)."""
+    if event.name.startswith("aten::"):
+        return True
+    return event.cat == "cpu_op" and bool(_CUSTOM_OP.match(event.name))
 
 # torch 2.11 on the H200: eager kernels go through cudaLaunchKernel, cuBLAS also through
 # cuLaunchKernel and cudaLaunchKernelExC, Inductor's Triton launcher through cuLaunchKernel.
@@ -137,7 +149,7 @@ class _Event:
     args: dict[str, Any]
     parent: _Event | None = None
     mark: _Event | None = None  # the iteration mark above it on its thread
-    top_aten: _Event | None = None  # the outermost aten:: op above it (or itself) below the mark
+    top_aten: _Event | None = None  # the outermost operator above it (or itself) below the mark
     graph: _Event | None = None  # the "## Call CompiledFxGraph" above it
 
     @property
@@ -330,7 +342,7 @@ def _link_stacks(events: list[_Event]) -> None:
             if event.kind == "op":
                 if _MARK.match(event.name):
                     event.mark, event.top_aten, event.graph = event, None, None
-                elif event.top_aten is None and event.name.startswith("aten::"):
+                elif event.top_aten is None and _is_operator(event):
                     event.top_aten = event
                 if event.name.startswith(COMPILED_GRAPH):
                     event.graph = event
