@@ -64,6 +64,7 @@ def _is_operator(event: _Event) -> bool:
         return True
     return event.cat == "cpu_op" and bool(_CUSTOM_OP.match(event.name))
 
+
 # torch 2.11 on the H200: eager kernels go through cudaLaunchKernel, cuBLAS also through
 # cuLaunchKernel and cudaLaunchKernelExC, Inductor's Triton launcher through cuLaunchKernel.
 LAUNCH_CALLS = frozenset(
