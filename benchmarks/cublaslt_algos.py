@@ -15,45 +15,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from gemm_probe import graphed, kernels, median_ms  # beside this file
 
 from pytest_opprof.backend import cublaslt
 
 
 def graphed_ms(fn: Callable[[], Any], calls: int, reps: int) -> float:
     """Median per-call time of ``calls`` back-to-back ``fn()`` captured in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def back_to_back() -> None:
         for _ in range(calls):
             fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / calls)
-    return statistics.median(times)
 
-
-def kernel_names(fn: Callable[[], Any]) -> list[str]:
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    return sorted({e.name[:80] for e in prof.events() if e.device_type.name == "CUDA"})
+    return median_ms(graphed(back_to_back), reps) / calls
 
 
 def main() -> None:
@@ -80,7 +58,7 @@ def main() -> None:
     def emit(row: dict[str, Any], fn: Callable[[], Any]) -> None:
         ms = graphed_ms(fn, args.calls, args.reps)
         row |= {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}
-        print(json.dumps(row | {"kernels": kernel_names(fn)}), flush=True)
+        print(json.dumps(row | {"kernels": kernels(fn)}), flush=True)
 
     emit({"variant": "torch"}, lambda: cublaslt.reference_mm(a, b, out_dtype))
     tuner = cublaslt._tuner(a.device)

@@ -80,7 +80,7 @@ def main() -> int:
             row: dict[str, object] = {"model": name, "latency_ms": round(latency_ms(fn, inputs), 4)}
             gpu = {}
             for n in DEPTHS:
-                got = timing._gpu_time_of(fn, inputs, n, 5, None)
+                got = timing.gpu_time_of(fn, inputs, n, 5, None)
                 gpu[n] = round(got, 4) if got is not None else None
             row["gpu_time_ms_by_depth"] = gpu
             row["each_in_queue_ms"] = {n: each_in_queue(fn, inputs, n) for n in (8, 30)}

@@ -26,7 +26,6 @@ import ctypes
 import functools
 import logging
 import math
-import statistics
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -49,6 +48,7 @@ WORKSPACE_BYTES = 32 * 1024 * 1024
 asked for 4 bytes."""
 TIMED_GPU_MS = 1.0
 """GPU time each candidate is timed over: enough calls back to back to fill it."""
+TIMED_SAMPLES = 5
 
 _COMPUTE_32F = 68
 _CUDA_TYPES = {torch.float32: 0, torch.float16: 2, torch.bfloat16: 14}
@@ -121,20 +121,13 @@ class _Libraries:
     cudart: ctypes.CDLL
 
 
-_LIBRARIES: list[_Libraries | None] = []
-_LOCK = threading.RLock()
+_LOCK = threading.Lock()
 
 
+@functools.cache
 def _libraries() -> _Libraries | None:
     """libcublasLt and libcudart as torch loaded them (found in ``/proc/self/maps``: the same
     copies torch's own GEMMs use), or None where this process has none."""
-    with _LOCK:
-        if not _LIBRARIES:
-            _LIBRARIES.append(_load())
-        return _LIBRARIES[0]
-
-
-def _load() -> _Libraries | None:
     try:
         with open("/proc/self/maps") as maps:
             paths = sorted({line.split()[-1] for line in maps if ".so" in line})
@@ -424,26 +417,35 @@ class _Tuner:
         candidates = problem.heuristics(CANDIDATES)
         out = torch.empty((m, n), dtype=out_dtype, device=a.device)
         torch.cuda.synchronize(a.device)
+        calls: dict[int, Callable[[], Any]] = {-1: lambda: reference_mm(a, b, out_dtype)}
+        for index, algo in enumerate(candidates):
+            calls[index] = functools.partial(problem.run, a, b, out, algo, self.workspace)
+        times: dict[int, float] = {}
         with devicelock.measuring_within():  # no other process's GPU work in the timings
-            times = {-1: _time(lambda: reference_mm(a, b, out_dtype))}
-            for index, algo in enumerate(candidates):
+            for index, call in calls.items():
                 try:
-                    run = functools.partial(problem.run, a, b, out, algo, self.workspace)
-                    times[index] = _time(run)
+                    ms = _time(call)
                 except CublasLtError as error:
                     LOGGER.info("tuned_mm: candidate %d failed (%s)", index, error)
+                    continue
+                if ms is not None:
+                    times[index] = ms
         best = min((i for i in times if i >= 0), key=times.__getitem__, default=None)
-        kept = best if best is not None and times[-1] >= MIN_GAIN * times[best] else None
+        own = times.get(-1)
+        kept = best if best is not None and own and own >= MIN_GAIN * times[best] else None
         choice = Choice((m, k, n), (str(a.dtype)[6:], str(out_dtype)[6:]), times, kept)
         self.choices.append(choice)
         LOGGER.info("%s", choice.describe())
         return None if kept is None else (problem, candidates[kept])
 
 
-def _time(call: Callable[[], Any], rounds: int = 5) -> float:
-    """Median GPU ms per call of ``call`` run back to back. A GPU sleep queued first holds the
-    stream while the host enqueues the calls, so the host's launch cost (ctypes: some 10 us a
-    call) is not what is timed."""
+def _time(call: Callable[[], Any]) -> float | None:
+    """Median GPU ms per call of ``call`` run back to back with the host hidden, as the timing
+    pass measures GPU time (``capture.timing.gpu_time_of``: behind a GPU sleep, kept only where
+    the host enqueued every call first, so the host's launch cost, some 10 us a call through
+    ctypes, is not what is timed); None where the host never got ahead."""
+    from pytest_opprof.capture.timing import gpu_time_of
+
     call()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -451,17 +453,9 @@ def _time(call: Callable[[], Any], rounds: int = 5) -> float:
     call()
     end.record()
     end.synchronize()
-    calls = max(2, min(50, math.ceil(TIMED_GPU_MS / max(start.elapsed_time(end), 1e-3))))
-    per_call = []
-    for _ in range(rounds):
-        torch.cuda._sleep(int(2e6))  # ~1 ms at the H200's clock: longer than enqueueing
-        start.record()
-        for _ in range(calls):
-            call()
-        end.record()
-        end.synchronize()
-        per_call.append(start.elapsed_time(end) / calls)
-    return statistics.median(per_call)
+    once = max(float(start.elapsed_time(end)), 1e-3)
+    calls = max(2, min(50, math.ceil(TIMED_GPU_MS / once)))
+    return gpu_time_of(call, (), calls, TIMED_SAMPLES, once)
 
 
 _TUNERS: dict[int, _Tuner] = {}

@@ -312,13 +312,13 @@ def gpu_time(
             n = calls_per_sample.get(name, 1)
             if launches.get(name):
                 n = max(1, min(n, int(LAUNCH_QUEUE // launches[name])))
-            ms = _gpu_time_of(fn, inputs, n, samples, latency_ms.get(name))
+            ms = gpu_time_of(fn, inputs, n, samples, latency_ms.get(name))
             if ms is not None:
                 out[name] = ms
     return out
 
 
-def _gpu_time_of(
+def gpu_time_of(
     fn: Call, inputs: Sequence[torch.Tensor], n: int, samples: int, latency_ms: float | None
 ) -> float | None:
     """Sleep the GPU, enqueue ``n`` calls between two events, and keep the sample only where

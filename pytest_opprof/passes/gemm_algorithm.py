@@ -84,12 +84,13 @@ def _low_gemm(
     node: torch.fx.Node, devices: tuple[str, ...]
 ) -> tuple[int, int, int, torch.dtype] | None:
     """(M, K, N, output dtype) of a 2-D bf16/fp16 ``mm`` / ``mm.dtype`` on ``devices``."""
-    a, b = (fake_value(x) for x in node.args[:2])
-    out = fake_value(node)
-    if not all(isinstance(t, torch.Tensor) for t in (a, b, out)):
+    a, b, out = fake_value(node.args[0]), fake_value(node.args[1]), fake_value(node)
+    if not (
+        isinstance(a, torch.Tensor)
+        and isinstance(b, torch.Tensor)
+        and isinstance(out, torch.Tensor)
+    ):
         return None
-    assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)
-    assert isinstance(out, torch.Tensor)
     if a.dim() != 2 or b.dim() != 2 or a.dtype not in LOW or b.dtype != a.dtype:
         return None
     if a.device.type not in devices:
