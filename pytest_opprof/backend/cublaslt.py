@@ -344,23 +344,33 @@ class _Tuner:
         self.choices: list[Choice] = []
 
     def _start(self) -> bool:
-        """Create the handle and the workspace once. The workspace comes from ``cudaMalloc``,
-        not torch's allocator, and lives as long as the process: captured graphs read its
-        address, and an allocation made inside a CUDA graph tree's warm-up would belong to the
-        tree's pool."""
+        """Create the handle and the workspace once; False (torch.mm runs, with one warning)
+        where either fails. The workspace comes from ``cudaMalloc``, not torch's allocator,
+        and lives as long as the process: captured graphs read its address, and an allocation
+        made inside a CUDA graph tree's warm-up would belong to the tree's pool."""
         if self.ready:
             return True
         if self.libs is None:
             return False
-        with torch.cuda.device(self.device):
-            _check(self.libs.lt.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
-            pointer = ctypes.c_void_p()
-            status = self.libs.cudart.cudaMalloc(
-                ctypes.byref(pointer), ctypes.c_size_t(WORKSPACE_BYTES)
+        try:
+            with torch.cuda.device(self.device):
+                _check(self.libs.lt.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+                pointer = ctypes.c_void_p()
+                status = self.libs.cudart.cudaMalloc(
+                    ctypes.byref(pointer), ctypes.c_size_t(WORKSPACE_BYTES)
+                )
+                if status != 0 or not pointer.value:
+                    raise CublasLtError(f"cudaMalloc of the workspace returned {status}")
+        except CublasLtError as error:
+            LOGGER.warning(
+                "tuned_mm: %s on %s; its GEMMs run torch.mm instead. To leave them to torch "
+                "from the start, add 'gemm_algorithm' to the workload's OPPROF['skip']",
+                error,
+                self.device,
             )
-            if status != 0 or not pointer.value:
-                raise CublasLtError(f"cudaMalloc of the workspace returned {status}")
-            self.workspace = pointer.value
+            self.libs = None
+            return False
+        self.workspace = pointer.value
         self.ready = True
         return True
 

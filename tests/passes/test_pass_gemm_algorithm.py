@@ -177,6 +177,43 @@ def test_a_choice_says_what_was_kept() -> None:
     assert "torch's own algorithm kept (0.0100 ms; best other 0.0101)" in none.describe()
 
 
+def test_a_cublaslt_that_cannot_start_leaves_the_gemms_to_torch(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A handle or workspace cuBLASLt cannot make: one warning that says what runs instead and
+    how to skip the pass; no tuning tried again."""
+    import contextlib
+    from types import SimpleNamespace
+
+    failing = SimpleNamespace(cublasLtCreate=lambda _handle: 7)
+    monkeypatch.setattr(cublaslt, "_libraries", lambda: SimpleNamespace(lt=failing))
+    monkeypatch.setattr(cublaslt.torch.cuda, "device", lambda _d: contextlib.nullcontext())
+    tuner = cublaslt._Tuner(torch.device("cuda", 0))
+    with caplog.at_level("WARNING", logger="pytest_opprof.passes"):
+        assert tuner._start() is False
+    (record,) = caplog.records
+    assert "cublasLtCreate returned cuBLAS status 7" in record.getMessage()
+    assert "run torch.mm instead" in record.getMessage()
+    assert "OPPROF['skip']" in record.getMessage()
+    assert tuner.libs is None and tuner._start() is False
+
+
+def test_the_stage_log_names_each_tuned_shape_once(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pytest_opprof.runner import note_tuned_gemms
+
+    tuner = cublaslt._Tuner(torch.device("cuda", 0))
+    monkeypatch.setattr(cublaslt, "_TUNERS", {0: tuner})
+    monkeypatch.setattr(cublaslt, "_REPORTED", [0])
+    kept = cublaslt.Choice((8192, 512, 32000), ("bfloat16", "float32"), {-1: 0.5, 6: 0.4}, 6)
+    tuner.choices.append(kept)
+    note_tuned_gemms()
+    note_tuned_gemms()
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].endswith(kept.describe())
+
+
 # ------------------------------------------------------------------------------------ GPU
 
 
