@@ -6,7 +6,9 @@ This asks the heuristic for up to ``--algos`` candidates for ``out[M, N] = a[M, 
 through ``pytest_opprof.backend.cublaslt`` (ctypes on the libcublasLt torch loaded) and times
 each inside a CUDA graph of ``--calls`` back-to-back calls beside torch's own ``mm`` /
 ``mm.dtype`` (median of ``--reps`` replays), naming each one's kernels with torch.profiler.
-Writes JSON lines.
+Each is also timed as a model's graph runs it (``behind_ms``): every call behind a kernel that
+writes its input ``a`` (a copy), less the copies alone; ``gaps_us`` is the GPU's idle time
+before each of the call's kernels and memsets in one replay of that graph. Writes JSON lines.
 
     python benchmarks/cublaslt_algos.py [--m 8192 --k 512 --n 32000 --out float32] > a.jsonl
 """
@@ -14,6 +16,7 @@ Writes JSON lines.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 from collections.abc import Callable
 from typing import Any
@@ -34,6 +37,64 @@ def graphed_ms(fn: Callable[[], Any], calls: int, reps: int) -> float:
     return median_ms(graphed(back_to_back), reps) / calls
 
 
+CONFIG = {"id": 0, "tile": 1, "split_k": 2, "reduction": 3, "swizzle": 4, "custom": 5, "stages": 6}
+"""``cublasLtMatmulAlgoConfigAttributes_t``: the candidate's configuration, as read back."""
+
+
+def config(lib: Any, algo: Any) -> dict[str, int]:
+    out = {}
+    for name, attr in CONFIG.items():
+        value, written = ctypes.c_uint32(0), ctypes.c_size_t(0)
+        status = lib.cublasLtMatmulAlgoConfigGetAttribute(
+            ctypes.byref(algo), attr, ctypes.byref(value), 4, ctypes.byref(written)
+        )
+        if status == 0:
+            out[name] = value.value
+    return out
+
+
+def behind_ms(fn: Callable[[], Any], produce: Callable[[], Any], calls: int, reps: int) -> float:
+    """Per-call time of ``fn()`` where each call follows ``produce()`` in one CUDA graph (as a
+    GEMM follows the kernel that writes its input in a model's graph), less ``produce`` alone."""
+
+    def paired() -> None:
+        for _ in range(calls):
+            produce()
+            fn()
+
+    def alone() -> None:
+        for _ in range(calls):
+            produce()
+
+    return (median_ms(graphed(paired), reps) - median_ms(graphed(alone), reps)) / calls
+
+
+def gaps_us(fn: Callable[[], Any], produce: Callable[[], Any]) -> list[list[Any]]:
+    """[name, idle µs before it, µs] of each GPU activity of one replay of ``produce(); fn()``
+    captured in a CUDA graph, in order."""
+
+    def paired() -> None:
+        produce()
+        fn()
+
+    replay = graphed(paired)
+    replay()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        replay()
+        torch.cuda.synchronize()
+    events = sorted(
+        (e for e in prof.events() if e.device_type.name == "CUDA"),
+        key=lambda e: e.time_range.start,
+    )
+    out, end = [], None
+    for e in events:
+        gap = 0.0 if end is None else e.time_range.start - end
+        out.append([e.name[:60], round(gap, 2), round(e.time_range.elapsed_us(), 2)])
+        end = e.time_range.end
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--m", type=int, default=8192)
@@ -50,6 +111,11 @@ def main() -> None:
     w = torch.randn(args.n, args.k, device="cuda", dtype=torch.bfloat16) / args.k**0.5
     b = w.t()
     out = torch.empty(args.m, args.n, device="cuda", dtype=out_dtype)
+    a_src = a.clone()
+
+    def produce() -> None:
+        a.copy_(a_src)
+
     reference = cublaslt.reference_mm(a, b, out_dtype).float()
     flops = 2 * args.m * args.k * args.n
     shape = {"m": args.m, "k": args.k, "n": args.n, "out_dtype": args.out}
@@ -58,6 +124,8 @@ def main() -> None:
     def emit(row: dict[str, Any], fn: Callable[[], Any]) -> None:
         ms = graphed_ms(fn, args.calls, args.reps)
         row |= {"ms": round(ms, 4), "tflops": round(flops / ms / 1e9, 1)}
+        row |= {"behind_ms": round(behind_ms(fn, produce, args.calls, args.reps), 4)}
+        row |= {"gaps_us": gaps_us(fn, produce)}
         print(json.dumps(row | {"kernels": kernels(fn)}), flush=True)
 
     emit({"variant": "torch"}, lambda: cublaslt.reference_mm(a, b, out_dtype))
@@ -82,6 +150,7 @@ def main() -> None:
     for index, algo in enumerate(candidates):
         row: dict[str, Any] = {"variant": f"lt_heuristic_{index}"}
         row |= {"workspace": algo.workspace_size, "waves": round(algo.waves, 2)}
+        row |= {"config": config(tuner.libs.lt, algo.algo)}
 
         def lt_mm(algo: Any = algo) -> None:
             problem.run(a, b, out, algo, tuner.workspace)

@@ -167,14 +167,48 @@ def test_the_cpu_runs_torch_mm() -> None:
 
 def test_a_choice_says_what_was_kept() -> None:
     kept = cublaslt.Choice(
-        (8192, 512, 32000), ("bfloat16", "float32"), {-1: 0.536, 0: 0.54, 6: 0.453}, 6
+        (8192, 512, 32000),
+        ("bfloat16", "float32"),
+        {-1: 0.536, 0: 0.54, 6: 0.453},
+        6,
+        {-1: 0.52, 0: 0.53, 6: 0.43},
     )
     assert kept.describe() == (
         "tuned_mm [8192, 512] @ [512, 32000] bfloat16 -> float32: cuBLASLt candidate 6 of 2, "
-        "0.4530 ms against torch's 0.5360 ms"
+        "0.4530 ms against torch's 0.5360 ms (in a graph 0.4300 against 0.5200)"
     )
-    none = cublaslt.Choice((64, 64, 64), ("bfloat16", "bfloat16"), {-1: 0.010, 0: 0.0101}, None)
-    assert "torch's own algorithm kept (0.0100 ms; best other 0.0101)" in none.describe()
+    none = cublaslt.Choice(
+        (64, 64, 64), ("bfloat16", "bfloat16"), {-1: 0.010, 0: 0.0101}, None, {-1: 0.011}
+    )
+    assert "torch's own algorithm kept (0.0100 ms, in a graph 0.0110; best other 0.0101, " in (
+        none.describe()
+    )
+    alone = cublaslt.Choice((64, 64, 64), ("bfloat16", "bfloat16"), {-1: 0.010}, None)
+    assert alone.describe().endswith("torch's own algorithm kept (0.0100 ms; no other timed)")
+
+
+@pytest.mark.parametrize(
+    ("times", "graphed", "kept"),
+    [
+        # faster both ways by 5% or more: the fastest in the graph
+        ({-1: 0.52, 3: 0.45, 6: 0.43}, {-1: 0.52, 3: 0.42, 6: 0.44}, 3),
+        ({-1: 0.0133, 3: 0.0125}, {-1: 0.0130, 3: 0.0123}, 3),
+        # sdpa_attention's QKV GEMM on the H200: 4.8% faster back to back, 2.5% in a graph
+        ({-1: 0.0132, 3: 0.0126}, {-1: 0.0123, 3: 0.0120}, None),
+        # faster back to back only, or in the graph only
+        ({-1: 0.0129, 3: 0.0110}, {-1: 0.0131, 3: 0.0150}, None),
+        ({-1: 0.0129, 3: 0.0129}, {-1: 0.0150, 3: 0.0130}, None),
+        # never captured: not judged on half its timings
+        ({-1: 0.52, 6: 0.43}, {-1: 0.52}, None),
+        # torch's own call untimed in a graph: nothing is judged
+        ({-1: 0.52, 6: 0.43}, {6: 0.43}, None),
+        ({-1: 0.52, 6: 0.43}, {}, None),
+    ],
+)
+def test_a_candidate_must_win_back_to_back_and_in_a_graph(
+    times: dict[int, float], graphed: dict[int, float], kept: int | None
+) -> None:
+    assert cublaslt.keep(times, graphed) == kept
 
 
 def test_a_cublaslt_that_cannot_start_leaves_the_gemms_to_torch(
@@ -231,7 +265,9 @@ def test_tuned_mm_on_cuda(out_dtype: torch.dtype, weight_t: bool) -> None:
     got = cublaslt.tuned_mm(a, b, out_dtype)
     assert got.dtype == out_dtype and got.is_contiguous()
     torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
-    assert any(c.shape == (2048, 512, 4096) for c in cublaslt.choices())
+    (choice,) = [c for c in cublaslt.choices() if c.shape == (2048, 512, 4096)][-1:]
+    assert -1 in choice.times_ms and -1 in choice.graphed_ms  # torch's own, timed both ways
+    assert choice.kept == cublaslt.keep(choice.times_ms, choice.graphed_ms)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = cublaslt.tuned_mm(a, b, out_dtype)
