@@ -211,6 +211,33 @@ def test_a_candidate_must_win_back_to_back_and_in_a_graph(
     assert cublaslt.keep(times, graphed) == kept
 
 
+def test_graphed_times_leave_out_what_cannot_be_captured(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each call's graph time less the producer's; a call whose capture fails is left out, and
+    a producer that cannot be captured leaves nothing to judge in a graph (the op then keeps
+    torch's own call), instead of failing the model's call."""
+    ms = {"produce": 0.003, "own": 0.016, "fast": 0.015}
+
+    def captured(steps: list[Any], _pool: Any, _side: Any) -> Any:
+        name = steps[-1]()
+        if name == "broken":
+            raise cublaslt.CublasLtError("cublasLtMatmul returned cuBLAS status 13")
+        return lambda: name
+
+    monkeypatch.setattr(cublaslt.torch.cuda, "graph_pool_handle", lambda: None)
+    monkeypatch.setattr(cublaslt.torch.cuda, "Stream", lambda: None)
+    monkeypatch.setattr(cublaslt, "_captured", captured)
+    monkeypatch.setattr(cublaslt, "_time", lambda replay: ms[replay()])
+    calls = {-1: lambda: "own", 0: lambda: "broken", 3: lambda: "fast"}
+    got = cublaslt._graphed_times(calls, lambda: "produce")
+    assert got == pytest.approx({-1: 0.013, 3: 0.012})
+
+    def uncapturable(_steps: list[Any], _pool: Any, _side: Any) -> Any:
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cublaslt, "_captured", uncapturable)
+    assert cublaslt._graphed_times(calls, lambda: "produce") == {}
+
+
 def test_a_cublaslt_that_cannot_start_leaves_the_gemms_to_torch(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
