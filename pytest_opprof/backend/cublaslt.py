@@ -18,8 +18,8 @@ not, run the kept one. The timing holds the GPU alone (``devicelock.measuring_wi
 another stage process's GPU work on the H200, two processes kept candidates 15% slower than the
 one kept alone. Anywhere this cannot run (no CUDA, no libcublasLt, an unaligned or strided
 operand, the first call of a shape made inside a capture) the op runs ``torch.mm`` as torch
-would. Every algorithm computes the same
-sums in fp32; the order of the K-reduction may differ (split-K), well inside a bf16 tolerance.
+would. Every algorithm computes the same sums in fp32; the order of the K-reduction may differ
+(split-K), well inside a bf16 tolerance.
 """
 
 from __future__ import annotations
@@ -503,10 +503,12 @@ def _graphed_times(
     calls: Mapping[int, Callable[[], Any]], produce: Callable[[], Any]
 ) -> dict[int, float]:
     """Each call's GPU ms in a CUDA graph of ``produce(); call()`` replayed back to back, less
-    a graph of ``produce()`` alone: the call as a model's graph runs it, with whatever a
-    memset node before it costs there. The graphs share one memory pool (each call's output
-    is dropped once captured). A call that cannot be captured is left out, and so is every
-    call where the producer alone cannot be timed."""
+    a graph of ``produce()`` alone: the call replayed from a graph behind the kernel that wrote
+    its input, as in a model's graph, memset nodes and all (on the H200 it did not show what a
+    workspace memset cost inside sdpa_attention's whole graph: ``MIN_GAIN``). The graphs share
+    one memory pool (each call's output is dropped once captured). A call that cannot be
+    captured is left out, and every call where the producer alone cannot be captured or
+    timed."""
     pool = torch.cuda.graph_pool_handle()
     side = torch.cuda.Stream()
     try:
