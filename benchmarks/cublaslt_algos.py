@@ -19,10 +19,12 @@ import argparse
 import ctypes
 import json
 from collections.abc import Callable
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 from gemm_probe import graphed, kernels, median_ms  # beside this file
+from sdpa_probe import activities
 
 from pytest_opprof.backend import cublaslt
 
@@ -71,7 +73,7 @@ def behind_ms(fn: Callable[[], Any], produce: Callable[[], Any], calls: int, rep
 
 def gaps_us(fn: Callable[[], Any], produce: Callable[[], Any]) -> list[list[Any]]:
     """[name, idle µs before it, µs] of each GPU activity of one replay of ``produce(); fn()``
-    captured in a CUDA graph, in order."""
+    captured in a CUDA graph, in order (``sdpa_probe.activities``)."""
 
     def paired() -> None:
         produce()
@@ -80,19 +82,7 @@ def gaps_us(fn: Callable[[], Any], produce: Callable[[], Any]) -> list[list[Any]
     replay = graphed(paired)
     replay()
     torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        replay()
-        torch.cuda.synchronize()
-    events = sorted(
-        (e for e in prof.events() if e.device_type.name == "CUDA"),
-        key=lambda e: e.time_range.start,
-    )
-    out, end = [], None
-    for e in events:
-        gap = 0.0 if end is None else e.time_range.start - end
-        out.append([e.name[:60], round(gap, 2), round(e.time_range.elapsed_us(), 2)])
-        end = e.time_range.end
-    return out
+    return [[name, gap, us] for name, us, gap in activities(SimpleNamespace(replay=replay))]
 
 
 def main() -> None:

@@ -23,17 +23,18 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from pytest_opprof.capture.timing import host_reference_us
+if TYPE_CHECKING:
+    import torch
 
 LAUNCHES = 32
 
 
 def launch_us(x: torch.Tensor) -> float:
     """Best of three: host µs per ``x.add_(1)`` on a one-element CUDA tensor."""
+    import torch
+
     best = float("inf")
     for _ in range(3):
         t0 = time.perf_counter()
@@ -45,7 +46,13 @@ def launch_us(x: torch.Tensor) -> float:
 
 
 def child(process: int, rounds: int) -> None:
+    """One fresh process's rounds (torch is imported here: the parent only starts and reads
+    them)."""
     import importlib.util
+
+    import torch
+
+    from pytest_opprof.capture.timing import host_reference_us
 
     spec = importlib.util.spec_from_file_location("conv_block", "examples/conv_block/conv_block.py")
     assert spec is not None and spec.loader is not None
@@ -75,11 +82,10 @@ def child(process: int, rounds: int) -> None:
 
 
 def pearson(xs: list[float], ys: list[float]) -> float:
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    sxy = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True))
-    sxx = sum((x - mx) ** 2 for x in xs)
-    syy = sum((y - my) ** 2 for y in ys)
-    return round(sxy / (sxx * syy) ** 0.5, 3) if sxx and syy else float("nan")
+    try:
+        return round(statistics.correlation(xs, ys), 3)
+    except statistics.StatisticsError:  # a constant series
+        return float("nan")
 
 
 def main() -> None:
