@@ -272,6 +272,15 @@ OPTIONS: tuple[OptionSpec, ...] = (
         metavar="N",
     ),
     _opt(
+        "fresh-timing",
+        lambda v: parse_bool(v, "--opprof-fresh-timing"),
+        False,
+        "start the recapture's timing processes past the first as new interpreters, not forks "
+        "of the session's fork server, whose start a launch-bound call's speed moves with: "
+        "the interval then covers that too (a torch import more per process)",
+        flag=True,
+    ),
+    _opt(
         "timeout",
         parse_positive_float("--opprof-timeout"),
         900.0,
@@ -327,6 +336,7 @@ class OpprofOptions:
     measure_iters: int = 30
     rounds: int = 15
     timing_processes: int | None = None
+    fresh_timing: bool = False
     timeout: float = 900.0
     strict_gate: bool = False
     gate_on_cpu: bool = False

@@ -237,7 +237,7 @@ class WorkloadRun:
                 self.setting("rtol") if "rtol" in self.spec.overrides else None,
                 self._passes_identity(),
             ),
-            "recapture": (self.setting("timing_processes"),),
+            "recapture": (self.setting("timing_processes"), bool(opts.fresh_timing)),
         }.get(stage, ())
         index = STAGES.index(stage)
         previous = self.key(STAGES[index - 1]) if index else ""
@@ -276,9 +276,12 @@ class WorkloadRun:
 
     # ---------------------------------------------------------------------- child runs
 
-    def run_child(self, task: str, stage: str, *, log_name: str = "", **extra: Any) -> None:
+    def run_child(
+        self, task: str, stage: str, *, log_name: str = "", fresh: bool = False, **extra: Any
+    ) -> None:
         """Run one runner task in a child process, with the stage timeout; its output goes to
-        ``profiler_output/<log_name or task>.log``."""
+        ``profiler_output/<log_name or task>.log``. ``fresh``: a new interpreter, never one
+        forked from the session's fork server (:func:`_start_child`)."""
         self.profiler_output.mkdir(parents=True, exist_ok=True)
         user_passes = self.extra_passes().values()
         spec = {
@@ -304,7 +307,7 @@ class WorkloadRun:
             log = self.profiler_output / f"{log_name or task}.log"
             timeout = float(self.setting("timeout"))
             try:
-                code = _start_child(spec_path, log, env, timeout)
+                code = _start_child(spec_path, log, env, timeout, fresh=fresh)
             except subprocess.TimeoutExpired:
                 why = (
                     "it was waiting for its GPU, which other processes shared — run fewer "
@@ -375,13 +378,16 @@ def _checked(hook: str, values: Any, keys: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-def _start_child(spec_path: Path, log: Path, env: dict[str, str], timeout: float) -> int:
+def _start_child(
+    spec_path: Path, log: Path, env: dict[str, str], timeout: float, *, fresh: bool = False
+) -> int:
     """Run ``python -m pytest_opprof.runner SPEC`` as a process of its own, output in ``log``:
-    forked from this session's fork server (torch already imported) where it runs, else
-    started plainly. Its exit status; ``subprocess.TimeoutExpired`` once it has been killed."""
+    forked from this session's fork server (torch already imported) where it runs and the
+    child need not be ``fresh``, else started plainly. Its exit status;
+    ``subprocess.TimeoutExpired`` once it has been killed."""
     from pytest_opprof import forkserver
 
-    server = forkserver.get()
+    server = None if fresh else forkserver.get()
     if server is not None:
         try:
             return server.run(spec_path, log, env, timeout)
@@ -642,13 +648,14 @@ def stage_recapture(run: WorkloadRun) -> str:
     baseline = read_artifact(run.out_dir / "profile.json", Profile).capture_metadata
     processes = timing_processes(run, baseline.device_type)
     together = processes > 1 and side_by_side(baseline, processes)
+    fresh = bool(run.setting("fresh_timing"))
     generated = str(run.generated.resolve())
     with tempfile.TemporaryDirectory(prefix="opprof-retime-") as tmp:
         if together:
             # Each process compiles while the others do; they measure one at a time.
             pool = ThreadPoolExecutor(processes - 1)
             pending = [
-                pool.submit(_retime_one, run, i, Path(tmp), shares_cpus=True)
+                pool.submit(_retime_one, run, i, Path(tmp), shares_cpus=True, fresh=fresh)
                 for i in range(1, processes)
             ]
             try:
@@ -663,7 +670,7 @@ def stage_recapture(run: WorkloadRun) -> str:
             pool.shutdown()
         else:
             run.run_child("recapture", "recapture", generated=generated)
-            replicas = [_retime_one(run, i, Path(tmp)) for i in range(1, processes)]
+            replicas = [_retime_one(run, i, Path(tmp), fresh=fresh) for i in range(1, processes)]
     path = run.out_dir / "profile_optimized.json"
     prof = read_artifact(path, Profile)
     if processes > 1:
@@ -712,16 +719,32 @@ def side_by_side(baseline: CaptureMetadata, processes: int) -> bool:
 
 
 def _retime_one(
-    run: WorkloadRun, i: int, folder: Path, *, shares_cpus: bool = False
+    run: WorkloadRun, i: int, folder: Path, *, shares_cpus: bool = False, fresh: bool = False
 ) -> Replica | str:
-    """The recapture's calls timed again in a fresh process: its samples, or why it failed (a
-    process that fails adds a warning, not an error: the others' timing stands)."""
+    """The recapture's calls timed again in another process: its samples, or why it failed (a
+    process that fails adds a warning, not an error: the others' timing stands).
+
+    ``fresh`` (``--opprof-fresh-timing``): a new interpreter, not a fork of the session's fork
+    server. Processes forked from one server share what it fixed at its start (its address
+    layout, hash seed, the memory its imports were loaded into), and on the H200 host a
+    launch-bound call's speed went with the server: conv_block's torch.compile call, three
+    children forked from each of four servers (benchmarks/layout_probe.py,
+    benchmarks/results/h200-2026-12-02d/probes), took 0.2396, 0.2407 and 0.2412 ms from one
+    and 0.2535-0.2576 from another; the servers' means spread 2.9% where their children's
+    spread alone predicts 1.6%. Servers started with one layout and seed (``setarch -R``,
+    ``PYTHONHASHSEED=0``) still differed by 3%. Forked timing processes repeat their server's
+    offset, which their interval cannot show, and a later run's server draws another; fresh
+    ones draw their own, so their spread, and the interval, include it. Not the default: each
+    imports torch anew, and with them the seven examples at ``-n 7`` took 309 s and over 265 s
+    on the H200 host against 203 s forked (h200-2026-12-02d), past the 4 minutes the benchmark
+    is held to."""
     result = folder / f"retime{i}.json"
     try:
         run.run_child(
             "retime",
             "recapture",
             log_name=f"retime{i}",
+            fresh=fresh,
             generated=str(run.generated.resolve()),
             result=result,
             shares_cpus=shares_cpus,

@@ -39,6 +39,7 @@ def test_defaults_parse() -> None:
         ("stage", "propose", "propose"),
         ("shard", "2/3", (2, 3)),
         ("strict_gate", "true", True),
+        ("fresh_timing", "true", True),
     ],
 )
 def test_accepted_values(field: str, value: str, expected: object) -> None:
@@ -71,6 +72,7 @@ def test_accepted_values(field: str, value: str, expected: object) -> None:
         ("strict_gate", "perhaps", "boolean"),
         ("gate_on_cpu", "perhaps", "boolean"),
         ("llm", "perhaps", "boolean"),
+        ("fresh_timing", "perhaps", "boolean"),
         ("measure_iters", "0", "≥ 1"),
         ("timing_processes", "0", "≥ 1"),
         ("timing_processes", "17", "≤ 16"),

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -28,7 +29,12 @@ class StandIn:
     """What ``stage_recapture`` uses of a ``WorkloadRun``; each child sleeps ``seconds``."""
 
     def __init__(
-        self, folder: Path, processes: int, fail_retime: bool = False, fail_recapture: bool = False
+        self,
+        folder: Path,
+        processes: int,
+        fail_retime: bool = False,
+        fail_recapture: bool = False,
+        fresh_timing: bool = False,
     ) -> None:
         self.out_dir = folder / "out"
         self.profiler_output = self.out_dir / "profiler_output"
@@ -37,17 +43,22 @@ class StandIn:
         self.processes = processes
         self.fail_retime = fail_retime
         self.fail_recapture = fail_recapture
+        self.fresh_timing = fresh_timing
         self.children: list[tuple[str, float, float]] = []
         self.shares_cpus: dict[str, bool] = {}
+        self.fresh: dict[str, bool] = {}
         self._guard = threading.Lock()
         shutil.copy(H200 / "validation_report.json", self.profiler_output)
 
     def setting(self, name: str) -> Any:
-        return self.processes if name == "timing_processes" else None
+        return {"timing_processes": self.processes, "fresh_timing": self.fresh_timing}.get(name)
 
-    def run_child(self, task: str, stage: str, *, log_name: str = "", **extra: Any) -> None:
+    def run_child(
+        self, task: str, stage: str, *, log_name: str = "", fresh: bool = False, **extra: Any
+    ) -> None:
         start = time.monotonic()
         self.shares_cpus[log_name or task] = bool(extra.get("shares_cpus"))
+        self.fresh[log_name or task] = fresh
         if task == "recapture" and self.fail_recapture:
             time.sleep(0.1)  # before the others end
             raise StageError("the recapture process failed (exit 1)")
@@ -95,6 +106,8 @@ def test_under_a_gpu_lock_the_timing_processes_start_together(
     assert "side by side" in said
     # on one CPU slice, none may compile while another measures (devicelock.off_gpu)
     assert run.shares_cpus == {"recapture": True, "retime1": True, "retime2": True}
+    # all forked from the session's fork server unless --opprof-fresh-timing
+    assert not any(run.fresh.values())
     before = read_artifact(H200 / "profile_optimized.json", Profile).timing.variants["optimized"]
     pooled = read_artifact(run.out_dir / "profile_optimized.json", Profile)
     assert pooled.timing.variants["optimized"].processes == before.processes + 2
@@ -124,6 +137,20 @@ def test_otherwise_one_after_another(
     assert "one after another" in said
 
 
+@pytest.mark.parametrize("lock", [True, False], ids=["side by side", "one after another"])
+def test_fresh_timing_starts_the_timing_processes_past_the_first_as_new_interpreters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lock: bool
+) -> None:
+    if lock:
+        monkeypatch.setenv(LOCK_ENV, str(tmp_path / "gpu.lock"))
+    else:
+        monkeypatch.delenv(LOCK_ENV, raising=False)
+    run = StandIn(tmp_path, processes=3, fresh_timing=True)
+    _baseline(run, peak=2 * GIB)
+    pipeline.stage_recapture(run)  # type: ignore[arg-type]
+    assert run.fresh == {"recapture": False, "retime1": True, "retime2": True}
+
+
 def test_a_failed_timing_process_is_a_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -145,3 +172,47 @@ def test_a_failed_recapture_waits_for_its_timing_processes(
         pipeline.stage_recapture(run)  # type: ignore[arg-type]
     assert sorted(name for name, _, _ in run.children) == ["retime1", "retime2"]
     assert all(end <= time.monotonic() for _, _, end in run.children)
+
+
+class _Server:
+    def __init__(self) -> None:
+        self.specs: list[Path] = []
+
+    def run(self, spec: Path, log: Path, env: dict[str, str], timeout: float) -> int:
+        self.specs.append(spec)
+        return 0
+
+
+class _Plain:
+    """``subprocess.Popen`` as ``_start_child`` calls it, recording the command."""
+
+    started: ClassVar[list[list[str]]] = []
+
+    def __init__(self, argv: list[str], **kwargs: Any) -> None:
+        _Plain.started.append(argv)
+        self.pid = 0
+
+    def wait(self, timeout: float | None = None) -> int:
+        return 0
+
+
+@pytest.mark.parametrize("fresh", [False, True], ids=["forked", "fresh"])
+def test_a_fresh_child_is_never_forked_from_the_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fresh: bool
+) -> None:
+    """A fresh child is a new interpreter (its own address layout and hash seed), even where
+    the session's fork server runs; any other stage is forked from it."""
+    from pytest_opprof import forkserver
+
+    server = _Server()
+    monkeypatch.setattr(forkserver, "get", lambda: server)
+    _Plain.started = []
+    monkeypatch.setattr(pipeline.subprocess, "Popen", _Plain)
+    spec = tmp_path / "spec.json"
+    code = pipeline._start_child(spec, tmp_path / "stage.log", {}, 5.0, fresh=fresh)
+    assert code == 0
+    if fresh:
+        assert server.specs == []
+        assert _Plain.started == [[sys.executable, "-m", "pytest_opprof.runner", str(spec)]]
+    else:
+        assert server.specs == [spec] and _Plain.started == []
