@@ -266,7 +266,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "timing-processes",
         parse_timing_processes,
         None,
-        "fresh processes the recapture's timing runs in, pooled, the interval resampling "
+        "processes the recapture's timing runs in, pooled, the interval resampling "
         "processes and reaching as far as their own ratios' spread allows (default: 3 on a "
         "GPU, where a host-bound baseline's speed moves between processes; 1 on the CPU)",
         metavar="N",
