@@ -613,8 +613,13 @@ def compare(first: dict[str, Any], second: dict[str, Any], names: tuple[str, str
         "|---|---|---|---|---|---|---|" + ("---|" if hosts else ""),
     ]
     overlap = close = 0
-    shared = [n for n in first["workloads"] if n in second["workloads"]]
-    for name in shared:
+    timed = [
+        n
+        for n in first["workloads"]
+        if all("speedup_vs_compile" in run["workloads"].get(n, {}) for run in (first, second))
+    ]
+    untimed = [n for n in {**first["workloads"], **second["workloads"]} if n not in timed]
+    for name in timed:
         a, b = first["workloads"][name], second["workloads"][name]
         (alo, ahi), (blo, bhi) = a["speedup_vs_compile_ci"], b["speedup_vs_compile_ci"]
         change = b["speedup_vs_compile"] / a["speedup_vs_compile"] - 1.0
@@ -629,9 +634,11 @@ def compare(first: dict[str, Any], second: dict[str, Any], names: tuple[str, str
         )
     lines += [
         "",
-        f"CIs overlap for {overlap} of {len(shared)}; ratios within ±3% for {close} of "
-        f"{len(shared)}.",
+        f"CIs overlap for {overlap} of {len(timed)}; ratios within ±3% for {close} of "
+        f"{len(timed)}.",
     ]
+    if untimed:
+        lines += ["", f"Not timed against torch.compile in both runs: {', '.join(untimed)}."]
     if hosts:
         lines += [
             "",

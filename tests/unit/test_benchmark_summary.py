@@ -312,6 +312,19 @@ def test_two_runs_side_by_side() -> None:
     assert "ratios within ±3% for 7 of 7" in itself and "+0.0%" in itself
 
 
+def test_compare_leaves_out_a_workload_one_run_did_not_time() -> None:
+    """h200-2026-12-02d's fresh-n7 was stopped at its budget before gpt2's recapture: its
+    summary holds gpt2's status only, and the comparison names it instead of failing."""
+    tool = _summarize()
+    fresh = ROOT / "benchmarks" / "results" / "h200-2026-12-02d" / "fresh-retime"
+    one, two = (json_of(fresh / run / "summary.json") for run in ("fresh-n7", "fresh-n7-retimed"))
+    assert "speedup_vs_compile" not in one["workloads"]["gpt2"]
+    table = tool.compare(one, two, ("run", "retimed"))
+    assert "| gpt2 |" not in table
+    assert "CIs overlap for 6 of 6; ratios within ±3% for 3 of 6." in table
+    assert "Not timed against torch.compile in both runs: gpt2." in table
+
+
 def json_of(path: Path) -> Any:
     import json
 
