@@ -57,7 +57,7 @@ def _addresses() -> dict[str, int]:
 def child(server: int, condition: str, index: int, rounds: int) -> dict[str, Any]:
     import torch
 
-    from pytest_opprof.capture.timing import FastCpu, host_reference_us
+    from pytest_opprof.capture.timing import FastCpu, _one_round, host_reference_us
     from pytest_opprof.workload import load
 
     w = load(Path("examples/conv_block/conv_block.py"), "cuda")
@@ -72,14 +72,7 @@ def child(server: int, condition: str, index: int, rounds: int) -> dict[str, Any
         cpu = sorted(os.sched_getaffinity(0))
         for _ in range(rounds):
             refs.append(host_reference_us())
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            torch.cuda.synchronize()
-            start.record()
-            for _ in range(CALLS):
-                fn(*x)
-            end.record()
-            end.synchronize()
-            ms.append(start.elapsed_time(end) / CALLS)
+            ms.append(_one_round(fn, x, "cuda", CALLS).ms)  # as the timing pass times a round
     ms_sorted = sorted(ms)
     return {
         "server": server,
@@ -97,11 +90,12 @@ def server(index: int, condition: str, children: int, rounds: int) -> None:
     """Imports what the fork server imports, as it does (CUDA's availability asked of NVML,
     which leaves the driver uninitialised), then forks the children one after another."""
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    import torch
-    import torch._dynamo
-    import torch._inductor.compile_fx  # noqa: F401
+    import importlib
 
-    import pytest_opprof.runner  # noqa: F401
+    from pytest_opprof.forkserver import PRELOAD
+
+    for name in PRELOAD:
+        importlib.import_module(name)
 
     here = _addresses()
     for c in range(children):
