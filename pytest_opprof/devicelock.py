@@ -344,6 +344,28 @@ def on_gpu(sync: Callable[[], None]) -> Iterator[None]:
         lock.aside = True
 
 
+@contextlib.contextmanager
+def host_work() -> Iterator[None]:
+    """CPU work of the session's own process, outside any stage process (a fork server
+    importing torch): ``path.cpu`` of the GPU named by :data:`LOCK_ENV` held shared for the
+    block, as a compile holds it, so a quiet measurement waits until it ends. A no-op without
+    that variable or where the file cannot be opened."""
+    path = os.environ.get(LOCK_ENV)
+    if not path or fcntl is None:
+        yield
+        return
+    try:
+        fd = _open_shared(Path(path + ".cpu"))
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)  # lets go of the lock with it
+
+
 def make_way() -> None:
     """A step of this process's work is done and its GPU work finished (the caller has
     synchronized): a measurer waiting on the GPU goes first (:meth:`DeviceLock.make_way`)."""

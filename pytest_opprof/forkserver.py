@@ -33,6 +33,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +169,7 @@ def _child(request: dict[str, Any]) -> None:
 
         runner._STARTED = time.perf_counter()  # its stage log counts from the fork
         runner._die_with_parent()  # the server is the parent now
+        runner.phase(f"forked from the fork server of pid {os.getppid()}")
         code = runner.main([request["spec"]])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
@@ -271,32 +274,75 @@ def kill_group(pid: int) -> None:
 WATCH_INTERVAL_S = 0.2
 """How often the server reaps its children and looks at their connections for a client gone."""
 
-_SERVER: ForkServer | None = None
+SERVERS_MAX = 3
+"""Fork servers per pytest process at most: server 0 forks every stage, and a workload's
+timing processes past the first are spread over servers 1 to ``SERVERS_MAX - 1`` and 0 again
+(:func:`slot_of`)."""
+
+_SERVERS: dict[int, ForkServer] = {}
 _FAILED = False
 _LOCK = threading.Lock()
+_SLOT_LOCKS: dict[int, threading.Lock] = {}
 
 
 def enabled() -> bool:
     return sys.platform.startswith("linux") and os.environ.get(ENV_SWITCH, "1") != "0"
 
 
-def get() -> ForkServer | None:
-    """This process's server, started on first use; None where it is off or cannot start
-    (then the caller starts a plain child, once told why on stderr)."""
-    global _SERVER, _FAILED
+def slot_of(process: int) -> int:
+    """The server a workload's timing process ``process`` (0: the recapture) is forked from.
+    Processes forked from one server share an offset in a launch-bound call's speed that a
+    new server draws anew (``pipeline._retime_one``), so they are spread over several."""
+    return process % SERVERS_MAX
+
+
+def get(slot: int = 0) -> ForkServer | None:
+    """This process's server ``slot``, started on first use; None where servers are off or
+    server 0 cannot start (then the caller starts a plain child, once told why on stderr).
+    Another slot that cannot start falls back to server 0, told on stderr."""
+    global _FAILED
     if not enabled() or _FAILED:
         return None
     with _LOCK:
-        if _SERVER is not None and _SERVER.alive():
-            return _SERVER
+        slot_lock = _SLOT_LOCKS.setdefault(slot, threading.Lock())
+    with slot_lock:  # one start per slot; a caller of a slot that is starting waits for it
+        server = _SERVERS.get(slot)
+        if server is not None and server.alive():
+            return server
         try:
-            _SERVER = ForkServer()
+            server = ForkServer()
         except OSError as exc:
+            if slot != 0:
+                print(f"pytest-opprof: fork server {slot}: {exc}; using server 0", file=sys.stderr)
+                return get(0)
             _FAILED = True
             print(f"pytest-opprof: plain stage processes ({exc})", file=sys.stderr)
             return None
-        atexit.register(_SERVER.close)
-        return _SERVER
+        with _LOCK:
+            if _FAILED:  # disabled while it started (a warming thread)
+                server.close()
+                return None
+            _SERVERS[slot] = server
+        atexit.register(server.close)
+        return server
+
+
+def warm(slots: Iterable[int], hold: Callable[[], AbstractContextManager[object]]) -> None:
+    """Start servers ``slots`` in the background (a thread each, returning at once), each
+    inside ``hold()`` for its import (the host's CPU work, which a quiet measurement waits
+    out: ``devicelock.host_work``). Those already running are left as they are."""
+    if not enabled() or _FAILED:
+        return
+    for slot in slots:
+        with _LOCK:
+            if slot in _SERVERS and _SERVERS[slot].alive():
+                continue
+
+        def start(slot: int = slot) -> None:
+            with hold():
+                get(slot)
+
+        threading.Thread(target=start, name=f"opprof-forkserver-{slot}", daemon=True).start()
 
 
 def disable(why: str) -> None:
@@ -308,12 +354,12 @@ def disable(why: str) -> None:
 
 
 def shutdown() -> None:
-    """Stop this process's server (the end of a session)."""
-    global _SERVER
+    """Stop this process's servers (the end of a session)."""
     with _LOCK:
-        if _SERVER is not None:
-            _SERVER.close()
-            _SERVER = None
+        servers = list(_SERVERS.values())
+        _SERVERS.clear()
+    for server in servers:
+        server.close()
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from pytest_opprof import STAGES, __version__
+from pytest_opprof import STAGES, __version__, devicelock, forkserver
 from pytest_opprof.backend.plan import EXTRA_PASSES_ENV, PassRegistry, extra_targets
 from pytest_opprof.devicelock import LOCK_ENV, WAITING
 from pytest_opprof.errors import ArtifactError, OpprofError, StageBlocked, StageError, WorkloadError
@@ -277,11 +277,19 @@ class WorkloadRun:
     # ---------------------------------------------------------------------- child runs
 
     def run_child(
-        self, task: str, stage: str, *, log_name: str = "", fresh: bool = False, **extra: Any
+        self,
+        task: str,
+        stage: str,
+        *,
+        log_name: str = "",
+        fresh: bool = False,
+        server: int = 0,
+        **extra: Any,
     ) -> None:
         """Run one runner task in a child process, with the stage timeout; its output goes to
         ``profiler_output/<log_name or task>.log``. ``fresh``: a new interpreter, never one
-        forked from the session's fork server (:func:`_start_child`)."""
+        forked from the session's fork servers; else forked from server ``server``
+        (:func:`_start_child`)."""
         self.profiler_output.mkdir(parents=True, exist_ok=True)
         user_passes = self.extra_passes().values()
         spec = {
@@ -307,7 +315,7 @@ class WorkloadRun:
             log = self.profiler_output / f"{log_name or task}.log"
             timeout = float(self.setting("timeout"))
             try:
-                code = _start_child(spec_path, log, env, timeout, fresh=fresh)
+                code = _start_child(spec_path, log, env, timeout, fresh=fresh, server=server)
             except subprocess.TimeoutExpired:
                 why = (
                     "it was waiting for its GPU, which other processes shared — run fewer "
@@ -379,18 +387,22 @@ def _checked(hook: str, values: Any, keys: tuple[str, ...]) -> dict[str, Any]:
 
 
 def _start_child(
-    spec_path: Path, log: Path, env: dict[str, str], timeout: float, *, fresh: bool = False
+    spec_path: Path,
+    log: Path,
+    env: dict[str, str],
+    timeout: float,
+    *,
+    fresh: bool = False,
+    server: int = 0,
 ) -> int:
     """Run ``python -m pytest_opprof.runner SPEC`` as a process of its own, output in ``log``:
-    forked from this session's fork server (torch already imported) where it runs and the
-    child need not be ``fresh``, else started plainly. Its exit status;
+    forked from this session's fork server ``server`` (torch already imported) where it runs
+    and the child need not be ``fresh``, else started plainly. Its exit status;
     ``subprocess.TimeoutExpired`` once it has been killed."""
-    from pytest_opprof import forkserver
-
-    server = None if fresh else forkserver.get()
-    if server is not None:
+    forks = None if fresh else forkserver.get(server)
+    if forks is not None:
         try:
-            return server.run(spec_path, log, env, timeout)
+            return forks.run(spec_path, log, env, timeout)
         except OSError as exc:  # the server is gone or refused: a plain child does the stage
             print(f"pytest-opprof: fork server: {exc}; starting the stage plainly", file=sys.stderr)
     with log.open("w", encoding="utf-8") as fh:
@@ -632,7 +644,27 @@ def _validate_llm_passes(run: WorkloadRun, dtype: str | None) -> list[PassStatus
     return [PassStatus(**p) for p in data["llm_passes"]]
 
 
+def warm_timing_servers(run: WorkloadRun) -> None:
+    """Start, in the background, the fork servers the recapture's timing processes past the
+    first are forked from (``_retime_one``), so that their torch import runs while this
+    workload validates (mostly waiting for the GPU) rather than in the recapture's time. Each
+    import holds the host's CPU work (``devicelock.host_work``): a quiet measurement elsewhere
+    waits until it ends. Nothing where the timing processes are new interpreters or one."""
+    profile = run.out_dir / "profile.json"
+    if run.setting("fresh_timing") or not profile.exists():
+        return
+    try:
+        device_type = read_artifact(profile, Profile).capture_metadata.device_type
+    except OpprofError:
+        return  # the recapture says what is wrong with it
+    processes = timing_processes(run, device_type)
+    slots = {forkserver.slot_of(i) for i in range(1, processes)} - {0}
+    if slots:
+        forkserver.warm(sorted(slots), devicelock.host_work)
+
+
 def stage_validate(run: WorkloadRun) -> str:
+    warm_timing_servers(run)
     report = validate_file(run, run.generated)
     write_artifact(run.profiler_output / "validation_report.json", report)
     if report.overall == "BLOCKED":
@@ -724,20 +756,23 @@ def _retime_one(
     """The recapture's calls timed again in another process: its samples, or why it failed (a
     process that fails adds a warning, not an error: the others' timing stands).
 
-    ``fresh`` (``--opprof-fresh-timing``): a new interpreter, not a fork of the session's fork
-    server. Processes forked from one server share what it fixed at its start (its address
-    layout, hash seed, the memory its imports were loaded into), and on the H200 host a
-    launch-bound call's speed went with the server: conv_block's torch.compile call, three
-    children forked from each of four servers (benchmarks/layout_probe.py,
-    benchmarks/results/h200-2026-12-02d/probes), took 0.2396, 0.2407 and 0.2412 ms from one
-    and 0.2535-0.2576 from another; the servers' means spread 2.9% where their children's
-    spread alone predicts 1.6%. Servers started with one layout and seed (``setarch -R``,
-    ``PYTHONHASHSEED=0``) still differed by 3%. Forked timing processes repeat their server's
-    offset, which their interval cannot show, and a later run's server draws another; fresh
-    ones draw their own, so their spread, and the interval, include it. Not the default: each
-    imports torch anew, and with them the seven examples at ``-n 7`` took 309 s and over 265 s
-    on the H200 host against 203 s forked (h200-2026-12-02d), past the 4 minutes the benchmark
-    is held to."""
+    Forked processes are spread over the session's fork servers (``forkserver.slot_of``:
+    process ``i`` from server ``i % 3``, the recapture from server 0). Processes forked from
+    one server share what it fixed at its start (its address layout, hash seed, the memory its
+    imports were loaded into), and on the H200 host a launch-bound call's speed went with the
+    server: conv_block's torch.compile call, three children forked from each of four servers
+    (benchmarks/layout_probe.py, benchmarks/results/h200-2026-12-02d/probes), took 0.2396,
+    0.2407 and 0.2412 ms from one and 0.2535-0.2576 from another; the servers' means spread
+    2.9% where their children's spread alone predicts 1.6%. Servers started with one layout
+    and seed (``setarch -R``, ``PYTHONHASHSEED=0``) still differed by 3%. Processes of one
+    server repeat its offset, which their interval cannot show, and a later run's servers draw
+    others; processes of several draw one each, so their spread and the interval include it,
+    and their mean averages over it. The servers past the first start in the background while
+    the workload validates (:func:`warm_timing_servers`).
+
+    ``fresh`` (``--opprof-fresh-timing``): a new interpreter instead, a draw of its own, at a
+    torch import on the stage's own time: with them the seven examples at ``-n 7`` took
+    309 s and over 265 s on the H200 host against 203 s forked (h200-2026-12-02d)."""
     result = folder / f"retime{i}.json"
     try:
         run.run_child(
@@ -745,6 +780,7 @@ def _retime_one(
             "recapture",
             log_name=f"retime{i}",
             fresh=fresh,
+            server=forkserver.slot_of(i),
             generated=str(run.generated.resolve()),
             result=result,
             shares_cpus=shares_cpus,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import sys
 import textwrap
 from pathlib import Path
@@ -121,6 +122,15 @@ def test_all_stages_on_a_tiny_workload(pytester: pytest.Pytester) -> None:
     pooled = [s for s in timing["speedups"] if s["candidate"] != "optimized_baseline_dtype"]
     assert pooled and all(len(s["process_ratios"]) == 2 for s in pooled)
     assert "timed again" in (out / "tiny/profiler_output/retime1.log").read_text()
+    # the second timing process forked from a fork server of its own, the first from the
+    # server every stage is forked from
+    servers = {
+        name: re.findall(r"forked from the fork server of pid (\d+)", log.read_text())
+        for name in ("capture", "recapture", "retime1")
+        for log in [out / "tiny/profiler_output" / f"{name}.log"]
+    }
+    assert servers["capture"] == servers["recapture"] != servers["retime1"]
+    assert all(len(pids) == 1 for pids in servers.values()), servers
     report = json.loads((out / "tiny/profiler_output/validation_report.json").read_text())
     assert report["overall"] == "READY_FOR_PROFILING"
     assert [s["status"] for s in report["steps"].values()] == ["pass"] * 6

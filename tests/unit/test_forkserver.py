@@ -107,6 +107,7 @@ def test_a_stage_child_gets_the_request_environment_folder_and_log(
     assert code == 3  # the runner's exit status for a workload's own error
     text = log.read_text()
     assert "hello from the workload" in text and "torch imported" in text
+    assert f"forked from the fork server of pid {server.proc.pid}" in text
     assert (tmp_path / "failure.json").exists()  # written beside the spec, as a plain child
 
 
@@ -233,3 +234,118 @@ def test_requests_are_served_side_by_side(server: forkserver.ForkServer, tmp_pat
         t.join(timeout=30)
     assert codes == [-signal.SIGKILL, -signal.SIGKILL]
     assert _still_serves(server, tmp_path)
+
+
+@pytest.fixture
+def slots(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """This process's servers as a test starts them, stopped after it."""
+    monkeypatch.setattr(forkserver, "_SERVERS", {})
+    monkeypatch.setattr(forkserver, "_SLOT_LOCKS", {})
+    monkeypatch.setattr(forkserver, "_FAILED", False)
+    yield
+    forkserver.shutdown()
+
+
+def _parent_of(server: forkserver.ForkServer, tmp_path: Path) -> int:
+    """The process a child of ``server`` was forked from."""
+    out = tmp_path / "info.json"
+    body = (
+        "import json, os\n"
+        "def get_model_and_input():\n"
+        f"    open({str(out)!r}, 'w').write(json.dumps(os.getppid()))\n"
+        "    raise ValueError('recorded')\n"
+    )
+    assert server.run(_spec(tmp_path, body), tmp_path / "log", dict(os.environ), 120) == 3
+    return int(json.loads(out.read_text()))
+
+
+@pytest.mark.usefixtures("slots")
+def test_each_slot_is_a_server_of_its_own(tmp_path: Path) -> None:
+    """A workload's timing processes are forked from several servers, which each import torch
+    anew: children of two slots have two parents; a slot asked again is the same server."""
+    first, second = forkserver.get(0), forkserver.get(1)
+    assert first is not None and second is not None
+    assert first.proc.pid != second.proc.pid
+    assert forkserver.get(1) is second
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    assert _parent_of(first, tmp_path / "a") == first.proc.pid
+    assert _parent_of(second, tmp_path / "b") == second.proc.pid
+    assert [forkserver.slot_of(i) for i in range(5)] == [0, 1, 2, 0, 1]
+
+
+@pytest.mark.usefixtures("slots")
+def test_warm_starts_servers_in_the_background_inside_hold() -> None:
+    import contextlib
+    import threading
+
+    held = threading.Event()
+    release = threading.Event()
+
+    @contextlib.contextmanager
+    def hold() -> Iterator[None]:
+        held.set()
+        release.wait(60)
+        yield
+
+    started = time.monotonic()
+    forkserver.warm([1], hold)
+    assert time.monotonic() - started < 1.0  # returns at once
+    assert held.wait(10)
+    assert 1 not in forkserver._SERVERS  # the import waits for what it holds
+    release.set()
+    _wait_until(lambda: 1 in forkserver._SERVERS, 120)
+    warmed = forkserver._SERVERS[1]
+    assert forkserver.get(1) is warmed  # the recapture's timing process finds it running
+    forkserver.warm([1], hold)  # already running: left as it is
+    assert forkserver._SERVERS[1] is warmed
+
+
+@pytest.mark.usefixtures("slots")
+def test_a_slot_that_cannot_start_falls_back_to_server_0(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = forkserver.get(0)
+    assert first is not None
+
+    def refuse() -> forkserver.ForkServer:
+        raise OSError("the fork server did not start: a test")
+
+    monkeypatch.setattr(forkserver, "ForkServer", refuse)
+    assert forkserver.get(2) is first
+    assert "fork server 2: the fork server did not start: a test; using server 0" in (
+        capsys.readouterr().err
+    )
+    assert forkserver.get(0) is first  # stages go on being forked
+
+
+def test_host_work_holds_the_cpu_lock_shared(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A fork server's import counts as a compile: a quiet measurement (the ``.cpu`` file
+    taken exclusively) waits until it ends."""
+    import fcntl
+
+    from pytest_opprof import devicelock
+
+    lock = tmp_path / "gpu.lock"
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(lock))
+    probe = os.open(tmp_path / "gpu.lock.cpu", os.O_RDWR | os.O_CREAT, 0o666)
+
+    def quiet_now() -> bool:
+        try:
+            fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        fcntl.flock(probe, fcntl.LOCK_UN)
+        return True
+
+    try:
+        with devicelock.host_work():
+            assert not quiet_now()
+        assert quiet_now()
+        monkeypatch.delenv(devicelock.LOCK_ENV)
+        with devicelock.host_work():  # no lock named: nothing held
+            assert quiet_now()
+    finally:
+        os.close(probe)

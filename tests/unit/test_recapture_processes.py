@@ -47,6 +47,7 @@ class StandIn:
         self.children: list[tuple[str, float, float]] = []
         self.shares_cpus: dict[str, bool] = {}
         self.fresh: dict[str, bool] = {}
+        self.server: dict[str, int] = {}
         self._guard = threading.Lock()
         shutil.copy(H200 / "validation_report.json", self.profiler_output)
 
@@ -54,11 +55,19 @@ class StandIn:
         return {"timing_processes": self.processes, "fresh_timing": self.fresh_timing}.get(name)
 
     def run_child(
-        self, task: str, stage: str, *, log_name: str = "", fresh: bool = False, **extra: Any
+        self,
+        task: str,
+        stage: str,
+        *,
+        log_name: str = "",
+        fresh: bool = False,
+        server: int = 0,
+        **extra: Any,
     ) -> None:
         start = time.monotonic()
         self.shares_cpus[log_name or task] = bool(extra.get("shares_cpus"))
         self.fresh[log_name or task] = fresh
+        self.server[log_name or task] = server
         if task == "recapture" and self.fail_recapture:
             time.sleep(0.1)  # before the others end
             raise StageError("the recapture process failed (exit 1)")
@@ -106,8 +115,9 @@ def test_under_a_gpu_lock_the_timing_processes_start_together(
     assert "side by side" in said
     # on one CPU slice, none may compile while another measures (devicelock.off_gpu)
     assert run.shares_cpus == {"recapture": True, "retime1": True, "retime2": True}
-    # all forked from the session's fork server unless --opprof-fresh-timing
+    # all forked, unless --opprof-fresh-timing, each from a server of its own
     assert not any(run.fresh.values())
+    assert run.server == {"recapture": 0, "retime1": 1, "retime2": 2}
     before = read_artifact(H200 / "profile_optimized.json", Profile).timing.variants["optimized"]
     pooled = read_artifact(run.out_dir / "profile_optimized.json", Profile)
     assert pooled.timing.variants["optimized"].processes == before.processes + 2
@@ -132,6 +142,7 @@ def test_otherwise_one_after_another(
     said = pipeline.stage_recapture(run)  # type: ignore[arg-type]
     assert [name for name, _, _ in run.children] == ["recapture", "retime1", "retime2"]
     assert not any(run.shares_cpus.values())
+    assert run.server == {"recapture": 0, "retime1": 1, "retime2": 2}
     for (_, _, end), (_, start, _) in zip(run.children, run.children[1:], strict=False):
         assert start >= end
     assert "one after another" in said
@@ -205,14 +216,79 @@ def test_a_fresh_child_is_never_forked_from_the_server(
     from pytest_opprof import forkserver
 
     server = _Server()
-    monkeypatch.setattr(forkserver, "get", lambda: server)
+    asked: list[int] = []
+
+    def get(slot: int = 0) -> _Server:
+        asked.append(slot)
+        return server
+
+    monkeypatch.setattr(forkserver, "get", get)
     _Plain.started = []
     monkeypatch.setattr(pipeline.subprocess, "Popen", _Plain)
     spec = tmp_path / "spec.json"
-    code = pipeline._start_child(spec, tmp_path / "stage.log", {}, 5.0, fresh=fresh)
+    code = pipeline._start_child(spec, tmp_path / "stage.log", {}, 5.0, fresh=fresh, server=2)
     assert code == 0
     if fresh:
-        assert server.specs == []
+        assert server.specs == [] and asked == []
         assert _Plain.started == [[sys.executable, "-m", "pytest_opprof.runner", str(spec)]]
     else:
         assert server.specs == [spec] and _Plain.started == []
+        assert asked == [2]  # the server it was to be forked from
+
+
+def test_more_timing_processes_than_servers_take_them_in_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = _under_a_lock(tmp_path, monkeypatch, GIB, processes=5)
+    pipeline.stage_recapture(run)  # type: ignore[arg-type]
+    assert run.server == {"recapture": 0, "retime1": 1, "retime2": 2, "retime3": 0, "retime4": 1}
+
+
+@pytest.mark.parametrize(
+    ("processes", "fresh_timing", "device", "warmed"),
+    [
+        (3, False, "cuda", [1, 2]),
+        (2, False, "cuda", [1]),
+        (1, False, "cuda", None),
+        (3, True, "cuda", None),
+        (None, False, "cuda", [1, 2]),  # auto: three on a GPU
+        (None, False, "cpu", None),  # auto: one on the CPU
+    ],
+)
+def test_validate_starts_the_timing_processes_servers_beforehand(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    processes: int | None,
+    fresh_timing: bool,
+    device: str,
+    warmed: list[int] | None,
+) -> None:
+    """Their torch import runs while the workload validates, holding the host's CPU work, not
+    in the recapture's time; not where the timing processes are new interpreters, or one."""
+    from pytest_opprof import devicelock, forkserver
+
+    run = StandIn(tmp_path, processes=processes, fresh_timing=fresh_timing)  # type: ignore[arg-type]
+    base = read_artifact(H200 / "profile.json", Profile)
+    meta = base.capture_metadata.model_copy(update={"device_type": device})
+    write_artifact(run.out_dir / "profile.json", base.model_copy(update={"capture_metadata": meta}))
+    calls: list[tuple[list[int], Any]] = []
+    monkeypatch.setattr(forkserver, "warm", lambda slots, hold: calls.append((list(slots), hold)))
+    pipeline.warm_timing_servers(run)  # type: ignore[arg-type]
+    if warmed is None:
+        assert calls == []
+    else:
+        assert calls == [(warmed, devicelock.host_work)]
+
+
+def test_no_servers_are_warmed_without_a_capture(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pytest_opprof import forkserver
+
+    run = StandIn(tmp_path, processes=3)
+    calls: list[Any] = []
+    monkeypatch.setattr(forkserver, "warm", lambda slots, hold: calls.append(slots))
+    pipeline.warm_timing_servers(run)  # type: ignore[arg-type]
+    (run.out_dir / "profile.json").write_text("{not json")
+    pipeline.warm_timing_servers(run)  # type: ignore[arg-type]
+    assert calls == []
