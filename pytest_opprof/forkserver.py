@@ -191,6 +191,7 @@ class ForkServer:
     """The client of one server process (started lazily by ``get``)."""
 
     def __init__(self) -> None:
+        self.closed = threading.Event()
         self._folder = tempfile.mkdtemp(prefix="opprof-fork-")
         self.socket_path = os.path.join(self._folder, "socket")
         log = open(os.path.join(self._folder, "server.log"), "w+", encoding="utf-8")  # noqa: SIM115
@@ -249,6 +250,7 @@ class ForkServer:
             return code
 
     def close(self) -> None:
+        self.closed.set()
         if self.proc.poll() is None:
             with contextlib.suppress(OSError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
@@ -283,6 +285,7 @@ _SERVERS: dict[int, ForkServer] = {}
 _FAILED = False
 _LOCK = threading.Lock()
 _SLOT_LOCKS: dict[int, threading.Lock] = {}
+_WARMING: set[int] = set()
 
 
 def enabled() -> bool:
@@ -310,7 +313,7 @@ def get(slot: int = 0) -> ForkServer | None:
         if server is not None and server.alive():
             return server
         try:
-            server = ForkServer()
+            server = _started_to_last()
         except OSError as exc:
             if slot != 0:
                 print(f"pytest-opprof: fork server {slot}: {exc}; using server 0", file=sys.stderr)
@@ -327,20 +330,53 @@ def get(slot: int = 0) -> ForkServer | None:
         return server
 
 
+def _started_to_last() -> ForkServer:
+    """A server started from a thread of its own that waits until the server is closed: the
+    server dies with the thread that started it (``PR_SET_PDEATHSIG`` watches the parent
+    *thread*), and the caller may be a thread that ends first (``warm``'s, the recapture's
+    pool)."""
+    done = threading.Event()
+    result: dict[str, Any] = {}
+
+    def keep() -> None:
+        try:
+            result["server"] = server = ForkServer()
+        except OSError as exc:
+            result["error"] = exc
+            return
+        finally:
+            done.set()
+        server.closed.wait()
+
+    threading.Thread(target=keep, name="opprof-forkserver-keeper", daemon=True).start()
+    done.wait()
+    if "error" in result:
+        raise result["error"]
+    return result["server"]  # type: ignore[no-any-return]
+
+
 def warm(slots: Iterable[int], hold: Callable[[], AbstractContextManager[object]]) -> None:
     """Start servers ``slots`` in the background (a thread each, returning at once), each
+    after server 0 (which the stages need first: its import is not slowed by theirs) and
     inside ``hold()`` for its import (the host's CPU work, which a quiet measurement waits
-    out: ``devicelock.host_work``). Those already running are left as they are."""
+    out: ``devicelock.host_work``). Those already running, or starting, are left as they
+    are."""
     if not enabled() or _FAILED:
         return
     for slot in slots:
         with _LOCK:
-            if slot in _SERVERS and _SERVERS[slot].alive():
+            if slot in _WARMING or (slot in _SERVERS and _SERVERS[slot].alive()):
                 continue
+            _WARMING.add(slot)
 
         def start(slot: int = slot) -> None:
-            with hold():
-                get(slot)
+            try:
+                if get(0) is not None:
+                    with hold():
+                        get(slot)
+            finally:
+                with _LOCK:
+                    _WARMING.discard(slot)
 
         threading.Thread(target=start, name=f"opprof-forkserver-{slot}", daemon=True).start()
 

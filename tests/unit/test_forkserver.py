@@ -291,7 +291,8 @@ def test_warm_starts_servers_in_the_background_inside_hold() -> None:
     started = time.monotonic()
     forkserver.warm([1], hold)
     assert time.monotonic() - started < 1.0  # returns at once
-    assert held.wait(10)
+    assert held.wait(120)
+    assert 0 in forkserver._SERVERS  # the stages' server first, its import not slowed
     assert 1 not in forkserver._SERVERS  # the import waits for what it holds
     release.set()
     _wait_until(lambda: 1 in forkserver._SERVERS, 120)
@@ -349,3 +350,20 @@ def test_host_work_holds_the_cpu_lock_shared(
             assert quiet_now()
     finally:
         os.close(probe)
+
+
+@pytest.mark.usefixtures("slots")
+def test_a_server_outlives_the_thread_that_asked_for_it() -> None:
+    """The server dies with the thread that started it (``PR_SET_PDEATHSIG``): a server asked
+    for by a thread that ends (a warming thread, the recapture's pool) still serves after."""
+    import threading
+
+    asked: list[forkserver.ForkServer | None] = []
+    thread = threading.Thread(target=lambda: asked.append(forkserver.get(1)))
+    thread.start()
+    thread.join(120)
+    server = asked[0]
+    assert server is not None
+    time.sleep(1.0)  # the kernel's signal, were it sent, has arrived
+    assert server.alive()
+    assert forkserver.get(1) is server

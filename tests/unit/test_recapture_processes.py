@@ -255,7 +255,7 @@ def test_more_timing_processes_than_servers_take_them_in_turn(
         (None, False, "cpu", None),  # auto: one on the CPU
     ],
 )
-def test_validate_starts_the_timing_processes_servers_beforehand(
+def test_the_timing_processes_servers_start_beforehand(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     processes: int | None,
@@ -263,10 +263,12 @@ def test_validate_starts_the_timing_processes_servers_beforehand(
     device: str,
     warmed: list[int] | None,
 ) -> None:
-    """Their torch import runs while the workload validates, holding the host's CPU work, not
-    in the recapture's time; not where the timing processes are new interpreters, or one."""
+    """Their torch import runs in the background from the workload's first stage on, holding
+    the host's CPU work, not in the recapture's time; not where the timing processes are new
+    interpreters, or one. The device is the capture's once it ran."""
     from pytest_opprof import devicelock, forkserver
 
+    monkeypatch.delenv(LOCK_ENV, raising=False)
     run = StandIn(tmp_path, processes=processes, fresh_timing=fresh_timing)  # type: ignore[arg-type]
     base = read_artifact(H200 / "profile.json", Profile)
     meta = base.capture_metadata.model_copy(update={"device_type": device})
@@ -280,15 +282,22 @@ def test_validate_starts_the_timing_processes_servers_beforehand(
         assert calls == [(warmed, devicelock.host_work)]
 
 
-def test_no_servers_are_warmed_without_a_capture(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("lock", [True, False], ids=["GPU lock", "no lock"])
+def test_before_the_capture_the_device_is_a_gpu_where_the_session_named_a_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lock: bool
 ) -> None:
+    """The first stage has no capture to read (or one that does not parse): auto means three
+    timing processes under a GPU lock, one otherwise."""
     from pytest_opprof import forkserver
 
-    run = StandIn(tmp_path, processes=3)
-    calls: list[Any] = []
-    monkeypatch.setattr(forkserver, "warm", lambda slots, hold: calls.append(slots))
+    if lock:
+        monkeypatch.setenv(LOCK_ENV, str(tmp_path / "gpu.lock"))
+    else:
+        monkeypatch.delenv(LOCK_ENV, raising=False)
+    run = StandIn(tmp_path, processes=None)  # type: ignore[arg-type]
+    calls: list[list[int]] = []
+    monkeypatch.setattr(forkserver, "warm", lambda slots, hold: calls.append(list(slots)))
     pipeline.warm_timing_servers(run)  # type: ignore[arg-type]
     (run.out_dir / "profile.json").write_text("{not json")
     pipeline.warm_timing_servers(run)  # type: ignore[arg-type]
-    assert calls == []
+    assert calls == ([[1, 2], [1, 2]] if lock else [])
