@@ -276,11 +276,6 @@ def kill_group(pid: int) -> None:
 WATCH_INTERVAL_S = 0.2
 """How often the server reaps its children and looks at their connections for a client gone."""
 
-SERVERS_MAX = 3
-"""Fork servers per pytest process at most: server 0 forks every stage, and a workload's
-timing processes past the first are spread over servers 1 to ``SERVERS_MAX - 1`` and 0 again
-(:func:`slot_of`)."""
-
 _SERVERS: dict[int, ForkServer] = {}
 _FAILED = False
 _LOCK = threading.Lock()
@@ -292,11 +287,12 @@ def enabled() -> bool:
     return sys.platform.startswith("linux") and os.environ.get(ENV_SWITCH, "1") != "0"
 
 
-def slot_of(process: int) -> int:
-    """The server a workload's timing process ``process`` (0: the recapture) is forked from.
-    Processes forked from one server share an offset in a launch-bound call's speed that a
-    new server draws anew (``pipeline._retime_one``), so they are spread over several."""
-    return process % SERVERS_MAX
+def slot_of(process: int, servers: int) -> int:
+    """The server a workload's timing process ``process`` (0: the recapture, which every
+    stage shares) is forked from, of ``servers`` (``--opprof-timing-servers``). Processes
+    forked from one server share an offset in a launch-bound call's speed that a new server
+    draws anew (``pipeline._retime_one``)."""
+    return process % max(servers, 1)
 
 
 def get(slot: int = 0) -> ForkServer | None:

@@ -98,6 +98,14 @@ def parse_timing_processes(value: str | int | None) -> int | None:
     return number
 
 
+def parse_timing_servers(value: str | int) -> int:
+    """A count of fork servers, at most 8."""
+    number = int(parse_count("--opprof-timing-servers")(str(value)))
+    if number > 8:
+        raise pytest.UsageError(f"--opprof-timing-servers: {value!r} must be ≤ 8")
+    return number
+
+
 def parse_stage(name: str) -> Callable[[str], str]:
     accepted = (*STAGES, "speedup")
 
@@ -281,6 +289,16 @@ OPTIONS: tuple[OptionSpec, ...] = (
         flag=True,
     ),
     _opt(
+        "timing-servers",
+        parse_timing_servers,
+        1,
+        "fork servers the recapture's timing processes are spread over (process i from "
+        "server i mod N), started in the background at a workload's first stage: the "
+        "interval then covers what a server fixes at its start (a torch import more per "
+        "server and pytest process; no effect with --opprof-fresh-timing)",
+        metavar="N",
+    ),
+    _opt(
         "timeout",
         parse_positive_float("--opprof-timeout"),
         900.0,
@@ -337,6 +355,7 @@ class OpprofOptions:
     rounds: int = 15
     timing_processes: int | None = None
     fresh_timing: bool = False
+    timing_servers: int = 1
     timeout: float = 900.0
     strict_gate: bool = False
     gate_on_cpu: bool = False

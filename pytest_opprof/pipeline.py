@@ -238,7 +238,11 @@ class WorkloadRun:
                 self.setting("rtol") if "rtol" in self.spec.overrides else None,
                 self._passes_identity(),
             ),
-            "recapture": (self.setting("timing_processes"), bool(opts.fresh_timing)),
+            "recapture": (
+                self.setting("timing_processes"),
+                bool(opts.fresh_timing),
+                int(opts.timing_servers),
+            ),
         }.get(stage, ())
         index = STAGES.index(stage)
         previous = self.key(STAGES[index - 1]) if index else ""
@@ -646,15 +650,14 @@ def _validate_llm_passes(run: WorkloadRun, dtype: str | None) -> list[PassStatus
 
 
 def warm_timing_servers(run: WorkloadRun) -> None:
-    """Start, in the background, the fork servers the recapture's timing processes past the
-    first are forked from (``_retime_one``), at the workload's first stage, so that their torch
-    import is over long before the recapture and before most measurements. Each import holds
-    the host's CPU work (``devicelock.host_work``): a quiet measurement waits until it ends,
-    holding the GPU, so an import later in the session stalls every worker's GPU work behind
-    it (started at the validate stage on the H200, the seven examples took 311 s instead of
-    203). Nothing where the timing processes are new interpreters or one. The device is the
-    capture's, or before it a GPU wherever the session named a GPU lock."""
-    if run.setting("fresh_timing"):
+    """Where ``--opprof-timing-servers`` spreads the recapture's timing processes over several
+    fork servers (``_retime_one``), start those past the first in the background at the
+    workload's first stage, so that their torch import is over long before the recapture.
+    Each import holds the host's CPU work (``devicelock.host_work``): a quiet measurement
+    waits until it ends. Nothing where the timing processes are new interpreters or one. The
+    device is the capture's, or before it a GPU wherever the session named a GPU lock."""
+    servers = int(run.setting("timing_servers") or 1)
+    if run.setting("fresh_timing") or servers <= 1:
         return
     device_type = "cuda" if os.environ.get(LOCK_ENV) else "cpu"
     profile = run.out_dir / "profile.json"
@@ -662,7 +665,7 @@ def warm_timing_servers(run: WorkloadRun) -> None:
         with contextlib.suppress(OpprofError):  # the stages say what is wrong with it
             device_type = read_artifact(profile, Profile).capture_metadata.device_type
     processes = timing_processes(run, device_type)
-    slots = {forkserver.slot_of(i) for i in range(1, processes)} - {0}
+    slots = {forkserver.slot_of(i, servers) for i in range(1, processes)} - {0}
     if slots:
         forkserver.warm(sorted(slots), devicelock.host_work)
 
@@ -759,19 +762,23 @@ def _retime_one(
     """The recapture's calls timed again in another process: its samples, or why it failed (a
     process that fails adds a warning, not an error: the others' timing stands).
 
-    Forked processes are spread over the session's fork servers (``forkserver.slot_of``:
-    process ``i`` from server ``i % 3``, the recapture from server 0). Processes forked from
-    one server share what it fixed at its start (its address layout, hash seed, the memory its
-    imports were loaded into), and on the H200 host a launch-bound call's speed went with the
-    server: conv_block's torch.compile call, three children forked from each of four servers
-    (benchmarks/layout_probe.py, benchmarks/results/h200-2026-12-02d/probes), took 0.2396,
-    0.2407 and 0.2412 ms from one and 0.2535-0.2576 from another; the servers' means spread
-    2.9% where their children's spread alone predicts 1.6%. Servers started with one layout
-    and seed (``setarch -R``, ``PYTHONHASHSEED=0``) still differed by 3%. Processes of one
-    server repeat its offset, which their interval cannot show, and a later run's servers draw
-    others; processes of several draw one each, so their spread and the interval include it,
-    and their mean averages over it. The servers past the first start in the background while
-    the workload validates (:func:`warm_timing_servers`).
+    Forked processes come from the session's fork server, or with ``--opprof-timing-servers
+    N`` from server ``i % N`` (``forkserver.slot_of``; the recapture from server 0, which
+    every stage shares). Processes forked from one server share what it fixed at its start
+    (its address layout, hash seed, the memory its imports were loaded into), and on the H200
+    host a launch-bound call's speed went with the server: conv_block's torch.compile call,
+    three children forked from each of four servers (benchmarks/layout_probe.py,
+    benchmarks/results/h200-2026-12-02d/probes), took 0.2396, 0.2407 and 0.2412 ms from one
+    and 0.2535-0.2576 from another; the servers' means spread 2.9% where their children's
+    spread alone predicts 1.6%. Servers started with one layout and seed (``setarch -R``,
+    ``PYTHONHASHSEED=0``) still differed by 3%. Processes of one server repeat its offset,
+    which their interval cannot show; processes of several draw one each, so their spread
+    and the interval include it. Not the default: in the pipeline that offset was lost in
+    larger noise. With three servers (benchmarks/results/h200-2026-12-02e) the launch-bound
+    baselines' ratios spread over a workload's processes by a median 2.8% (sd / mean, 16
+    timings), against 3.3% with one server (151 timings, h200-2026-12-01 to -02d); the same
+    backends timed again a minute later still moved by 8-12%, with the host, and the captures
+    took 5-20 s longer beside the servers' imports.
 
     ``fresh`` (``--opprof-fresh-timing``): a new interpreter instead, a draw of its own, at a
     torch import on the stage's own time: with them the seven examples at ``-n 7`` took
@@ -783,7 +790,7 @@ def _retime_one(
             "recapture",
             log_name=f"retime{i}",
             fresh=fresh,
-            server=forkserver.slot_of(i),
+            server=forkserver.slot_of(i, int(run.setting("timing_servers") or 1)),
             generated=str(run.generated.resolve()),
             result=result,
             shares_cpus=shares_cpus,

@@ -83,6 +83,7 @@ def test_all_stages_on_a_tiny_workload(pytester: pytest.Pytester) -> None:
         "--opprof-junit=stages.xml",
         "--junitxml=junit.xml",
         "--opprof-timing-processes=2",
+        "--opprof-timing-servers=2",
     )
     result.stdout.fnmatch_lines(
         [

@@ -271,7 +271,8 @@ def test_each_slot_is_a_server_of_its_own(tmp_path: Path) -> None:
     (tmp_path / "b").mkdir()
     assert _parent_of(first, tmp_path / "a") == first.proc.pid
     assert _parent_of(second, tmp_path / "b") == second.proc.pid
-    assert [forkserver.slot_of(i) for i in range(5)] == [0, 1, 2, 0, 1]
+    assert [forkserver.slot_of(i, 3) for i in range(5)] == [0, 1, 2, 0, 1]
+    assert [forkserver.slot_of(i, 1) for i in range(3)] == [0, 0, 0]
 
 
 @pytest.mark.usefixtures("slots")

@@ -40,6 +40,7 @@ def test_defaults_parse() -> None:
         ("shard", "2/3", (2, 3)),
         ("strict_gate", "true", True),
         ("fresh_timing", "true", True),
+        ("timing_servers", "3", 3),
     ],
 )
 def test_accepted_values(field: str, value: str, expected: object) -> None:
@@ -73,6 +74,9 @@ def test_accepted_values(field: str, value: str, expected: object) -> None:
         ("gate_on_cpu", "perhaps", "boolean"),
         ("llm", "perhaps", "boolean"),
         ("fresh_timing", "perhaps", "boolean"),
+        ("timing_servers", "0", "≥ 1"),
+        ("timing_servers", "9", "≤ 8"),
+        ("timing_servers", "many", "integer"),
         ("measure_iters", "0", "≥ 1"),
         ("timing_processes", "0", "≥ 1"),
         ("timing_processes", "17", "≤ 16"),

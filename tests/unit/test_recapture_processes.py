@@ -35,6 +35,7 @@ class StandIn:
         fail_retime: bool = False,
         fail_recapture: bool = False,
         fresh_timing: bool = False,
+        timing_servers: int = 1,
     ) -> None:
         self.out_dir = folder / "out"
         self.profiler_output = self.out_dir / "profiler_output"
@@ -44,6 +45,7 @@ class StandIn:
         self.fail_retime = fail_retime
         self.fail_recapture = fail_recapture
         self.fresh_timing = fresh_timing
+        self.timing_servers = timing_servers
         self.children: list[tuple[str, float, float]] = []
         self.shares_cpus: dict[str, bool] = {}
         self.fresh: dict[str, bool] = {}
@@ -52,7 +54,11 @@ class StandIn:
         shutil.copy(H200 / "validation_report.json", self.profiler_output)
 
     def setting(self, name: str) -> Any:
-        return {"timing_processes": self.processes, "fresh_timing": self.fresh_timing}.get(name)
+        return {
+            "timing_processes": self.processes,
+            "fresh_timing": self.fresh_timing,
+            "timing_servers": self.timing_servers,
+        }.get(name)
 
     def run_child(
         self,
@@ -115,9 +121,10 @@ def test_under_a_gpu_lock_the_timing_processes_start_together(
     assert "side by side" in said
     # on one CPU slice, none may compile while another measures (devicelock.off_gpu)
     assert run.shares_cpus == {"recapture": True, "retime1": True, "retime2": True}
-    # all forked, unless --opprof-fresh-timing, each from a server of its own
+    # all forked from the session's fork server, unless --opprof-fresh-timing or
+    # --opprof-timing-servers
     assert not any(run.fresh.values())
-    assert run.server == {"recapture": 0, "retime1": 1, "retime2": 2}
+    assert run.server == {"recapture": 0, "retime1": 0, "retime2": 0}
     before = read_artifact(H200 / "profile_optimized.json", Profile).timing.variants["optimized"]
     pooled = read_artifact(run.out_dir / "profile_optimized.json", Profile)
     assert pooled.timing.variants["optimized"].processes == before.processes + 2
@@ -142,7 +149,6 @@ def test_otherwise_one_after_another(
     said = pipeline.stage_recapture(run)  # type: ignore[arg-type]
     assert [name for name, _, _ in run.children] == ["recapture", "retime1", "retime2"]
     assert not any(run.shares_cpus.values())
-    assert run.server == {"recapture": 0, "retime1": 1, "retime2": 2}
     for (_, _, end), (_, start, _) in zip(run.children, run.children[1:], strict=False):
         assert start >= end
     assert "one after another" in said
@@ -236,40 +242,56 @@ def test_a_fresh_child_is_never_forked_from_the_server(
         assert asked == [2]  # the server it was to be forked from
 
 
-def test_more_timing_processes_than_servers_take_them_in_turn(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("lock", [True, False], ids=["side by side", "one after another"])
+def test_timing_servers_spread_the_timing_processes_over_servers_in_turn(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, lock: bool
 ) -> None:
-    run = _under_a_lock(tmp_path, monkeypatch, GIB, processes=5)
+    if lock:
+        monkeypatch.setenv(LOCK_ENV, str(tmp_path / "gpu.lock"))
+    else:
+        monkeypatch.delenv(LOCK_ENV, raising=False)
+    run = StandIn(tmp_path, processes=5, timing_servers=3)
+    _baseline(run, peak=GIB)
     pipeline.stage_recapture(run)  # type: ignore[arg-type]
     assert run.server == {"recapture": 0, "retime1": 1, "retime2": 2, "retime3": 0, "retime4": 1}
 
 
 @pytest.mark.parametrize(
-    ("processes", "fresh_timing", "device", "warmed"),
+    ("processes", "servers", "fresh_timing", "device", "warmed"),
     [
-        (3, False, "cuda", [1, 2]),
-        (2, False, "cuda", [1]),
-        (1, False, "cuda", None),
-        (3, True, "cuda", None),
-        (None, False, "cuda", [1, 2]),  # auto: three on a GPU
-        (None, False, "cpu", None),  # auto: one on the CPU
+        (3, 3, False, "cuda", [1, 2]),
+        (5, 3, False, "cuda", [1, 2]),
+        (3, 2, False, "cuda", [1]),
+        (2, 3, False, "cuda", [1]),
+        (3, 1, False, "cuda", None),  # the default: every process from the stages' server
+        (1, 3, False, "cuda", None),
+        (3, 3, True, "cuda", None),
+        (None, 3, False, "cuda", [1, 2]),  # auto: three on a GPU
+        (None, 3, False, "cpu", None),  # auto: one on the CPU
     ],
 )
 def test_the_timing_processes_servers_start_beforehand(
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
     processes: int | None,
+    servers: int,
     fresh_timing: bool,
     device: str,
     warmed: list[int] | None,
 ) -> None:
-    """Their torch import runs in the background from the workload's first stage on, holding
-    the host's CPU work, not in the recapture's time; not where the timing processes are new
-    interpreters, or one. The device is the capture's once it ran."""
+    """With --opprof-timing-servers, their torch import runs in the background from the
+    workload's first stage on, holding the host's CPU work, not in the recapture's time; not
+    where the timing processes are new interpreters, or one. The device is the capture's once
+    it ran."""
     from pytest_opprof import devicelock, forkserver
 
     monkeypatch.delenv(LOCK_ENV, raising=False)
-    run = StandIn(tmp_path, processes=processes, fresh_timing=fresh_timing)  # type: ignore[arg-type]
+    run = StandIn(
+        tmp_path,
+        processes=processes,  # type: ignore[arg-type]
+        fresh_timing=fresh_timing,
+        timing_servers=servers,
+    )
     base = read_artifact(H200 / "profile.json", Profile)
     meta = base.capture_metadata.model_copy(update={"device_type": device})
     write_artifact(run.out_dir / "profile.json", base.model_copy(update={"capture_metadata": meta}))
@@ -294,7 +316,7 @@ def test_before_the_capture_the_device_is_a_gpu_where_the_session_named_a_lock(
         monkeypatch.setenv(LOCK_ENV, str(tmp_path / "gpu.lock"))
     else:
         monkeypatch.delenv(LOCK_ENV, raising=False)
-    run = StandIn(tmp_path, processes=None)  # type: ignore[arg-type]
+    run = StandIn(tmp_path, processes=None, timing_servers=3)  # type: ignore[arg-type]
     calls: list[list[int]] = []
     monkeypatch.setattr(forkserver, "warm", lambda slots, hold: calls.append(list(slots)))
     pipeline.warm_timing_servers(run)  # type: ignore[arg-type]
