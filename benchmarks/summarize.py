@@ -86,7 +86,8 @@ def _in_effect(where: Path, sel: BackendSelection, val: ValidationReport) -> lis
     """The chosen plan's proposals that changed the program: without those whose pass
     validation recorded as NOT_APPLIED, and Inductor's CUDA graphs where one graph of the
     whole call replaced them."""
-    types = {p.id: p for p in read_artifact(where / "optimizations.json", Optimizations).proposals}
+    proposals = read_artifact(_artifact(where, "optimizations.json"), Optimizations).proposals
+    types = {p.id: p for p in proposals}
     idle = {r.name for r in val.passes if r.status == "NOT_APPLIED"}
     kept = []
     for pid in sel.plan.proposals:
@@ -369,7 +370,9 @@ def summarize(folders: list[Path], junit_files: list[Path] | None = None) -> dic
             continue
         base = read_artifact(_artifact(where, "profile.json"), Profile)
         opt = read_artifact(_artifact(where, "profile_optimized.json"), Profile)
-        sel = read_artifact(where / "profiler_output" / "backend_selection.json", BackendSelection)
+        sel = read_artifact(
+            _artifact(where / "profiler_output", "backend_selection.json"), BackendSelection
+        )
         val = read_artifact(where / "profiler_output" / "validation_report.json", ValidationReport)
         v = opt.timing.variants
         sp = {(s.baseline, s.candidate): s for s in opt.timing.speedups}
