@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# Pack one run fetched from the GPU host into benchmarks/results, in the committed form.
+#
+#   bash benchmarks/pack_results.sh SRC DEST [lean]
+#
+# SRC is a folder that gpu_session.sh wrote under $OUT (results.tar.xz, env.txt, pytest.log,
+# summary.json, summary.md); DEST the run's folder under benchmarks/results/<session>/. Copied:
+# the run's env, log, summaries, session.json, stage JUnit and wall time, and per workload its
+# stage logs. Unless `lean`, also its workload_summary.json, validation_report.json, and gzipped
+# (`name.gz`, as summarize.py and the summary tests read them) its profiles, optimizations.json
+# and backend_selection.json. Traces, plots and generated code stay out: the tree travels to
+# the GPU host with every call (64 MiB at most).
+set -euo pipefail
+src=$1
+dest=$2
+lean=${3:-}
+[ -f "$src/results.tar.xz" ] || { echo "$src: no results.tar.xz (a gpu_session.sh OUT folder?)" >&2; exit 2; }
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+tar -C "$tmp" -xJf "$src/results.tar.xz"
+work=$(find "$tmp" -mindepth 1 -maxdepth 1 -type d | head -1)
+mkdir -p "$dest"
+for f in env.txt pytest.log summary.json summary.md; do cp "$src/$f" "$dest/"; done
+for f in opprof-junit.xml session.json wall_seconds.txt; do
+  if [ -f "$work/$f" ]; then cp "$work/$f" "$dest/"; fi
+done
+for d in "$work"/*/; do
+  name=$(basename "$d")
+  [ -d "$d/profiler_output" ] || continue
+  mkdir -p "$dest/$name/profiler_output"
+  cp "$d"/profiler_output/*.log "$dest/$name/profiler_output/" 2>/dev/null || true
+  [ -z "$lean" ] || continue
+  for f in workload_summary.json; do
+    if [ -f "$d/$f" ]; then cp "$d/$f" "$dest/$name/"; fi
+  done
+  if [ -f "$d/profiler_output/validation_report.json" ]; then
+    cp "$d/profiler_output/validation_report.json" "$dest/$name/profiler_output/"
+  fi
+  for f in profile.json profile_optimized.json optimizations.json; do
+    if [ -f "$d/$f" ]; then gzip -9 -n -c "$d/$f" > "$dest/$name/$f.gz"; fi
+  done
+  if [ -f "$d/profiler_output/backend_selection.json" ]; then
+    gzip -9 -n -c "$d/profiler_output/backend_selection.json" \
+      > "$dest/$name/profiler_output/backend_selection.json.gz"
+  fi
+done
+echo "packed $src into $dest"
