@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import json
 import math
+import shutil
 import statistics
 from pathlib import Path
 from typing import Any
@@ -753,3 +755,72 @@ def test_the_logits_gemm_runs_the_cublaslt_algorithm_measured_fastest(run: str) 
     gemms = [k for k in tuned.kernels if not k.name.startswith("Mem")]
     assert [k.name for k in gemms] == ["nvjet_sm90_tss_176x128_64x5_1x2_h_bz_TNN"]
     assert optimized.summary.attributed_share == 1.0
+
+
+@pytest.mark.skipif(shutil.which("xz") is None, reason="needs xz")
+@pytest.mark.parametrize("lean", [False, True], ids=["full", "lean"])
+def test_pack_results_writes_the_committed_form(tmp_path: Path, lean: bool) -> None:
+    """A fetched gpu_session.sh folder packed as committed: profiles, proposals and selections
+    gzipped (summarize.py reads them so), traces and generated code left out; lean keeps the
+    summaries and logs alone."""
+    import gzip
+    import subprocess
+    import tarfile
+
+    src = tmp_path / "src"
+    work = tmp_path / "w-p"
+    w = work / "conv_block"
+    (w / "profiler_output").mkdir(parents=True)
+    for name in ("profile.json", "profile_optimized.json", "optimizations.json"):
+        (w / name).write_text(f'{{"name": "{name}"}}')
+    (w / "workload_summary.json").write_text("{}")
+    (w / "conv_block_optimized.py").write_text("# generated\n")
+    (w / "profiler_output" / "backend_selection.json").write_text('{"plan": 1}')
+    (w / "profiler_output" / "validation_report.json").write_text("{}")
+    (w / "profiler_output" / "capture.log").write_text("[opprof] +  0.0 s  forked\n")
+    (w / "profiler_output" / "conv_block.trace.json").write_text("{}")
+    (work / "session.json").write_text("{}")
+    src.mkdir()
+    with tarfile.open(src / "results.tar.xz", "w:xz") as tar:
+        tar.add(work, arcname="w-p")
+    for name in ("env.txt", "pytest.log", "summary.json", "summary.md"):
+        (src / name).write_text(name)
+    dest = tmp_path / "results" / "run"
+    script = ROOT / "benchmarks" / "pack_results.sh"
+    subprocess.run(
+        ["bash", str(script), str(src), str(dest), *(["lean"] if lean else [])], check=True
+    )
+    got = sorted(str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file())
+    kept = [
+        "conv_block/profiler_output/capture.log",
+        "env.txt",
+        "pytest.log",
+        "session.json",
+        "summary.json",
+        "summary.md",
+    ]
+    if not lean:
+        kept += [
+            "conv_block/optimizations.json.gz",
+            "conv_block/profile.json.gz",
+            "conv_block/profile_optimized.json.gz",
+            "conv_block/profiler_output/backend_selection.json.gz",
+            "conv_block/profiler_output/validation_report.json",
+            "conv_block/workload_summary.json",
+        ]
+    assert got == sorted(kept)
+    if not lean:
+        packed_plan = dest / "conv_block" / "profiler_output" / "backend_selection.json.gz"
+        assert json.loads(gzip.decompress(packed_plan.read_bytes())) == {"plan": 1}
+        assert json_of(dest / "conv_block" / "optimizations.json") == {"name": "optimizations.json"}
+
+
+def test_pack_results_says_what_it_needs(tmp_path: Path) -> None:
+    import subprocess
+
+    script = ROOT / "benchmarks" / "pack_results.sh"
+    done = subprocess.run(
+        ["bash", str(script), str(tmp_path), str(tmp_path / "out")], capture_output=True, text=True
+    )
+    assert done.returncode == 2
+    assert "no results.tar.xz (a gpu_session.sh OUT folder?)" in done.stderr
