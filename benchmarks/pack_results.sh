@@ -30,18 +30,12 @@ for d in "$work"/*/; do
   mkdir -p "$dest/$name/profiler_output"
   cp "$d"/profiler_output/*.log "$dest/$name/profiler_output/" 2>/dev/null || true
   [ -z "$lean" ] || continue
-  for f in workload_summary.json; do
-    if [ -f "$d/$f" ]; then cp "$d/$f" "$dest/$name/"; fi
+  for f in workload_summary.json profiler_output/validation_report.json; do
+    if [ -f "$d/$f" ]; then cp "$d/$f" "$dest/$name/$f"; fi
   done
-  if [ -f "$d/profiler_output/validation_report.json" ]; then
-    cp "$d/profiler_output/validation_report.json" "$dest/$name/profiler_output/"
-  fi
-  for f in profile.json profile_optimized.json optimizations.json; do
+  for f in profile.json profile_optimized.json optimizations.json \
+      profiler_output/backend_selection.json; do
     if [ -f "$d/$f" ]; then gzip -9 -n -c "$d/$f" > "$dest/$name/$f.gz"; fi
   done
-  if [ -f "$d/profiler_output/backend_selection.json" ]; then
-    gzip -9 -n -c "$d/profiler_output/backend_selection.json" \
-      > "$dest/$name/profiler_output/backend_selection.json.gz"
-  fi
 done
 echo "packed $src into $dest"

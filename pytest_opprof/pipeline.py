@@ -656,7 +656,7 @@ def warm_timing_servers(run: WorkloadRun) -> None:
     Each import holds the host's CPU work (``devicelock.host_work``): a quiet measurement
     waits until it ends. Nothing where the timing processes are new interpreters or one. The
     device is the capture's, or before it a GPU wherever the session named a GPU lock."""
-    servers = int(run.setting("timing_servers") or 1)
+    servers = timing_servers(run)
     if run.setting("fresh_timing") or servers <= 1:
         return
     device_type = "cuda" if os.environ.get(LOCK_ENV) else "cpu"
@@ -741,6 +741,11 @@ def timing_processes(run: WorkloadRun, device_type: str) -> int:
     return int(chosen)
 
 
+def timing_servers(run: WorkloadRun) -> int:
+    """The fork servers the timing processes are spread over (``--opprof-timing-servers``)."""
+    return int(run.setting("timing_servers") or 1)
+
+
 SIDE_BY_SIDE_MEMORY = 0.8
 """The share of the GPU's memory a workload's timing processes may plan on together, each
 counted at twice the capture's peak (it holds the optimized plan besides both baselines)."""
@@ -790,7 +795,7 @@ def _retime_one(
             "recapture",
             log_name=f"retime{i}",
             fresh=fresh,
-            server=forkserver.slot_of(i, int(run.setting("timing_servers") or 1)),
+            server=forkserver.slot_of(i, timing_servers(run)),
             generated=str(run.generated.resolve()),
             result=result,
             shares_cpus=shares_cpus,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import json
 import math
@@ -336,15 +337,20 @@ def json_of(path: Path) -> Any:
     import gzip
     import json
 
-    if not path.exists() and path.with_name(path.name + ".gz").exists():
-        return json.loads(gzip.decompress(path.with_name(path.name + ".gz").read_bytes()))
-    return json.loads(path.read_text(encoding="utf-8"))
+    path = packed(path)
+    data = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+    return json.loads(data)
+
+
+@functools.cache
+def _tool() -> Any:
+    return _summarize()
 
 
 def packed(path: Path) -> Path:
-    """``path``, or its gzip copy where the results were archived so (as summarize.py reads)."""
-    gz = path.with_name(path.name + ".gz")
-    return gz if not path.exists() and gz.exists() else path
+    """``path``, or its gzip copy where the results were archived so, as summarize.py finds
+    it."""
+    return Path(_tool()._artifact(path.parent, path.name))
 
 
 def test_compare_says_what_it_needs(tmp_path: Path) -> None:
