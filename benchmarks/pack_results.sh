@@ -14,7 +14,12 @@ set -euo pipefail
 src=$1
 dest=$2
 lean=${3:-}
-[ -f "$src/results.tar.xz" ] || { echo "$src: no results.tar.xz (a gpu_session.sh OUT folder?)" >&2; exit 2; }
+for f in results.tar.xz env.txt pytest.log summary.json summary.md; do
+  if [ ! -f "$src/$f" ]; then
+    echo "$src: no $f; pass the folder gpu_session.sh wrote under \$OUT" >&2
+    exit 2
+  fi
+done
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 tar -C "$tmp" -xJf "$src/results.tar.xz"

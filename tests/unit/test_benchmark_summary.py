@@ -829,4 +829,4 @@ def test_pack_results_says_what_it_needs(tmp_path: Path) -> None:
         ["bash", str(script), str(tmp_path), str(tmp_path / "out")], capture_output=True, text=True
     )
     assert done.returncode == 2
-    assert "no results.tar.xz (a gpu_session.sh OUT folder?)" in done.stderr
+    assert "no results.tar.xz; pass the folder gpu_session.sh wrote under $OUT" in done.stderr
