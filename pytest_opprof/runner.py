@@ -559,6 +559,8 @@ def task_select(spec: dict[str, Any]) -> None:
         applied_nowhere,
         climbed,
         faster_enough,
+        over_twice_as_slow,
+        second_pass,
         verdict,
         worth_a_second_pass,
     )
@@ -689,10 +691,17 @@ def task_select(spec: dict[str, Any]) -> None:
                 )
             return False
         with devicelock.measuring(share_after=False):
-            s = time_interleaved({"current": state["fn"], "candidate": built.fn}, w.inputs, **brief)
+            s = time_interleaved(
+                {"current": state["fn"], "candidate": built.fn},
+                w.inputs,
+                **brief,
+                enough=over_twice_as_slow,
+            )
         gain, cand = paired_gain(s, s.calls, s.host_us, "current", "candidate")
         aside = f" ({len(cand.set_aside)} rounds set aside)" if cand.set_aside else ""
-        phase(f"timed {name}: {gain.ratio:.3f}x{aside}")
+        timed = len(s["candidate"])  # fewer than planned: stopped, over twice as slow in each
+        early = f", timed for {timed} rounds, each over twice as slow" if timed < rounds else ""
+        phase(f"timed {name}: {gain.ratio:.3f}x{aside}{early}")
         new_ms = state["ms"] / gain.ratio
         variants.append(
             VariantResult(
@@ -720,20 +729,19 @@ def task_select(spec: dict[str, Any]) -> None:
                 reason=(
                     verdict(gain) + f": {gain.ratio:.3f}x (95% CI {gain.ci_low:.3f}–"
                     f"{gain.ci_high:.3f}) against the plan without it"
+                    + early
                     + (", also on the second pass" if second_chance else "")
                 ),
             )
         return False
 
     kept = [attempt(r, second_chance=False) for r in rungs]
-    last_kept = max((i for i, k in enumerate(kept) if k), default=-1)
     # A rung dropped before the last kept one met a plan that has changed since: try it again.
     # One that applied nowhere is tried again once a rung before it was kept on this pass
     # (gemm_out_dtype finds its bf16 GEMMs only once dtype_promotion is in).
     revived = False
-    for i, rung in enumerate(rungs[:last_kept]):
-        if kept[i]:
-            continue
+    for i in second_pass(kept):
+        rung = rungs[i]
         reasons = [dropped[p.id].reason for p in rung.proposals]
         if worth_a_second_pass(reasons, revived) and attempt(rung, second_chance=True):
             revived = True

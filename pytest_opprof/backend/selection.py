@@ -3,7 +3,7 @@ which get a second pass. Pure Python; ``runner.task_select`` builds and times th
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Set
+from collections.abc import Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any
 
 from pytest_opprof.backend.plan import LADDER_ORDER, Rung, ladder
@@ -147,6 +147,32 @@ def verdict(gain: Speedup) -> str:
     if gain.ci_high < MUCH_SLOWER:
         return SLOWER
     return NO_GAIN if gain.ci_low <= 1.0 else SMALL_GAIN
+
+
+EARLY_ROUNDS = 3
+"""Rounds after which selection stops timing a rung whose call took over twice the plan's in
+every one of them (:func:`over_twice_as_slow`)."""
+
+
+def over_twice_as_slow(samples: Mapping[str, Sequence[float]]) -> bool:
+    """Whether to stop timing a rung early: in each of at least ``EARLY_ROUNDS`` interleaved
+    rounds so far, its call (``candidate``) took over twice the plan's (``current``). Such a
+    rung cannot be kept (that needs its CI above 1), and the rest of its rounds are the slowest
+    of a selection: bf16 on a CPU without bf16 units ran 0.17x, 54 s of its timing in the
+    README's conv_block run."""
+    current, candidate = samples["current"], samples["candidate"]
+    done = min(len(current), len(candidate))
+    return done >= EARLY_ROUNDS and all(
+        c * MUCH_SLOWER > b for b, c in zip(current[:done], candidate[:done], strict=True)
+    )
+
+
+def second_pass(kept: Sequence[bool]) -> list[int]:
+    """The rungs (indices) that may be tried again on top of the final plan: those dropped
+    before the last one kept, which were timed against a plan that has changed since. None where
+    no rung was kept: the plan is still the one they were timed against."""
+    last = max((i for i, k in enumerate(kept) if k), default=-1)
+    return [i for i in range(max(last, 0)) if not kept[i]]
 
 
 def worth_a_second_pass(reasons: list[str], revived: bool) -> bool:

@@ -122,8 +122,10 @@ def time_interleaved(
     warmup_seconds: float = 0.05,
     round_seconds: float = ROUND_SECONDS,
     any_cpu: bool = False,
+    enough: Callable[[RoundSamples], bool] | None = None,
 ) -> RoundSamples:
-    """Per-call milliseconds of each callable, one sample per round.
+    """Per-call milliseconds of each callable, one sample per round; fewer rounds where
+    ``enough(samples)``, asked after each round, says the rounds so far settle the question.
 
     Warmup runs at least ``warmup`` calls of each and at least ``warmup_seconds`` in all. It
     was 0.5 s, against an idle GPU's low clock (an H200 reads 345 MHz idle); on an H200 the
@@ -175,6 +177,8 @@ def time_interleaved(
                 for name, fn in calls.items():
                     samples.add(name, _one_round(fn, inputs, device, n[name]))
                 r += 1
+                if enough is not None and enough(samples):
+                    break
         finally:
             if cpu is not None:
                 cpu.restore()

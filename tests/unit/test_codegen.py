@@ -323,6 +323,37 @@ def test_which_dropped_rungs_get_a_second_pass() -> None:
     assert not worth_a_second_pass(halved, revived=True)
 
 
+def test_only_rungs_dropped_before_the_last_kept_one_get_a_second_pass() -> None:
+    """They were timed against a plan that has changed since. With no rung kept the plan never
+    changed: no second pass, where one used to retime every rung but the last against the same
+    plan (bn_fold and memory_layout, 31 s of the README's conv_block run on a CPU)."""
+    from pytest_opprof.backend.selection import second_pass
+
+    assert second_pass([False, False, False, False]) == []
+    assert second_pass([]) == []
+    assert second_pass([True, False, False]) == []
+    assert second_pass([False, True, False, True, False]) == [0, 2]
+    assert second_pass([False, False, True]) == [0, 1]
+
+
+def test_a_rung_over_twice_as_slow_in_each_early_round_stops_being_timed() -> None:
+    """bf16 on a CPU without bf16 units: 0.17x in every round. Asked after each round; a rung
+    within a factor of two in any round, or with fewer rounds than EARLY_ROUNDS, goes on."""
+    from pytest_opprof.backend.selection import EARLY_ROUNDS, over_twice_as_slow
+
+    def rounds(current: list[float], candidate: list[float]) -> dict[str, list[float]]:
+        return {"current": current, "candidate": candidate}
+
+    assert EARLY_ROUNDS == 3
+    assert over_twice_as_slow(rounds([190.0, 188.0, 191.0], [1110.0, 1120.0, 1098.0]))
+    assert not over_twice_as_slow(rounds([190.0, 188.0], [1110.0, 1120.0]))  # too few
+    assert not over_twice_as_slow(rounds([190.0, 188.0, 191.0], [1110.0, 370.0, 1098.0]))
+    assert not over_twice_as_slow(rounds([1.0, 1.0, 1.0], [2.0, 2.0, 2.0]))  # exactly twice
+    # mid-round (the candidate's sample not in yet): only whole rounds count
+    assert not over_twice_as_slow(rounds([190.0, 188.0, 191.0], [1110.0, 1120.0]))
+    assert over_twice_as_slow(rounds([190.0, 188.0, 191.0, 189.0], [1110.0, 1120.0, 1098.0]))
+
+
 def _gain(ratio: float, low: float, high: float) -> Any:
     """A rung's measured gain against the plan below it."""
     from pytest_opprof.schema import Speedup

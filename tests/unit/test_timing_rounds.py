@@ -80,6 +80,39 @@ def test_each_callable_gets_its_own_calls_per_round_and_rounds_stay_paired() -> 
     assert min(samples["slow"]) >= 4.0  # milliseconds per call, not per round
 
 
+@pytest.mark.usefixtures("steady_host")
+def test_the_rounds_stop_once_enough_says_they_settle_it() -> None:
+    """Selection stops timing a rung that ran over twice as slow in each of its first rounds
+    (``selection.over_twice_as_slow``): asked after every round, here with the real rule."""
+    from pytest_opprof.backend.selection import EARLY_ROUNDS, over_twice_as_slow
+
+    def current(x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.001)
+        return x
+
+    def candidate(x: torch.Tensor) -> torch.Tensor:
+        time.sleep(0.004)
+        return x
+
+    def run(calls: dict[str, timing.Call]) -> timing.RoundSamples:
+        return timing.time_interleaved(
+            calls,
+            (torch.zeros(2),),
+            device="cpu",
+            warmup=1,
+            calls_per_round=3,
+            rounds=7,
+            warmup_seconds=0.0,
+            enough=over_twice_as_slow,
+        )
+
+    slow = run({"current": current, "candidate": candidate})
+    assert {k: len(v) for k, v in slow.items()} == {"current": 3, "candidate": 3}
+    assert EARLY_ROUNDS == 3
+    even = run({"current": current, "candidate": current})  # never twice as slow: all rounds
+    assert {k: len(v) for k, v in even.items()} == {"current": 7, "candidate": 7}
+
+
 def test_the_warmup_lasts_tens_of_milliseconds_not_half_a_second() -> None:
     """The GPU's clock is up within a millisecond of work (benchmarks/clock_ramp_probe.py):
     past its warmup calls, the warmup stops after 50 ms, where it ran 0.5 s before."""
