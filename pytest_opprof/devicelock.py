@@ -67,6 +67,9 @@ OWN_CPUS_ENV = "OPPROF_OWN_CPUS"
 stage processes may then compile while another process measures (:func:`off_gpu`)."""
 WAITING = "waiting for the GPU: another process on it is at work or measuring"
 WAITING_QUIET = "waiting for the compiles of other processes on the host to end"
+MEASURED = "let go of the GPU, held to itself for"
+"""Said as a measurement ends, with its seconds: with the waits, and the wall clock each stage
+log starts with, a run's logs say who had the GPU when (``benchmarks/gpu_timeline.py``)."""
 
 
 class DeviceLock:
@@ -205,8 +208,11 @@ class DeviceLock:
         if self.held is not None:
             fcntl.flock(self._main, fcntl.LOCK_UN)
             if self.held == "exclusive":
-                self.alone_s += time.perf_counter() - self._since
+                alone = time.perf_counter() - self._since
+                self.alone_s += alone
                 fcntl.flock(self._want, fcntl.LOCK_UN)
+                if self.note is not None:
+                    self.note(f"{MEASURED} {alone:.2f} s")
             self.held = None
 
     def close(self) -> None:

@@ -169,7 +169,7 @@ def _child(request: dict[str, Any]) -> None:
 
         runner._STARTED = time.perf_counter()  # its stage log counts from the fork
         runner._die_with_parent()  # the server is the parent now
-        runner.phase(f"forked from the fork server of pid {os.getppid()}")
+        runner.phase(f"forked from the fork server of pid {os.getppid()} at {runner.wall_clock()}")
         code = runner.main([request["spec"]])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1

@@ -38,6 +38,15 @@ def phase(what: str) -> None:
     print(f"[opprof] +{time.perf_counter() - _STARTED:7.1f} s  {what}", flush=True)
 
 
+def wall_clock() -> str:
+    """Now, in UTC to the millisecond: a stage log's first line says when its process started,
+    so the logs of a run's processes line up on one timeline (who held the GPU while another
+    waited)."""
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).strftime("%H:%M:%S.%f")[:-3] + " UTC"
+
+
 def note_tuned_gemms() -> None:
     """One stage-log line for each GEMM shape ``opprof::tuned_mm`` tuned in this process since
     the last: which cuBLASLt algorithm it kept, against torch's own. Without the module loaded
@@ -1170,4 +1179,5 @@ TASKS = {
 
 
 if __name__ == "__main__":
+    phase(f"started at {wall_clock()}")
     sys.exit(main())
