@@ -45,6 +45,18 @@ measurement whose figures are reported (``measuring(quiet=True)``) also waits un
 runs off the GPU: compiles hold a fourth file, ``path.cpu``, shared while they run off it (never
 while they wait for the GPU), and a quiet measurer takes it exclusively once it holds the GPU.
 Selection's measurements, which compare two calls round by round, do not wait for it.
+
+A recapture's timing processes run side by side on one CPU slice (:data:`OWN_CPUS_ENV` is not
+theirs alone), so each of their measurements must run beside no compile of the others. Holding
+the GPU shared through their compiles did that, but it held every other process's measurement
+back too: on the H200 host three such processes compiling for 2-3 s each kept the GPU from five
+processes of other workloads, and their drains were a third of those processes' waits
+(``benchmarks/gpu_timeline.py``). So siblings hold a fifth file of their own,
+``siblings_lock`` (:func:`join`): a compile lets go of the GPU and holds it shared instead, and
+a measurement takes it exclusively *before* it asks for the GPU, so that it waits for its
+siblings' compiles without holding the GPU idle. Every process takes the locks in one order
+(siblings, then the GPU, then ``path.cpu``), and lets go of ``path.cpu`` and the siblings' lock
+before it waits for the GPU: no wait can close a cycle.
 """
 
 from __future__ import annotations
@@ -67,6 +79,7 @@ OWN_CPUS_ENV = "OPPROF_OWN_CPUS"
 stage processes may then compile while another process measures (:func:`off_gpu`)."""
 WAITING = "waiting for the GPU: another process on it is at work or measuring"
 WAITING_QUIET = "waiting for the compiles of other processes on the host to end"
+WAITING_SIBLINGS = "waiting for the compiles of this workload's other timing processes to end"
 MEASURED = "let go of the GPU, held to itself for"
 """Said as a measurement ends, with its seconds: with the waits, and the wall clock each stage
 log starts with, a run's logs say who had the GPU when (``benchmarks/gpu_timeline.py``)."""
@@ -96,6 +109,55 @@ class DeviceLock:
         self.is_quiet = False
         """Inside a quiet measurement: the GPU and the host's compiles held off."""
         self.note: Callable[[str], None] | None = None
+        self._siblings: int | None = None
+        self.siblings_held: str | None = None
+
+    def join_siblings(self, path: Path) -> None:
+        """Coordinate with the stage processes that share this one's CPUs through ``path``:
+        compiles go off the GPU holding it shared, measurements hold it exclusively."""
+        if self._siblings is None:
+            self._siblings = _open_shared(path)
+
+    @property
+    def has_siblings(self) -> bool:
+        return self._siblings is not None
+
+    def siblings_apart(self) -> bool:
+        """Before a measurement: hold the siblings' lock exclusively, once none of them
+        compiles, holding nothing of the GPU while waiting (the order of the locks). Returns
+        whether this call took it (False: no siblings, or held already)."""
+        if self._siblings is None or self.siblings_held == "exclusive":
+            return False
+        self._siblings_unlock()
+        try:
+            fcntl.flock(self._siblings, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.release()
+            t0 = time.perf_counter()
+            if self.note is not None:
+                self.note(WAITING_SIBLINGS)
+            fcntl.flock(self._siblings, fcntl.LOCK_EX)
+            waited = time.perf_counter() - t0
+            self.waited_s += waited
+            if self.note is not None:
+                self.note(f"the other timing processes were done compiling after {waited:.1f} s")
+        self.siblings_held = "exclusive"
+        return True
+
+    def _siblings_compiling(self) -> None:
+        """Off the GPU for a compile: hold the siblings' lock shared (after any sibling's
+        measurement under way); nothing of the GPU is held here."""
+        if self._siblings is None:
+            return
+        t0 = time.perf_counter()
+        fcntl.flock(self._siblings, fcntl.LOCK_SH)
+        self.waited_s += time.perf_counter() - t0
+        self.siblings_held = "shared"
+
+    def _siblings_unlock(self) -> None:
+        if self._siblings is not None and self.siblings_held is not None:
+            fcntl.flock(self._siblings, fcntl.LOCK_UN)
+            self.siblings_held = None
 
     def _through_turnstile(self, mode: int) -> None:
         """Take ``path`` in ``mode``; never called while holding it (no deadlock on the turn).
@@ -219,6 +281,10 @@ class DeviceLock:
         self.release()
         for fd in (self._main, self._turn, self._want, self._cpu):
             os.close(fd)
+        if self._siblings is not None:
+            os.close(self._siblings)
+            self._siblings = None
+            self.siblings_held = None
 
 
 def _open_shared(path: Path) -> int:
@@ -232,10 +298,14 @@ def _open_shared(path: Path) -> int:
 _LOCK: DeviceLock | None = None
 
 
-def join(note: Callable[[str], None] | None = None) -> DeviceLock | None:
+def join(
+    note: Callable[[str], None] | None = None, siblings: str | None = None
+) -> DeviceLock | None:
     """Hold this process's GPU lock shared, where the session named one (:data:`LOCK_ENV`),
-    telling ``note`` of every wait. Returns it, or None where there is none to take (the CPU,
-    a lock the process cannot open: then nothing is shared, as with one process per GPU)."""
+    telling ``note`` of every wait; ``siblings``: the lock file of the stage processes that
+    share this one's CPUs (:meth:`DeviceLock.join_siblings`). Returns it, or None where there
+    is none to take (the CPU, a lock the process cannot open: then nothing is shared, as with
+    one process per GPU)."""
     global _LOCK
     name = os.environ.pop(LOCK_ENV, "")
     if _LOCK is not None or not name or fcntl is None:
@@ -251,6 +321,12 @@ def join(note: Callable[[str], None] | None = None) -> DeviceLock | None:
             )
         return None
     lock.note = note
+    if siblings:
+        try:
+            lock.join_siblings(Path(siblings))
+        except OSError as exc:  # its folder is the stage's own: say it, share through compiles
+            if note is not None:
+                note(f"no lock with the other timing processes ({exc}): compiling on the GPU")
     lock.share()
     _LOCK = lock
     return lock
@@ -267,6 +343,7 @@ def measuring(*, share_after: bool = True, quiet: bool = False) -> Iterator[None
     if lock is None:
         yield
         return
+    apart = lock.siblings_apart()
     lock.exclusive()
     try:
         if quiet:
@@ -277,6 +354,8 @@ def measuring(*, share_after: bool = True, quiet: bool = False) -> Iterator[None
             if quiet:
                 lock.unquiet()
     finally:
+        if apart:
+            lock._siblings_unlock()
         if share_after:
             lock.share()
         else:
@@ -318,12 +397,14 @@ def off_gpu(sync: Callable[[], None]) -> Iterator[None]:
         return
     sync()
     lock.release()
+    lock._siblings_compiling()
     lock.compiling()
     lock.aside = True
     try:
         yield
     finally:
         lock.compiled()  # never held while waiting for the GPU
+        lock._siblings_unlock()
         lock.aside = False
         lock.share()
 
@@ -338,6 +419,7 @@ def on_gpu(sync: Callable[[], None]) -> Iterator[None]:
         yield
         return
     lock.compiled()  # never held while waiting for the GPU
+    lock._siblings_unlock()
     lock.share()
     lock.aside = False
     try:
@@ -346,6 +428,7 @@ def on_gpu(sync: Callable[[], None]) -> Iterator[None]:
         with contextlib.suppress(Exception):  # a failed block: its error, not the sync's
             sync()
         lock.release()
+        lock._siblings_compiling()
         lock.compiling()
         lock.aside = True
 
@@ -384,6 +467,12 @@ def resume() -> None:
     nothing where the process holds it already."""
     if _LOCK is not None and _LOCK.held is None:
         _LOCK.share()
+
+
+def has_siblings() -> bool:
+    """Whether this process coordinates with siblings on its CPU slice through their own lock
+    (:func:`join`'s ``siblings``): then its compiles may go off the GPU."""
+    return _LOCK is not None and _LOCK.has_siblings
 
 
 def quiet_now() -> bool:

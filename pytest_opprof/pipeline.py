@@ -690,15 +690,22 @@ def stage_recapture(run: WorkloadRun) -> str:
     generated = str(run.generated.resolve())
     with tempfile.TemporaryDirectory(prefix="opprof-retime-") as tmp:
         if together:
-            # Each process compiles while the others do; they measure one at a time.
+            # Each process compiles while the others do; they measure one at a time, none
+            # beside another's compile (the siblings' lock: devicelock).
+            siblings = Path(tmp) / "siblings.lock"
             pool = ThreadPoolExecutor(processes - 1)
             pending = [
-                pool.submit(_retime_one, run, i, Path(tmp), shares_cpus=True, fresh=fresh)
+                pool.submit(_retime_one, run, i, Path(tmp), siblings=siblings, fresh=fresh)
                 for i in range(1, processes)
             ]
             try:
-                # on one CPU slice: none compiles while another measures (devicelock.off_gpu)
-                run.run_child("recapture", "recapture", generated=generated, shares_cpus=True)
+                run.run_child(
+                    "recapture",
+                    "recapture",
+                    generated=generated,
+                    shares_cpus=True,
+                    siblings_lock=str(siblings),
+                )
             except BaseException as exc:
                 # A failed recapture waits for its timing processes (none outlives its stage
                 # or its folder); an interrupt does not (the session's end stops them).
@@ -762,7 +769,12 @@ def side_by_side(baseline: CaptureMetadata, processes: int) -> bool:
 
 
 def _retime_one(
-    run: WorkloadRun, i: int, folder: Path, *, shares_cpus: bool = False, fresh: bool = False
+    run: WorkloadRun,
+    i: int,
+    folder: Path,
+    *,
+    siblings: Path | None = None,
+    fresh: bool = False,
 ) -> Replica | str:
     """The recapture's calls timed again in another process: its samples, or why it failed (a
     process that fails adds a warning, not an error: the others' timing stands).
@@ -798,7 +810,8 @@ def _retime_one(
             server=forkserver.slot_of(i, timing_servers(run)),
             generated=str(run.generated.resolve()),
             result=result,
-            shares_cpus=shares_cpus,
+            shares_cpus=siblings is not None,
+            siblings_lock=str(siblings) if siblings is not None else None,
         )
         return Replica.from_json(json.loads(result.read_text(encoding="utf-8")))
     except (OpprofError, OSError, ValueError) as exc:

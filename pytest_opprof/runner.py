@@ -110,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
 
     global _OWN_CPUS, _SHARES_CPUS
     _SHARES_CPUS = bool(spec.get("shares_cpus"))
-    _OWN_CPUS = os.environ.get(devicelock.OWN_CPUS_ENV) == "1" and not _SHARES_CPUS
+    _OWN_CPUS = os.environ.get(devicelock.OWN_CPUS_ENV) == "1"
     try:
-        devicelock.join(note=phase)
+        devicelock.join(note=phase, siblings=spec.get("siblings_lock"))
         TASKS[spec["task"]](spec)
         waited, alone = devicelock.waited_s(), devicelock.alone_s()
         phase(
@@ -236,8 +236,9 @@ _SHARES_CPUS = False
 """Sibling stage processes share this process's CPUs (a recapture's timing processes, side by
 side): one of them measures while the others compile."""
 _OWN_CPUS = False
-"""This process's CPUs are its own (``devicelock.OWN_CPUS_ENV``, and the spec names no sibling
-stage process beside it): it may compile while another process measures."""
+"""This process's CPU slice is its workload's own (``devicelock.OWN_CPUS_ENV``): it may compile
+while another workload's process measures — alone on the slice, or beside siblings that hold
+their lock (``devicelock``: a sibling's measurement waits for its siblings' compiles)."""
 _OFF_GPU = contextlib.ExitStack()
 """The compile under way off the GPU: entered at Dynamo's compile start, closed at its end
 (Dynamo runs both once for nested compiles)."""
@@ -262,7 +263,7 @@ def _compile_off_gpu(device: str) -> None:
     its start to its end callback: ``devicelock.off_gpu``), so a measurer waits for no compile
     of ours; our backend takes the GPU back for the weights it folds. Registered again where a
     ``torch._dynamo.reset()`` cleared the callbacks; nothing on torch without them."""
-    if device != "cuda" or not _OWN_CPUS:
+    if device != "cuda" or not _OWN_CPUS or (_SHARES_CPUS and not devicelock.has_siblings()):
         return
     try:
         from torch._dynamo.callback import callback_handler

@@ -531,3 +531,61 @@ def test_only_a_quiet_measurement_under_a_lock_may_borrow_the_hosts_cpus(
     with devicelock.measuring(quiet=True):
         assert devicelock.quiet_now()
     assert not devicelock.quiet_now()
+
+
+# A recapture's timing process: joins with its siblings' lock, waits `delay` s, then compiles
+# off the GPU for `seconds` s ("compile") or measures for `seconds` s ("measure").
+SIBLING = """
+import sys, time
+from pytest_opprof import devicelock
+name, siblings, mode, delay, seconds, log = sys.argv[1:7]
+def note(event):
+    with open(log, "a") as fh:
+        fh.write(f"{name} {event} {time.time():.4f}\\n")
+devicelock.join(siblings=siblings or None)
+time.sleep(float(delay))
+if mode == "compile":
+    with devicelock.off_gpu(lambda: None):
+        note("compile")
+        time.sleep(float(seconds))
+        note("compiled")
+else:
+    note("wait")
+    with devicelock.measuring():
+        note("measure")
+        time.sleep(float(seconds))
+        note("measured")
+note("done")
+"""
+
+
+def test_a_siblings_compile_holds_back_its_siblings_measurements_not_the_gpu(
+    tmp_path: Path,
+) -> None:
+    """Timing processes on one CPU slice compile off the GPU under their own lock: a sibling's
+    measurement waits for that compile to end, holding nothing of the GPU meanwhile, while
+    another workload's process (no siblings) measures beside the compile at once."""
+    lock, log = tmp_path / "gpu.lock", tmp_path / "log"
+    siblings = tmp_path / "siblings.lock"
+
+    def start(
+        name: str, group: Path | None, mode: str, delay: float, seconds: float
+    ) -> subprocess.Popen[bytes]:
+        env = {**os.environ, devicelock.LOCK_ENV: str(lock)}
+        argv = [sys.executable, "-c", SIBLING, name, str(group or ""), mode]
+        return subprocess.Popen([*argv, str(delay), str(seconds), str(log)], env=env)
+
+    procs = [
+        start("compiler", siblings, "compile", 0.0, 4.0),
+        start("sibling", siblings, "measure", 1.0, 0.3),
+        start("other", None, "measure", 1.8, 0.3),
+    ]
+    for p in procs:
+        assert p.wait(timeout=60) == 0
+    ev = _events(log)
+    # the compile was under way when both asked for the GPU
+    assert ev[("compiler", "compile")] < ev[("sibling", "wait")]
+    assert ev[("other", "wait")] < ev[("compiler", "compiled")]
+    # the sibling measured only after it, the other process beside it
+    assert ev[("sibling", "measure")] >= ev[("compiler", "compiled")]
+    assert ev[("other", "measured")] < ev[("compiler", "compiled")]

@@ -48,6 +48,7 @@ class StandIn:
         self.timing_servers = timing_servers
         self.children: list[tuple[str, float, float]] = []
         self.shares_cpus: dict[str, bool] = {}
+        self.siblings: dict[str, str | None] = {}
         self.fresh: dict[str, bool] = {}
         self.server: dict[str, int] = {}
         self._guard = threading.Lock()
@@ -72,6 +73,7 @@ class StandIn:
     ) -> None:
         start = time.monotonic()
         self.shares_cpus[log_name or task] = bool(extra.get("shares_cpus"))
+        self.siblings[log_name or task] = extra.get("siblings_lock")
         self.fresh[log_name or task] = fresh
         self.server[log_name or task] = server
         if task == "recapture" and self.fail_recapture:
@@ -119,8 +121,10 @@ def test_under_a_gpu_lock_the_timing_processes_start_together(
     said = pipeline.stage_recapture(run)  # type: ignore[arg-type]
     assert len(run.children) == 3 and _overlapping(run.children)
     assert "side by side" in said
-    # on one CPU slice, none may compile while another measures (devicelock.off_gpu)
+    # on one CPU slice, none may compile while another measures: they share a lock for it
+    # (devicelock: siblings)
     assert run.shares_cpus == {"recapture": True, "retime1": True, "retime2": True}
+    assert len(set(run.siblings.values())) == 1 and run.siblings["recapture"]
     # all forked from the session's fork server, unless --opprof-fresh-timing or
     # --opprof-timing-servers
     assert not any(run.fresh.values())
@@ -148,7 +152,7 @@ def test_otherwise_one_after_another(
     _baseline(run, peak=peak)
     said = pipeline.stage_recapture(run)  # type: ignore[arg-type]
     assert [name for name, _, _ in run.children] == ["recapture", "retime1", "retime2"]
-    assert not any(run.shares_cpus.values())
+    assert not any(run.shares_cpus.values()) and not any(run.siblings.values())
     for (_, _, end), (_, start, _) in zip(run.children, run.children[1:], strict=False):
         assert start >= end
     assert "one after another" in said

@@ -180,29 +180,57 @@ def test_a_timing_process_beside_its_siblings_compiles_without_a_worker_pool(
     assert not AsyncCompile.use_process_pool()  # no pool, none started
 
 
-@pytest.mark.parametrize("shares", [True, False])
-def test_the_spec_says_whether_a_stage_process_shares_its_cpus(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, shares: bool
+@pytest.mark.parametrize(
+    ("shares", "siblings", "off_gpu"),
+    [(False, False, True), (True, True, True), (True, False, False)],
+    ids=["alone on its slice", "siblings with their lock", "siblings without one"],
+)
+def test_the_spec_says_whether_a_stage_process_may_compile_off_the_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    shares: bool,
+    siblings: bool,
+    off_gpu: bool,
 ) -> None:
+    """On a slice of its own a stage process compiles off the GPU; so do siblings on one
+    slice (a recapture's timing processes) that hold their lock, whose measurements wait for
+    each other's compiles; siblings without it compile holding the GPU."""
     import json
+
+    from torch._dynamo.callback import callback_handler
 
     from pytest_opprof import devicelock, runner
 
     seen: dict[str, bool] = {}
 
     def task(spec: dict[str, object]) -> None:
-        seen.update(shares=runner._SHARES_CPUS, own=runner._OWN_CPUS)
+        runner._compile_off_gpu("cuda")
+        seen.update(
+            shares=runner._SHARES_CPUS,
+            off_gpu=runner._off_gpu_start in callback_handler.start_callbacks,
+        )
 
     monkeypatch.setitem(runner.TASKS, "probe", task)
     monkeypatch.setattr(runner, "_die_with_parent", lambda: None)
-    monkeypatch.delenv(devicelock.LOCK_ENV, raising=False)
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
     monkeypatch.setenv(devicelock.OWN_CPUS_ENV, "1")
     monkeypatch.setattr(runner, "_SHARES_CPUS", False)
     monkeypatch.setattr(runner, "_OWN_CPUS", False)
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps({"task": "probe", "shares_cpus": shares}))
-    assert runner.main([str(spec)]) == 0
-    assert seen == {"shares": shares, "own": not shares}
+    body: dict[str, object] = {"task": "probe", "shares_cpus": shares}
+    if siblings:
+        body["siblings_lock"] = str(tmp_path / "siblings.lock")
+    spec.write_text(json.dumps(body))
+    torch._dynamo.reset()
+    try:
+        assert runner.main([str(spec)]) == 0
+        assert seen == {"shares": shares, "off_gpu": off_gpu}
+    finally:
+        torch._dynamo.reset()  # the callbacks registered here
+        if devicelock._LOCK is not None:
+            devicelock._LOCK.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
 
 
 def test_validation_compiles_off_the_gpu_in_its_tests_and_after_its_reset(

@@ -1,0 +1,153 @@
+"""Lay a run's stage logs on one timeline: who held the GPU alone when, and what each wait for it
+was behind.
+
+Every stage log starts with the wall clock of its process's start (``runner.wall_clock``) and
+says each wait for the GPU ("had the GPU after N s") and each measurement's end ("let go of the
+GPU, held to itself for N s": ``devicelock.MEASURED``). Laid on one clock, a wait that overlaps
+another process's measurement was behind that measurement; the rest of it was a drain (the
+measurer it queued behind waiting for its neighbours' steps of shared work to end) or the
+turnstile.
+
+    python benchmarks/gpu_timeline.py OUT_DIR        # the --opprof-out of a run (w-p/)
+
+Logs without the wall clock (runs before 2026-12-03's 32af259) are skipped, said on stderr.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from dataclasses import dataclass, field
+from datetime import datetime
+from pathlib import Path
+
+LINE = re.compile(r"^\[opprof\] \+\s*([\d.]+) s  (.*)$")
+START = re.compile(r"(?:forked from the fork server of pid \d+|started) at ([\d:.]+) UTC$")
+WAITED = re.compile(r"^had the GPU after ([\d.]+) s$")
+QUIET = re.compile(r"^the host was quiet after ([\d.]+) s$")
+MEASURED = re.compile(r"^let go of the GPU, held to itself for ([\d.]+) s$")
+
+Span = tuple[float, float]
+
+
+@dataclass
+class Process:
+    name: str  # workload/log
+    start: float  # seconds since midnight UTC
+    end: float = 0.0
+    waits: list[Span] = field(default_factory=list)
+    alone: list[Span] = field(default_factory=list)
+    quiet_waits: list[Span] = field(default_factory=list)
+
+
+def _seconds(clock: str) -> float:
+    t = datetime.strptime(clock, "%H:%M:%S.%f")
+    return t.hour * 3600 + t.minute * 60 + t.second + t.microsecond / 1e6
+
+
+def read(log: Path, name: str) -> Process | None:
+    """One stage process's spans, on the wall clock; None where its log has no start time."""
+    proc: Process | None = None
+    for raw in log.read_text(encoding="utf-8", errors="replace").splitlines():
+        m = LINE.match(raw)
+        if m is None:
+            continue
+        t, what = float(m.group(1)), m.group(2)
+        if proc is None:
+            s = START.search(what)
+            if s is None:
+                return None
+            proc = Process(name, _seconds(s.group(1)) - t)
+            continue
+        at = proc.start + t
+        proc.end = max(proc.end, at)
+        for pattern, spans in (
+            (WAITED, proc.waits),
+            (MEASURED, proc.alone),
+            (QUIET, proc.quiet_waits),
+        ):
+            w = pattern.match(what)
+            if w is not None:
+                spans.append((at - float(w.group(1)), at))
+    return proc
+
+
+def overlap(span: Span, others: list[Span]) -> float:
+    """Seconds of ``span`` covered by the union of ``others``."""
+    cut = sorted(
+        (max(a, span[0]), min(b, span[1])) for a, b in others if b > span[0] and a < span[1]
+    )
+    total, reach = 0.0, span[0]
+    for a, b in cut:
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
+def main(root: Path) -> int:
+    procs: list[Process] = []
+    skipped = 0
+    for log in sorted(root.glob("*/profiler_output/*.log")):
+        if log.stem == "generated_tests":
+            continue
+        p = read(log, f"{log.parent.parent.name}/{log.stem}")
+        if p is None:
+            skipped += 1
+        else:
+            procs.append(p)
+    if skipped:
+        print(f"{skipped} logs without a start time skipped", file=sys.stderr)
+    if not procs:
+        print(f"{root}: no stage log with a start time", file=sys.stderr)
+        return 1
+    t0 = min(p.start for p in procs)
+    t1 = max(p.end for p in procs)
+    every_alone = [s for p in procs for s in p.alone]
+    busy = overlap((t0, t1), every_alone)
+    print(
+        f"{len(procs)} stage processes over {t1 - t0:.0f} s; the GPU held alone (measuring) "
+        f"for {busy:.0f} s of it ({busy / (t1 - t0):.0%})\n"
+    )
+    idle = overlap((t0, t1), [s for p in procs for s in p.quiet_waits])
+    print(
+        f"Held alone but idle, a quiet measurement waiting for the host's compiles to end: "
+        f"{idle:.0f} s\n"
+    )
+    print(
+        "| workload | ends at s | waited s | behind others' measurements | behind their quiet "
+        "waits | other (drains) |"
+    )
+    print("|---|---|---|---|---|---|")
+    workloads = sorted({p.name.split("/")[0] for p in procs})
+    for w in workloads:
+        mine = [p for p in procs if p.name.startswith(w + "/")]
+        theirs = [p for p in procs if not p.name.startswith(w + "/")]
+        alone = [s for p in theirs for s in p.alone]
+        held = alone + [s for p in theirs for s in p.quiet_waits]
+        waited = sum(b - a for p in mine for a, b in p.waits)
+        behind = sum(overlap(s, alone) for p in mine for s in p.waits)
+        behind_held = sum(overlap(s, held) for p in mine for s in p.waits)
+        end = max(p.end for p in mine) - t0
+        print(
+            f"| {w} | {end:.0f} | {waited:.1f} | {behind:.1f} | {behind_held - behind:.1f} | "
+            f"{waited - behind_held:.1f} |"
+        )
+    print("\nLongest waits that overlapped no hold of the GPU alone for 2 s or more (drains):\n")
+    rows = []
+    for p in procs:
+        others = [s for q in procs if q is not p for s in (*q.alone, *q.quiet_waits)]
+        for a, b in p.waits:
+            gap = (b - a) - overlap((a, b), others)
+            if gap >= 2.0:
+                rows.append((gap, p.name, a - t0, b - t0))
+    for gap, name, a, b in sorted(rows, reverse=True)[:15]:
+        print(f"- {name}: {a:.1f}–{b:.1f} s, {gap:.1f} s while nobody held it alone")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        print(__doc__, file=sys.stderr)
+        sys.exit(2)
+    sys.exit(main(Path(sys.argv[1])))
