@@ -115,24 +115,29 @@ def main(root: Path) -> int:
         f"{idle:.0f} s\n"
     )
     print(
-        "| workload | ends at s | waited s | behind others' measurements | behind their quiet "
-        "waits | other (drains) |"
+        "| workload | ends at s | waited s | behind another process's measurement | behind a "
+        "quiet wait | other (drains) |"
     )
     print("|---|---|---|---|---|---|")
     workloads = sorted({p.name.split("/")[0] for p in procs})
+    drains = 0.0
     for w in workloads:
         mine = [p for p in procs if p.name.startswith(w + "/")]
-        theirs = [p for p in procs if not p.name.startswith(w + "/")]
-        alone = [s for p in theirs for s in p.alone]
-        held = alone + [s for p in theirs for s in p.quiet_waits]
-        waited = sum(b - a for p in mine for a, b in p.waits)
-        behind = sum(overlap(s, alone) for p in mine for s in p.waits)
-        behind_held = sum(overlap(s, held) for p in mine for s in p.waits)
+        waited = behind = behind_held = 0.0
+        for p in mine:  # behind any other process, its own workload's included
+            alone = [s for q in procs if q is not p for s in q.alone]
+            held = alone + [s for q in procs if q is not p for s in q.quiet_waits]
+            waited += sum(b - a for a, b in p.waits)
+            behind += sum(overlap(s, alone) for s in p.waits)
+            behind_held += sum(overlap(s, held) for s in p.waits)
+        drains += waited - behind_held
         end = max(p.end for p in mine) - t0
         print(
             f"| {w} | {end:.0f} | {waited:.1f} | {behind:.1f} | {behind_held - behind:.1f} | "
             f"{waited - behind_held:.1f} |"
         )
+    total = sum(b - a for p in procs for a, b in p.waits)
+    print(f"\nAll waits: {total:.0f} s, {drains:.0f} s ({drains / total:.0%}) of them drains")
     print("\nLongest waits that overlapped no hold of the GPU alone for 2 s or more (drains):\n")
     rows = []
     for p in procs:

@@ -49,9 +49,10 @@ Selection's measurements, which compare two calls round by round, do not wait fo
 A recapture's timing processes run side by side on one CPU slice (:data:`OWN_CPUS_ENV` is not
 theirs alone), so each of their measurements must run beside no compile of the others. Holding
 the GPU shared through their compiles did that, but it held every other process's measurement
-back too: on the H200 host three such processes compiling for 2-3 s each kept the GPU from five
-processes of other workloads, and their drains were a third of those processes' waits
-(``benchmarks/gpu_timeline.py``). So siblings hold a fifth file of their own,
+back too: on the H200 host three such processes compiling for 2-3 s each kept five processes of
+other workloads waiting for 2.5-3.5 s while nobody measured, and such drains made 31% of the
+stage processes' waits for the GPU in that run (``benchmarks/gpu_timeline.py``; 23% in the next,
+with this lock, on another host). So siblings hold a fifth file of their own,
 ``siblings_lock`` (:func:`join`): a compile lets go of the GPU and holds it shared instead, and
 a measurement takes it exclusively *before* it asks for the GPU, so that it waits for its
 siblings' compiles without holding the GPU idle. Every process takes the locks in one order

@@ -1,0 +1,88 @@
+"""benchmarks/gpu_timeline.py: a run's stage logs laid on one clock (the wall clock each log
+starts with), each wait for the GPU split by what it was behind."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _timeline() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "gpu_timeline", ROOT / "benchmarks" / "gpu_timeline.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def _log(folder: Path, workload: str, name: str, lines: list[str]) -> None:
+    out = folder / workload / "profiler_output"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.log").write_text("\n".join(lines) + "\n")
+
+
+def test_a_wait_is_split_into_behind_a_measurement_a_quiet_wait_and_a_drain(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a waits from 1 s to 9 s: behind b's quiet wait (2-3 s) and measurement (3-5 s), then
+    # behind nobody holding the GPU alone (1-2 s and 5-9 s: drains)
+    _log(
+        tmp_path,
+        "a",
+        "select",
+        [
+            "[opprof] +    0.0 s  forked from the fork server of pid 7 at 10:00:00.000 UTC",
+            "[opprof] +    1.0 s  waiting for the GPU: another process on it is at work",
+            "[opprof] +    9.0 s  had the GPU after 8.0 s",
+            "[opprof] +    9.5 s  task select done, 8.0 s of it waiting for the GPU",
+        ],
+    )
+    _log(
+        tmp_path,
+        "b",
+        "recapture",
+        [
+            "[opprof] +    0.0 s  started at 10:00:01.000 UTC",
+            "a line of the workload's own output, not the stage's",
+            "[opprof] +    1.0 s  waiting for the compiles of other processes on the host to end",
+            "[opprof] +    2.0 s  the host was quiet after 1.0 s",
+            "[opprof] +    4.0 s  let go of the GPU, held to itself for 2.00 s",
+        ],
+    )
+    _log(tmp_path, "c", "capture", ["[opprof] +    0.0 s  torch imported"])  # no start time
+    tl = _timeline()
+    assert tl.main(tmp_path) == 0
+    out = capsys.readouterr()
+    assert "1 logs without a start time skipped" in out.err
+    assert "2 stage processes over 10 s; the GPU held alone (measuring) for 2 s" in out.out
+    assert "| a | 10 | 8.0 | 2.0 | 1.0 | 5.0 |" in out.out
+    assert "- a/select: 1.0–9.0 s, 5.0 s while nobody held it alone" in out.out
+
+
+def test_logs_without_a_start_time_are_said_not_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _log(tmp_path, "c", "capture", ["[opprof] +    0.0 s  forked from the fork server of pid 7"])
+    assert _timeline().main(tmp_path) == 1
+    assert "no stage log with a start time" in capsys.readouterr().err
+
+
+def test_the_h200_run_of_2026_12_03b_on_one_clock(capsys: pytest.CaptureFixture[str]) -> None:
+    """The first run whose logs carry the wall clock: 42 stage processes (capture, select,
+    validate, and the recapture's three timing processes, for seven workloads); the GPU was held
+    alone for a third of the run, and gpt2, the last to end, waited 80 s for it."""
+    tl = _timeline()
+    assert tl.main(ROOT / "benchmarks" / "results" / "h200-2026-12-03b" / "plain-n7") == 0
+    out = capsys.readouterr().out
+    assert "42 stage processes over 209 s; the GPU held alone (measuring) for 71 s" in out
+    assert "| gpt2 | 209 | 80.1 | 47.4 | 5.7 | 26.9 |" in out
+    assert "All waits: 674 s, 210 s (31%) of them drains" in out
