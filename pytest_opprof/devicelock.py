@@ -126,8 +126,9 @@ class DeviceLock:
     def siblings_apart(self) -> bool:
         """Before a measurement: hold the siblings' lock exclusively, once none of them
         compiles, holding nothing of the GPU while waiting (the order of the locks). Returns
-        whether this call took it (False: no siblings, or held already)."""
-        if self._siblings is None or self.siblings_held == "exclusive":
+        whether this call took it (False: no siblings, held already, or the GPU held alone
+        already, which must not be let go of here)."""
+        if self._siblings is None or "exclusive" in (self.siblings_held, self.held):
             return False
         self._siblings_unlock()
         try:

@@ -589,3 +589,37 @@ def test_a_siblings_compile_holds_back_its_siblings_measurements_not_the_gpu(
     # the sibling measured only after it, the other process beside it
     assert ev[("sibling", "measure")] >= ev[("compiler", "compiled")]
     assert ev[("other", "measured")] < ev[("compiler", "compiled")]
+
+
+def test_a_siblings_measurement_holds_their_lock_for_its_span_and_no_longer(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Inside a measurement the siblings' lock is held exclusively (a sibling's compile waits
+    to start), and asked again it is neither taken twice nor does it let go of the GPU; after
+    the measurement it is free."""
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    path, siblings = tmp_path / "gpu.lock", tmp_path / "siblings.lock"
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
+    lock = devicelock.join(siblings=str(siblings))
+    assert lock is not None and devicelock.has_siblings()
+    sibling = DeviceLock(path)
+    sibling.join_siblings(siblings)
+    started: list[float] = []
+    try:
+        with devicelock.measuring():
+            assert lock.held == "exclusive" and lock.siblings_held == "exclusive"
+            assert not lock.siblings_apart() and lock.held == "exclusive"
+            compiler = threading.Thread(
+                target=lambda: (sibling._siblings_compiling(), started.append(time.monotonic()))
+            )
+            compiler.start()
+            time.sleep(0.3)
+            assert not started  # the sibling's compile waits for the measurement
+            ended = time.monotonic()
+        compiler.join(10)
+        assert started and started[0] >= ended
+        assert lock.held == "shared" and lock.siblings_held is None
+    finally:
+        sibling.close()
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
