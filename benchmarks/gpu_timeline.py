@@ -72,6 +72,20 @@ def read(log: Path, name: str) -> Process | None:
     return proc
 
 
+def past_midnight(procs: list[Process]) -> None:
+    """Processes started after midnight UTC in a run that began before it: their clock times
+    moved a day on, so that the run reads in order."""
+    day = 86400.0
+    if not any(p.start < day / 4 for p in procs) or not any(p.start > 3 * day / 4 for p in procs):
+        return
+    for p in procs:
+        if p.start < day / 2:
+            p.start += day
+            p.end += day
+            for spans in (p.waits, p.alone, p.quiet_waits):
+                spans[:] = [(a + day, b + day) for a, b in spans]
+
+
 def overlap(span: Span, others: list[Span]) -> float:
     """Seconds of ``span`` covered by the union of ``others``."""
     cut = sorted(
@@ -101,6 +115,7 @@ def main(root: Path) -> int:
     if not procs:
         print(f"{root}: no stage log with a start time", file=sys.stderr)
         return 1
+    past_midnight(procs)
     t0 = min(p.start for p in procs)
     t1 = max(p.end for p in procs)
     every_alone = [s for p in procs for s in p.alone]

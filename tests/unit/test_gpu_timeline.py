@@ -86,3 +86,31 @@ def test_the_h200_run_of_2026_12_03b_on_one_clock(capsys: pytest.CaptureFixture[
     assert "42 stage processes over 209 s; the GPU held alone (measuring) for 71 s" in out
     assert "| gpt2 | 209 | 80.1 | 47.4 | 5.7 | 26.9 |" in out
     assert "All waits: 674 s, 210 s (31%) of them drains" in out
+
+
+def test_a_run_across_midnight_reads_in_order(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    _log(
+        tmp_path,
+        "a",
+        "capture",
+        [
+            "[opprof] +    0.0 s  started at 23:59:59.000 UTC",
+            "[opprof] +    4.0 s  let go of the GPU, held to itself for 2.00 s",
+        ],
+    )
+    _log(
+        tmp_path,
+        "b",
+        "capture",
+        [
+            "[opprof] +    0.0 s  started at 00:00:00.000 UTC",
+            "[opprof] +    1.0 s  waiting for the GPU: another process on it is at work",
+            "[opprof] +    3.0 s  had the GPU after 2.0 s",
+        ],
+    )
+    assert _timeline().main(tmp_path) == 0
+    out = capsys.readouterr().out
+    assert "2 stage processes over 4 s; the GPU held alone (measuring) for 2 s" in out
+    assert "| b | 4 | 2.0 | 2.0 | 0.0 | 0.0 |" in out  # behind a, across midnight
