@@ -529,7 +529,8 @@ def test_every_backend_timed_twice_has_overlapping_intervals_once_widened() -> N
     pairs, conv_block and depthwise_separable_conv with counters) and 8 in h200-2026-12-03b
     (every launch-bound baseline in both pairs: conv_block by 18.8%, its host reference 1.54 us
     in the run and 1.25 a minute later; mlp_activations by 17.3%, two of the run's three
-    processes preempted in some rounds; none in its third pair, again-n7)."""
+    processes slower at the same host reference, the other CPUs busier; none in its third pair,
+    again-n7)."""
     pairs = _timed_twice()
     assert len(pairs) == 154
     missed = {True: 0, False: 0}
