@@ -21,11 +21,13 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 
+from pytest_opprof import devicelock
+
 LINE = re.compile(r"^\[opprof\] \+\s*([\d.]+) s  (.*)$")
 START = re.compile(r"(?:forked from the fork server of pid \d+|started) at ([\d:.]+) UTC$")
 WAITED = re.compile(r"^had the GPU after ([\d.]+) s$")
 QUIET = re.compile(r"^the host was quiet after ([\d.]+) s$")
-MEASURED = re.compile(r"^let go of the GPU, held to itself for ([\d.]+) s$")
+MEASURED = re.compile(rf"^{re.escape(devicelock.MEASURED)} ([\d.]+) s$")
 
 Span = tuple[float, float]
 
@@ -134,33 +136,29 @@ def main(root: Path) -> int:
         "quiet wait | other (drains) |"
     )
     print("|---|---|---|---|---|---|")
-    workloads = sorted({p.name.split("/")[0] for p in procs})
-    drains = 0.0
-    for w in workloads:
-        mine = [p for p in procs if p.name.startswith(w + "/")]
-        waited = behind = behind_held = 0.0
-        for p in mine:  # behind any other process, its own workload's included
-            alone = [s for q in procs if q is not p for s in q.alone]
-            held = alone + [s for q in procs if q is not p for s in q.quiet_waits]
-            waited += sum(b - a for a, b in p.waits)
-            behind += sum(overlap(s, alone) for s in p.waits)
-            behind_held += sum(overlap(s, held) for s in p.waits)
-        drains += waited - behind_held
-        end = max(p.end for p in mine) - t0
+    # each wait: (process, start, end, seconds behind another's measurement, behind any hold)
+    waits: list[tuple[Process, float, float, float, float]] = []
+    for p in procs:  # behind any other process, its own workload's included
+        alone = [s for q in procs if q is not p for s in q.alone]
+        held = alone + [s for q in procs if q is not p for s in q.quiet_waits]
+        waits += [(p, a, b, overlap((a, b), alone), overlap((a, b), held)) for a, b in p.waits]
+    for w in sorted({p.name.split("/")[0] for p in procs}):
+        mine = [x for x in waits if x[0].name.startswith(w + "/")]
+        waited = sum(b - a for _, a, b, _, _ in mine)
+        behind = sum(x[3] for x in mine)
+        behind_held = sum(x[4] for x in mine)
+        end = max(p.end for p in procs if p.name.startswith(w + "/")) - t0
         print(
             f"| {w} | {end:.0f} | {waited:.1f} | {behind:.1f} | {behind_held - behind:.1f} | "
             f"{waited - behind_held:.1f} |"
         )
-    total = sum(b - a for p in procs for a, b in p.waits)
-    print(f"\nAll waits: {total:.0f} s, {drains:.0f} s ({drains / total:.0%}) of them drains")
+    total = sum(b - a for _, a, b, _, _ in waits)
+    drains = total - sum(x[4] for x in waits)
+    share = f" ({drains / total:.0%})" if total else ""
+    print(f"\nAll waits: {total:.0f} s, {drains:.0f} s{share} of them drains")
     print("\nLongest waits that overlapped no hold of the GPU alone for 2 s or more (drains):\n")
-    rows = []
-    for p in procs:
-        others = [s for q in procs if q is not p for s in (*q.alone, *q.quiet_waits)]
-        for a, b in p.waits:
-            gap = (b - a) - overlap((a, b), others)
-            if gap >= 2.0:
-                rows.append((gap, p.name, a - t0, b - t0))
+    rows = [(b - a - held, p.name, a - t0, b - t0) for p, a, b, _, held in waits]
+    rows = [r for r in rows if r[0] >= 2.0]
     for gap, name, a, b in sorted(rows, reverse=True)[:15]:
         print(f"- {name}: {a:.1f}–{b:.1f} s, {gap:.1f} s while nobody held it alone")
     return 0

@@ -130,7 +130,6 @@ class DeviceLock:
         already, which must not be let go of here)."""
         if self._siblings is None or "exclusive" in (self.siblings_held, self.held):
             return False
-        self._siblings_unlock()
         try:
             fcntl.flock(self._siblings, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

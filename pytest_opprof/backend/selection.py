@@ -172,7 +172,7 @@ def second_pass(kept: Sequence[bool]) -> list[int]:
     before the last one kept, which were timed against a plan that has changed since. None where
     no rung was kept: the plan is still the one they were timed against."""
     last = max((i for i, k in enumerate(kept) if k), default=-1)
-    return [i for i in range(max(last, 0)) if not kept[i]]
+    return [i for i in range(last) if not kept[i]]
 
 
 def worth_a_second_pass(reasons: list[str], revived: bool) -> bool:
