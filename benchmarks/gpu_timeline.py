@@ -115,7 +115,11 @@ def main(root: Path) -> int:
     if skipped:
         print(f"{skipped} logs without a start time skipped", file=sys.stderr)
     if not procs:
-        print(f"{root}: no stage log with a start time", file=sys.stderr)
+        print(
+            f"{root}: no stage log with a start time; pass a run's --opprof-out folder (its "
+            "<workload>/profiler_output/*.log), from pytest-opprof at 32af259 or later",
+            file=sys.stderr,
+        )
         return 1
     past_midnight(procs)
     t0 = min(p.start for p in procs)

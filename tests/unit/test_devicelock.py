@@ -623,3 +623,24 @@ def test_a_siblings_measurement_holds_their_lock_for_its_span_and_no_longer(
         sibling.close()
         lock.close()
         monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+def test_each_measurement_says_as_it_ends_how_long_it_held_the_gpu_alone(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The line ``benchmarks/gpu_timeline.py`` reads a measurement's span from; sharing says
+    nothing."""
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
+    said: list[str] = []
+    lock = devicelock.join(note=said.append)
+    assert lock is not None
+    try:
+        with devicelock.measuring():
+            time.sleep(0.2)
+        ends = [s for s in said if s.startswith(devicelock.MEASURED)]
+        assert len(ends) == 1
+        assert 0.2 <= float(ends[0].removeprefix(devicelock.MEASURED).split()[0]) < 5
+    finally:
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)

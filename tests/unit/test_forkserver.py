@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -107,7 +108,10 @@ def test_a_stage_child_gets_the_request_environment_folder_and_log(
     assert code == 3  # the runner's exit status for a workload's own error
     text = log.read_text()
     assert "hello from the workload" in text and "torch imported" in text
-    assert f"forked from the fork server of pid {server.proc.pid}" in text
+    assert f"forked from the fork server of pid {server.proc.pid} at " in text
+    # its first line says when it started, on the clock every stage log shares
+    first = text.splitlines()[0]
+    assert re.search(r"forked from .* at \d\d:\d\d:\d\d\.\d{3} UTC$", first), first
     assert (tmp_path / "failure.json").exists()  # written beside the spec, as a plain child
 
 
