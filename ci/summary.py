@@ -3,7 +3,14 @@
 Reads ``<out>/session.json`` (the machine-readable contract; the speedup table is built from it,
 not scraped from Markdown) and ``<out>/report.md`` (shown folded below the table). Writes
 ``<out>/speedup-table.md`` and ``<out>/comment.md``, appends to ``$GITHUB_STEP_SUMMARY`` and
-sets ``report``, ``speedup-table``, ``comment-body`` and ``passed`` in ``$GITHUB_OUTPUT``.
+sets ``report``, ``speedup-table``, ``comment-body``, ``passed`` and ``gate-enforced`` in
+``$GITHUB_OUTPUT``.
+
+A CPU fallback never reads as a green gate: a workload whose gate was not enforced (``enforced``
+false in session.json) shows a neutral icon and "CPU fallback: gate not enforced", and so does
+the headline when the session's gate was not enforced; ``passed`` is then false (no speedup was
+proven), with ``gate-enforced`` false to tell it from a failed gate. Files written before these
+keys existed are read as enforced.
 
 Standard library only, like post_comment.py: it runs on whatever Python the runner has.
 """
@@ -23,6 +30,9 @@ from post_comment import MARKER, artifacts_url
 # GitHub refuses a step summary over 1 MiB; keep well under it.
 MAX_SUMMARY_BYTES = 1_000_000
 STATUS_ICONS = {"passed": "✅", "failed": "❌", "error": "⚠️", "skipped": "⏭️"}
+NEUTRAL_ICON = "⚪"
+# The plugin's words (pytest_opprof.schema.CPU_NOT_ENFORCED); a test keeps the two equal.
+CPU_NOT_ENFORCED = "CPU fallback: gate not enforced"
 COLUMNS = ("Workload", "Status", "Speedup (95% CI)", "Baseline ms", "Optimized ms", "Passes")
 
 
@@ -33,6 +43,7 @@ class Session:
     workloads: list[dict[str, Any]]
     gate_passed: bool
     problem: str | None = None
+    gate_enforced: bool = True
 
 
 def load_session(out_dir: Path) -> Session:
@@ -47,7 +58,12 @@ def load_session(out_dir: Path) -> Session:
     if version.split(".")[0] != "1":
         return Session([], False, f"`{path}` has schema_version {version!r}; this action reads 1.x")
     workloads = [w for w in data.get("workloads") or [] if isinstance(w, dict)]
-    return Session(workloads, data.get("gate_passed") is True)
+    enforced = data.get("gate_enforced") is not False and all(map(_enforced, workloads))
+    return Session(workloads, data.get("gate_passed") is True, gate_enforced=enforced)
+
+
+def _enforced(workload: dict[str, Any]) -> bool:
+    return workload.get("enforced") is not False
 
 
 def _cell(value: object) -> str:
@@ -81,9 +97,13 @@ def speedup_table(workloads: list[dict[str, Any]]) -> str:
     lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     for w in workloads:
         status = str(w.get("status", "?"))
+        if status == "passed" and not _enforced(w):
+            shown = f"{NEUTRAL_ICON} {CPU_NOT_ENFORCED}"
+        else:
+            shown = f"{STATUS_ICONS.get(status, '')} {_cell(status)}".strip()
         row = (
             _cell(w.get("name", "?")),
-            f"{STATUS_ICONS.get(status, '')} {_cell(status)}".strip(),
+            shown,
             _speedup(w),
             _ms(w.get("baseline_ms")),
             _ms(w.get("optimized_ms")),
@@ -93,8 +113,14 @@ def speedup_table(workloads: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def headline(session: Session, passed: bool, args: argparse.Namespace) -> str:
-    verdict = "✅ speedup gate passed" if passed else "❌ speedup gate failed"
+def headline(session: Session, held: bool, args: argparse.Namespace) -> str:
+    """``held``: no workload failed and pytest passed, whether or not the gate was enforced."""
+    if not held:
+        verdict = "❌ speedup gate failed"
+    elif not session.gate_enforced:
+        verdict = f"{NEUTRAL_ICON} {CPU_NOT_ENFORCED}"
+    else:
+        verdict = "✅ speedup gate passed"
     terms = []
     if args.min_speedup:
         terms.append(f"minimum speedup {args.min_speedup}×")
@@ -109,11 +135,11 @@ def headline(session: Session, passed: bool, args: argparse.Namespace) -> str:
 
 
 def render(out_dir: Path, args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
-    """Build the texts; returns table, summary, comment and passed."""
+    """Build the texts; returns table, summary, comment, passed and gate_enforced."""
     session = load_session(out_dir)
-    passed = session.problem is None and session.gate_passed and args.exit_code in (None, 0)
+    held = session.problem is None and session.gate_passed and args.exit_code in (None, 0)
     table = speedup_table(session.workloads)
-    parts = [headline(session, passed, args)]
+    parts = [headline(session, held, args)]
     if session.problem:
         parts.append(f"**No results:** {session.problem}; see the job log.\n")
     else:
@@ -137,7 +163,8 @@ def render(out_dir: Path, args: argparse.Namespace, env: dict[str, str]) -> dict
         "table": table,
         "summary": summary,
         "comment": f"{MARKER}\n{summary}",
-        "passed": "true" if passed else "false",
+        "passed": "true" if held and session.gate_enforced else "false",
+        "gate_enforced": "true" if session.gate_enforced else "false",
     }
 
 
@@ -178,6 +205,7 @@ def main(argv: list[str] | None = None, env: dict[str, str] | None = None) -> in
         "speedup-table": str(table_path),
         "comment-body": str(comment_path),
         "passed": texts["passed"],
+        "gate-enforced": texts["gate_enforced"],
     }
     if env.get("GITHUB_OUTPUT"):
         set_outputs(env["GITHUB_OUTPUT"], outputs)

@@ -123,9 +123,10 @@ def _run_stages(ns: argparse.Namespace, options: OpprofOptions, stages: Sequence
 
         summaries = session.collect_summaries()
         device = session_device(summaries, options.out, options.device)
-        report = session.write_session(summaries, device)
+        report, verdict = session.write_session(summaries, device)
         print("\n".join(terminal_summary_lines(summaries)))
         print(f"session report: {report}")
+        failed |= not verdict.gate_passed
     return 1 if failed else 0
 
 

@@ -286,13 +286,18 @@ def paired_gain(
     host_us: Sequence[float],
     baseline: str,
     candidate: str,
-) -> tuple[Speedup, LatencyStats]:
+) -> tuple[Speedup, LatencyStats, LatencyStats]:
     """Selection's verdict on one rung: ``candidate`` against ``baseline`` (the plan below it)
-    over the same interleaved rounds, and the candidate's latency; the rounds whose host
-    reference says the host was slowed count on neither side, as in the timing pass."""
+    over the same interleaved rounds, then the candidate's latency and the baseline's in those
+    rounds (the one's median over the other's is the ratio); the rounds whose host reference
+    says the host was slowed count on neither side, as in the timing pass."""
     aside = slow_host_rounds(host_us)
     gain = speedup(baseline, samples[baseline], candidate, samples[candidate], set_aside=aside)
-    return gain, latency_stats(samples[candidate], calls[candidate], set_aside=aside)
+    return (
+        gain,
+        latency_stats(samples[candidate], calls[candidate], set_aside=aside),
+        latency_stats(samples[baseline], calls[baseline], set_aside=aside),
+    )
 
 
 @dataclass(frozen=True)

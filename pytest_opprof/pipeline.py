@@ -74,6 +74,30 @@ ARTIFACTS: dict[str, tuple[str, ...]] = {
 TIMING_KEYS: tuple[str, ...] = ("warmup_iters", "measure_iters", "rounds")
 
 
+def file_sha256(path: Path) -> str:
+    """The sha256 of ``path``'s bytes, or "" where it cannot be read."""
+    try:
+        return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+    except OSError:
+        return ""
+
+
+def source_digest(root: Path) -> str:
+    """A hash of the Python files under ``root``, their paths and their bytes."""
+    digest = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:20]
+
+
+@functools.lru_cache(maxsize=1)
+def package_digest() -> str:
+    """This package's own source: part of every stage's cache key, so that a changed pass,
+    rule or check recomputes what it produced (the version alone does not move between
+    releases)."""
+    return source_digest(Path(__file__).parent)
+
+
 @functools.lru_cache(maxsize=1)
 def default_hooks() -> Any:
     """The hooks with only the plugin's own implementations: what runs where no pytest session
@@ -238,6 +262,8 @@ class WorkloadRun:
                 self.setting("rtol") if "rtol" in self.spec.overrides else None,
                 self._passes_identity(),
             ),
+            # the file under test as it is now: an edited one is validated again
+            "validate": (file_sha256(self.generated),),
             "recapture": (
                 self.setting("timing_processes"),
                 bool(opts.fresh_timing),
@@ -252,6 +278,7 @@ class WorkloadRun:
                 previous,
                 self.spec.sha256(),
                 __version__,
+                package_digest(),
                 _torch_version(),
                 _device_identity(),
                 list(relevant),
@@ -567,10 +594,14 @@ def validate_file(run: WorkloadRun, generated: Path) -> ValidationReport:
     """The six steps of DESIGN §2.4, in order; the first failure blocks the rest."""
     steps: dict[str, StepResult] = {}
     extra: dict[str, Any] = {}
+    digest = file_sha256(generated)
     dtype = None
     sel_path = run.profiler_output / "backend_selection.json"
     if sel_path.exists():
-        dtype = read_artifact(sel_path, BackendSelection).plan.dtype
+        selection = read_artifact(sel_path, BackendSelection)
+        # the dtype whose tolerance selection held the plan to (TF32 for an fp32 plan on TF32
+        # tensor cores), as the generated file's own tests are
+        dtype = selection.numerics_dtype or selection.plan.dtype
 
     def blocked_after(failed: str) -> None:
         for name in VALIDATION_STEPS:
@@ -601,6 +632,10 @@ def validate_file(run: WorkloadRun, generated: Path) -> ValidationReport:
         steps.update({k: StepResult(**v) for k, v in data["steps"].items()})
         extra.update({k: v for k, v in data.items() if k != "steps"})
     llm_passes = _validate_llm_passes(run, dtype) if steps["syntax"].status == "pass" else []
+    if digest and file_sha256(generated) != digest:
+        steps["syntax"] = StepResult(
+            status="fail", detail=f"{generated.name} changed while it was validated; run again"
+        )
     failed = next((n for n in VALIDATION_STEPS if n in steps and steps[n].status == "fail"), None)
     blocked_after(failed or "nothing")
     ordered = {n: steps[n] for n in VALIDATION_STEPS}
@@ -610,6 +645,7 @@ def validate_file(run: WorkloadRun, generated: Path) -> ValidationReport:
         message = f"BLOCKED — fix step {number} ({failed}): {steps[failed].detail}"
     return ValidationReport(
         file=generated.name,
+        sha256=digest,
         backend=f"opprof_{run.spec.stem}",
         steps=ordered,
         passes=[PassStatus(**p) for p in extra.get("passes", [])],
@@ -683,6 +719,7 @@ def stage_recapture(run: WorkloadRun) -> str:
     report = read_artifact(run.profiler_output / "validation_report.json", ValidationReport)
     if report.overall != "READY_FOR_PROFILING":
         raise StageBlocked(f"blocked by validate: {report.message}")
+    digest = validated_digest(run, report)
     baseline = read_artifact(run.out_dir / "profile.json", Profile).capture_metadata
     processes = timing_processes(run, baseline.device_type)
     together = processes > 1 and side_by_side(baseline, processes)
@@ -703,6 +740,7 @@ def stage_recapture(run: WorkloadRun) -> str:
                     "recapture",
                     "recapture",
                     generated=generated,
+                    sha256=digest,
                     shares_cpus=True,
                     siblings_lock=str(siblings),
                 )
@@ -714,7 +752,7 @@ def stage_recapture(run: WorkloadRun) -> str:
             replicas = [f.result() for f in pending]
             pool.shutdown()
         else:
-            run.run_child("recapture", "recapture", generated=generated)
+            run.run_child("recapture", "recapture", generated=generated, sha256=digest)
             replicas = [_retime_one(run, i, Path(tmp), fresh=fresh) for i in range(1, processes)]
     path = run.out_dir / "profile_optimized.json"
     prof = read_artifact(path, Profile)
@@ -733,6 +771,19 @@ def stage_recapture(run: WorkloadRun) -> str:
         return f"optimized {opt.median_ms:.4f} ms"
     how = "side by side" if together else "one after another"
     return f"optimized {opt.median_ms:.4f} ms ({opt.processes} processes, {how})"
+
+
+def validated_digest(run: WorkloadRun, report: ValidationReport) -> str:
+    """The sha256 of the generated file, which must be the one ``report`` validated: the
+    recapture never times a file that was edited after its validation."""
+    digest = file_sha256(run.generated)
+    if not report.sha256 or digest != report.sha256:
+        raise StageError(
+            f"{run.generated.name} is not the file validate checked (its sha256 differs from "
+            "validation_report.json's): validate it again — `opprof validate "
+            f"{_rel(run.generated)}`, or run without --opprof-from/--opprof-stage"
+        )
+    return digest
 
 
 TIMING_PROCESSES_GPU = 3
@@ -809,6 +860,7 @@ def _retime_one(
             fresh=fresh,
             server=forkserver.slot_of(i, timing_servers(run)),
             generated=str(run.generated.resolve()),
+            sha256=file_sha256(run.generated),
             result=result,
             shares_cpus=siblings is not None,
             siblings_lock=str(siblings) if siblings is not None else None,
@@ -861,6 +913,8 @@ def _run_stage(run: WorkloadRun, stage: str) -> StageOutcome:
         first = only if first is None else min(first, only)
     forced = first is not None and index >= first
     reuse_only = first is not None and index < first
+    if reuse_only and stage == "validate" and _edited_since_validation(run):
+        reuse_only = False  # an edited file is validated again before anything times it
     try:
         if reuse_only:
             for path in run.artifact_paths(stage):
@@ -899,6 +953,18 @@ def _run_stage(run: WorkloadRun, stage: str) -> StageOutcome:
     return outcome
 
 
+def _edited_since_validation(run: WorkloadRun) -> bool:
+    """The generated file exists and is not the one its validation report checked."""
+    path = run.profiler_output / "validation_report.json"
+    if not path.exists() or not run.generated.exists():
+        return False
+    try:
+        report = read_artifact(path, ValidationReport)
+    except ArtifactError:
+        return False
+    return report.sha256 != file_sha256(run.generated)
+
+
 def _artifacts_valid(run: WorkloadRun, stage: str) -> bool:
     """A cached stage whose artifacts no longer validate (truncated by a crash, edited by hand)
     is recomputed rather than failed: its inputs are all still there."""
@@ -928,5 +994,9 @@ def _check_artifacts(run: WorkloadRun, stage: str) -> None:
         )
     if stage == "validate":
         report = read_artifact(run.profiler_output / "validation_report.json", ValidationReport)
+        if report.sha256 != file_sha256(run.generated):
+            raise ArtifactError(
+                f"{run.generated.name} changed since validation_report.json was written"
+            )
         if report.overall != "READY_FOR_PROFILING":
             raise StageError(f"{run.generated.name}: {report.message}")

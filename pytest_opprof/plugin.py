@@ -20,11 +20,13 @@ from pytest_opprof.workload import WorkloadSpec, discover, is_generated
 
 if TYPE_CHECKING:
     from pytest_opprof.pipeline import WorkloadRun
-    from pytest_opprof.schema import Timing
+    from pytest_opprof.schema import SessionSummary, Timing
     from pytest_opprof.session import OpprofSession, Optimizer  # noqa: F401 (used in a string)
 
 SESSION_KEY = pytest.StashKey["OpprofSession"]()
 RECORDER_KEY = pytest.StashKey["StageRecorder"]()
+WRITTEN_KEY = pytest.StashKey[tuple[Path, "SessionSummary"]]()
+"""The session report's path and ``session.json`` as written at the session's end."""
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -264,21 +266,21 @@ class StageItem(OpprofItem):
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
-    if SESSION_KEY not in config.stash or hasattr(config, "workerinput"):
+    written = config.stash.get(WRITTEN_KEY, None)
+    if written is None:
         return
     from pytest_opprof.report import terminal_summary_lines
-    from pytest_opprof.session import session_device
 
-    session = config.stash[SESSION_KEY]
-    summaries = session.collect_summaries()
-    if not summaries:
-        return
-    device = session_device(summaries, session.options.out, session.options.device)
-    path = session.write_session(summaries, device)
+    path, summary = written
     terminalreporter.section("opprof")
-    for line in terminal_summary_lines(summaries):
+    for line in terminal_summary_lines(summary.workloads):
         terminalreporter.write_line(line)
     terminalreporter.write_line(f"session report: {path}")
+    if not summary.gate_passed:
+        failed = [w.name for w in summary.workloads if w.status != "passed"]
+        terminalreporter.write_line(
+            f"opprof gate FAILED for {', '.join(failed)}: exit status 1", red=True, bold=True
+        )
 
 
 class StageRecorder:
@@ -314,13 +316,29 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """The session's report and ``session.json`` (on the controller, from every worker's
+    summaries), and its exit status: a session whose gate did not pass exits 1 whatever was
+    selected, even where no failed item said so (runs before the terminal summary)."""
     config = session.config
-    junit = config.stash[SESSION_KEY].options.junit if SESSION_KEY in config.stash else None
-    if junit is None or hasattr(config, "workerinput"):
+    if SESSION_KEY not in config.stash or hasattr(config, "workerinput"):
         return
-    from pytest_opprof.report import write_stage_junit
+    opprof = config.stash[SESSION_KEY]
+    if opprof.options.junit is not None:
+        from pytest_opprof.report import write_stage_junit
 
-    write_stage_junit(junit, config.stash[RECORDER_KEY].records)
+        write_stage_junit(opprof.options.junit, config.stash[RECORDER_KEY].records)
+    summaries = opprof.collect_summaries()
+    if not summaries:
+        return
+    from pytest_opprof.session import session_device
+
+    device = session_device(summaries, opprof.options.out, opprof.options.device)
+    config.stash[WRITTEN_KEY] = opprof.write_session(summaries, device)
+    if not config.stash[WRITTEN_KEY][1].gate_passed and session.exitstatus in (
+        pytest.ExitCode.OK,
+        pytest.ExitCode.NO_TESTS_COLLECTED,
+    ):
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 # ------------------------------------------------------------------------------ fixture

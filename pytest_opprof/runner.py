@@ -15,6 +15,7 @@ import json
 import os
 import sys
 import time
+import types
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -219,10 +220,25 @@ def _load_baseline(spec: dict[str, Any], device: str) -> Any:
     return w
 
 
-def _import_generated(path: Path) -> Any:
+def _import_generated(path: Path, sha256: str | None = None) -> Any:
+    """Import the generated file; with ``sha256``, only the file of that hash (the one
+    validated), read once so that the bytes checked are the bytes run."""
+    import hashlib
+
     from pytest_opprof.errors import StageError
 
     name = path.stem
+    if sha256 is not None:
+        source = path.read_bytes()
+        if hashlib.sha256(source).hexdigest() != sha256:
+            raise StageError(
+                f"{path.name} changed after its validation: not timed; validate it again"
+            )
+        module = types.ModuleType(name)
+        module.__file__ = str(path)
+        sys.modules[name] = module
+        exec(compile(source, str(path), "exec"), module.__dict__)
+        return module
     mod_spec = importlib.util.spec_from_file_location(name, path)
     if mod_spec is None or mod_spec.loader is None:
         raise StageError(f"{path}: cannot be imported")
@@ -571,6 +587,7 @@ def task_select(spec: dict[str, Any]) -> None:
         faster_enough,
         over_twice_as_slow,
         second_pass,
+        timed_rung,
         verdict,
         worth_a_second_pass,
     )
@@ -588,7 +605,7 @@ def task_select(spec: dict[str, Any]) -> None:
         write_artifact,
     )
     from pytest_opprof.tolerances import TF32, numerics_dtype, tolerance_for
-    from pytest_opprof.validate import compare
+    from pytest_opprof.validate import calibrated, check_numerics, describe, same_precision
     from pytest_opprof.workload import fresh_inputs
 
     _setup_torch()
@@ -602,6 +619,8 @@ def task_select(spec: dict[str, Any]) -> None:
     check_in = fresh_inputs(w.inputs, 7)
     with torch.no_grad():
         reference_out = [t.clone() for t in _flat(eager(*check_in))]
+    # eager's own error at each compute dtype a rung tries, which bounds that rung's
+    same_dtype: dict[str, Any] = {}
     calls = max(3, _setting(spec, "measure_iters") // 2)
     rounds = max(5, min(9, _setting(spec, "rounds")))
     brief = {"device": device, "warmup": 3, "calls_per_round": calls, "rounds": rounds}
@@ -621,10 +640,15 @@ def task_select(spec: dict[str, Any]) -> None:
         "plan": BackendPlan(),
         "fn": compiled if ref_name == "compile" else eager,
         "name": ref_name,
-        "ms": ref_ms,
     }
     waterfall = [
-        WaterfallStep(step=ref_name, latency_ms=ref_ms, speedup_cumulative=1.0, speedup_added=1.0)
+        WaterfallStep(
+            step=ref_name,
+            latency_ms=ref_ms,
+            speedup_cumulative=1.0,
+            speedup_added=1.0,
+            measured_ms=ref_ms,
+        )
     ]
     skip = set(spec.get("overrides", {}).get("skip", []))
     not_built, rungs = climbed(opt.proposals, device, skip, _captured_graph(out_dir))
@@ -684,7 +708,17 @@ def task_select(spec: dict[str, Any]) -> None:
             return False
         checked_as = numerics_dtype(plan.dtype, tf32=_runs_tf32(eager, plan, device))
         rtol, atol = tolerance_for(checked_as, spec.get("overrides"))
-        numerics = compare(reference_out, got, dtype=checked_as, rtol=rtol, atol=atol)
+        if calibrated(spec.get("overrides")) and checked_as not in same_dtype:
+            with torch.no_grad():
+                same_dtype[checked_as] = same_precision(eager, check_in, checked_as, reference_out)
+        numerics = check_numerics(
+            reference_out,
+            got,
+            dtype=checked_as,
+            rtol=rtol,
+            atol=atol,
+            reference=same_dtype.get(checked_as),
+        )
         if not numerics.ok:
             variants.append(
                 VariantResult(
@@ -695,9 +729,7 @@ def task_select(spec: dict[str, Any]) -> None:
                 dropped[p.id] = DroppedProposal(
                     id=p.id,
                     type=p.type,
-                    reason=(
-                        f"changed the output: relative error {numerics.rel_err:.2e} > {rtol:.1e}"
-                    ),
+                    reason=(f"changed the output: {describe(numerics)}"),
                 )
             return False
         with devicelock.measuring(share_after=False):
@@ -707,30 +739,29 @@ def task_select(spec: dict[str, Any]) -> None:
                 **brief,
                 enough=over_twice_as_slow,
             )
-        gain, cand = paired_gain(s, s.calls, s.host_us, "current", "candidate")
+        gain, cand, below = paired_gain(s, s.calls, s.host_us, "current", "candidate")
         aside = f" ({len(cand.set_aside)} rounds set aside)" if cand.set_aside else ""
         timed = len(s["candidate"])  # fewer than planned: stopped, over twice as slow in each
         early = f", timed for {timed} rounds, each over twice as slow" if timed < rounds else ""
         phase(f"timed {name}: {gain.ratio:.3f}x{aside}{early}")
-        new_ms = state["ms"] / gain.ratio
-        variants.append(
-            VariantResult(
-                name=name, plan=plan, latency=cand, numerics=numerics, speedup=ref_ms / new_ms
-            )
-        )
         ids = ", ".join(p.id for p in rung.proposals)
+        variant, step = timed_rung(
+            name,
+            plan,
+            gain,
+            cand,
+            label=f"+{rung.name} ({ids})" + (" [second pass]" if second_chance else ""),
+            below_name=state["name"],
+            below_latency=below,
+            below_step=waterfall[-1],  # the plan below: the last step kept
+            numerics=numerics,
+        )
+        variants.append(variant)
         if faster_enough(gain):
-            state.update(plan=plan, fn=built.fn, name=name, ms=new_ms)
+            state.update(plan=plan, fn=built.fn, name=name)
             for p in rung.proposals:
                 dropped.pop(p.id, None)
-            waterfall.append(
-                WaterfallStep(
-                    step=f"+{rung.name} ({ids})" + (" [second pass]" if second_chance else ""),
-                    latency_ms=new_ms,
-                    speedup_cumulative=ref_ms / new_ms,
-                    speedup_added=gain.ratio,
-                )
-            )
+            waterfall.append(step)
             return True
         for p in rung.proposals:
             dropped[p.id] = DroppedProposal(
@@ -938,12 +969,14 @@ def _validate_run(spec: dict[str, Any], module: Any, steps: dict[str, Any]) -> N
     from pytest_opprof.capture.timing import synchronize
     from pytest_opprof.schema import PassStatus, StepResult
     from pytest_opprof.tolerances import tolerance_for
-    from pytest_opprof.validate import anti_cheat_checks
+    from pytest_opprof.validate import anti_cheat_checks, calibrated
 
     opts = _options(spec)
     device = resolve_device(opts.device)
-    base_model, x = module.baseline.get_model_and_input()
-    template = tuple(x) if isinstance(x, (tuple, list)) else (x,)
+    # The reference is the workload itself, loaded here (seeded as the generated file seeds
+    # its copy), never what the file under test imports: it could import anything.
+    reference = _load_baseline(spec, device)
+    base_model, template = reference.model, reference.inputs
     try:
         model, _ = module.get_model_and_input()
         fn = runtime.optimized_callable(module, model)
@@ -963,12 +996,18 @@ def _validate_run(spec: dict[str, Any], module: Any, steps: dict[str, Any]) -> N
         steps["numerics"] = StepResult(status="skipped", detail="blocked by smoke")
         _write_steps(spec, steps)
         return
+    # Tolerances from the plan's compute dtype and the workload's OPPROF, never from the file
+    # under test (its RTOL is for its own generated tests).
     dtype = spec.get("dtype")
     rtol, atol = tolerance_for(dtype, spec.get("overrides"))
-    if hasattr(module, "RTOL"):
-        rtol, atol = float(module.RTOL), float(module.ATOL)
     numerics, checks = anti_cheat_checks(
-        base_model, fn, template, dtype=dtype, rtol=rtol, atol=atol
+        base_model,
+        fn,
+        template,
+        dtype=dtype,
+        rtol=rtol,
+        atol=atol,
+        calibrate=calibrated(spec.get("overrides")),
     )
     failed = [k for k, v in checks.items() if v.status == "fail"]
     steps["numerics"] = StepResult(
@@ -1041,7 +1080,7 @@ def _optimized_calls(
 
     opts = _options(spec)
     out_dir = Path(spec["out_dir"])
-    module = _import_generated(Path(spec["generated"]))
+    module = _import_generated(Path(spec["generated"]), sha256=spec.get("sha256"))
     model, _ = module.get_model_and_input()
     compile_s: dict[str, float] = {}
     compiled, compile_s["compile"] = _compile_timed(w.model, opts.compile_backend, w.inputs, device)

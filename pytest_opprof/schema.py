@@ -408,28 +408,87 @@ class BackendPlan(Model):
 
 
 class Numerics(Model):
+    """One output compared with the fp32 eager reference (``validate.check_numerics``)."""
+
     max_abs_err: float
     rel_err: float
     rtol: float
     atol: float
     dtype: str
     ok: bool
+    rel_limit: float | None = Field(
+        default=None,
+        description="the relative L2 error allowed: rtol, or less where the same-precision "
+        "eager reference showed that this dtype's real error on this model is smaller",
+    )
+    reference_rel_err: float | None = Field(
+        default=None,
+        description="the relative L2 error of eager at the compute dtype (under autocast) "
+        "against the fp32 eager reference (validate.same_precision)",
+    )
+    elements_over: int = Field(
+        default=0, description="elements past |d| <= atol' + rel_limit * |ref| (allclose-style)"
+    )
+    failed: str | None = Field(
+        default=None, description="the check that failed and its figures, in words"
+    )
 
 
 class VariantResult(Model):
     name: str
     plan: BackendPlan
-    latency: LatencyStats | None = None
-    speedup: float | None = Field(default=None, description="reference / variant latency")
+    latency: LatencyStats | None = Field(
+        default=None,
+        description="measured: eager's and compile's in their interleaved run, a rung's in its "
+        "paired run against the plan below it",
+    )
+    speedup: float | None = Field(
+        default=None,
+        description="reference / variant: for eager and compile, their latencies in the same "
+        "run; for a rung, chained: the product of the paired ratios from the reference up, an "
+        "estimate that reference_ms / latency need not equal (each pair ran on its own)",
+    )
+    paired: Speedup | None = Field(
+        default=None,
+        description="a rung's measured ratio against the plan below it (baseline: that plan's "
+        "name) over the same interleaved rounds, with its 95% CI",
+    )
+    paired_baseline_ms: float | None = Field(
+        default=None,
+        description="the plan below's median latency in those rounds: it over latency's "
+        "median is paired.ratio",
+    )
     numerics: Numerics | None = None
     error: str | None = None
 
 
 class WaterfallStep(Model):
     step: str
-    latency_ms: float
-    speedup_cumulative: float
-    speedup_added: float
+    latency_ms: float = Field(
+        description="chained: reference_ms / speedup_cumulative, an estimate; the latency "
+        "measured is measured_ms"
+    )
+    speedup_cumulative: float = Field(
+        description="chained: the product of the paired ratios so far, an estimate (each pair "
+        "ran on its own)"
+    )
+    speedup_added: float = Field(
+        description="measured: the plan below's latency over this one's in the same rounds"
+    )
+    measured_ms: float | None = Field(
+        default=None,
+        description="this cumulative plan's median latency measured in its own paired run (the "
+        "reference's: in its run with eager); absent before schema 1.4",
+    )
+    paired: Speedup | None = Field(
+        default=None,
+        description="speedup_added with its 95% CI; baseline: the plan below's variant name",
+    )
+    paired_baseline_ms: float | None = Field(
+        default=None,
+        description="the plan below's median latency in the same rounds: it over measured_ms "
+        "is speedup_added",
+    )
 
 
 class DroppedProposal(Model):
@@ -439,8 +498,10 @@ class DroppedProposal(Model):
 
 
 class BackendSelection(Artifact):
-    # 1.1: plan.extra_passes (user passes); 1.2: plan.cuda_graph_model; 1.3: numerics_dtype
-    SCHEMA_VERSION: ClassVar[str] = "1.3"
+    # 1.1: plan.extra_passes (user passes); 1.2: plan.cuda_graph_model; 1.3: numerics_dtype;
+    # 1.4: a waterfall step's measured_ms, and a step's and a rung's paired ratio with the plan
+    # below's latency in the same rounds, so a report shows latencies measured (issue 37)
+    SCHEMA_VERSION: ClassVar[str] = "1.4"
 
     workload: str
     reference: str
@@ -484,9 +545,13 @@ VALIDATION_STEPS: tuple[str, ...] = (
 
 
 class ValidationReport(Artifact):
-    SCHEMA_VERSION: ClassVar[str] = "1.1"  # 1.1: llm_passes
+    SCHEMA_VERSION: ClassVar[str] = "1.2"  # 1.1: llm_passes; 1.2: sha256
 
     file: str
+    sha256: str = Field(
+        default="",
+        description="the sha256 of the file validated: the recapture times only that file",
+    )
     backend: str
     steps: dict[str, StepResult]
     passes: list[PassStatus] = Field(default_factory=list)
@@ -523,12 +588,31 @@ class WorkloadSummary(Model):
     dtype: str | None = None
     passes: list[str] = Field(default_factory=list)
     report: str | None = None
+    enforced: bool = Field(
+        default=True,
+        description="false on the CPU fallback without --opprof-gate-on-cpu: the speedup was "
+        "measured but not gated, and every report says 'CPU fallback: gate not enforced' "
+        "instead of a verdict",
+    )
+
+
+CPU_NOT_ENFORCED = "CPU fallback: gate not enforced"
+"""The words every report (headline, terminal table, job summary, PR comment) shows in place of
+a verdict where the gate was not enforced."""
 
 
 class SessionSummary(Artifact):
+    # 1.1: gate_enforced, and each workload's enforced (the CPU fallback's gate)
+    SCHEMA_VERSION: ClassVar[str] = "1.1"
+
     device: str
     workloads: list[WorkloadSummary]
     gate_passed: bool
+    gate_enforced: bool = Field(
+        default=True,
+        description="false when some workload's gate was not enforced (the CPU fallback): "
+        "gate_passed then says no stage failed, not that a speedup was proven",
+    )
 
 
 class ChildFailure(Model):

@@ -18,6 +18,7 @@ from pytest_opprof.measure import gate_verdict
 from pytest_opprof.options import OpprofOptions
 from pytest_opprof.pipeline import StageOutcome, WorkloadRun, run_stage
 from pytest_opprof.schema import (
+    CPU_NOT_ENFORCED,
     BackendSelection,
     Optimizations,
     Profile,
@@ -82,16 +83,14 @@ class OpprofSession:
             outcome = StageOutcome("report", "error", str(exc))
             wr.outcomes["report"] = outcome
             return outcome
-        blocked = next(
-            (s for s in STAGES[:-1] if wr.outcomes.get(s) and wr.outcomes[s].status != "passed"),
-            None,
-        )
-        if blocked:
-            outcome = StageOutcome("report", "skipped", f"blocked by {blocked}")
-        elif summary.status == "failed":
-            outcome = StageOutcome("report", "failed", summary.message)
-        else:
+        # Fail closed: a workload that did not reach a measured speedup fails its gate item
+        # (never skips it), so `-k speedup` or a node id alone cannot turn a broken stage
+        # into a green run.
+        if summary.status == "passed":
             outcome = StageOutcome("report", "passed", summary.message)
+        else:
+            outcome = StageOutcome("report", "failed", f"gate not passed: {summary.message}")
+        blocked = any(o.status != "passed" for s, o in wr.outcomes.items() if s != "report")
         outcome.seconds = time.perf_counter() - start
         wr.outcomes["report"] = outcome
         if not blocked:
@@ -116,7 +115,7 @@ class OpprofSession:
 
     def summarize(self, wr: WorkloadRun) -> WorkloadSummary:
         out = wr.out_dir
-        status: Literal["passed", "failed", "error", "skipped"] = "passed"
+        status: Literal["passed", "failed", "error"] = "passed"
         message, stage_reached = "", "capture"
         for s in STAGES[:-1]:
             o = wr.outcomes.get(s)
@@ -124,7 +123,8 @@ class OpprofSession:
                 continue
             stage_reached = s
             if o.status != "passed":
-                status = o.status if o.status in ("error", "skipped") else "failed"  # type: ignore[assignment]
+                # the first stage that did not pass is the cause; later ones were blocked by it
+                status = "error" if o.status == "error" else "failed"
                 message = f"{s}: {o.message}"
                 break
         summary = WorkloadSummary(
@@ -135,12 +135,18 @@ class OpprofSession:
             message=message,
             report=_display(out / "report.md"),
         )
-        optimized = _maybe(out / "profile_optimized.json", Profile)
         selection = _maybe(wr.profiler_output / "backend_selection.json", BackendSelection)
         if selection is not None:
             summary.passes = list(selection.plan.proposals)
             summary.dtype = selection.plan.dtype or None
-        if status != "passed" or optimized is None:
+        if status != "passed":
+            return summary
+        try:
+            optimized = read_artifact(out / "profile_optimized.json", Profile)
+        except ArtifactError as exc:
+            # a passed recapture without its profile is no speedup: never a green gate
+            summary.status, summary.stage = "error", "recapture"
+            summary.message = f"recapture: {exc}"
             return summary
         t = optimized.timing
         baseline = self.gate_baseline(wr, optimized)
@@ -162,7 +168,8 @@ class OpprofSession:
         ok, why = gate_verdict(ratio, min_speedup, strict=self.options.strict_gate)
         on_cpu = optimized.capture_metadata.device_type == "cpu"
         if on_cpu and not self.options.gate_on_cpu:
-            summary.message = f"{why} (CPU fallback: gate not enforced; --opprof-gate-on-cpu)"
+            summary.enforced = False
+            summary.message = f"{CPU_NOT_ENFORCED} ({why}; --opprof-gate-on-cpu enforces it)"
         elif not ok:
             summary.status = "failed"
             summary.message = f"{why}; see {summary.report}"
@@ -228,18 +235,18 @@ class OpprofSession:
                 found.setdefault(s.name, s)
         return [found[k] for k in sorted(found)]
 
-    def write_session(self, summaries: list[WorkloadSummary], device: str) -> Path:
+    def write_session(
+        self, summaries: list[WorkloadSummary], device: str
+    ) -> tuple[Path, SessionSummary]:
+        """``session.json`` and the session ``report.md``: the report's path and the verdict."""
         from pytest_opprof.report import render_session_report
 
         out = self.options.out
-        gate = all(s.status in ("passed", "skipped") for s in summaries)
-        write_artifact(
-            out / "session.json",
-            SessionSummary(device=device, workloads=summaries, gate_passed=gate),
-        )
+        verdict = session_summary(summaries, device)
+        write_artifact(out / "session.json", verdict)
         path = out / "report.md"
         write_text_atomic(path, render_session_report(summaries, device=device, out_dir=out))
-        return path
+        return path, verdict
 
 
 # --------------------------------------------------------------------------- the fixture
@@ -383,6 +390,17 @@ def session_device(summaries: Iterable[WorkloadSummary], out: Path, device: str)
     return str(environment("cpu")["device_name"])
 
 
+def session_summary(summaries: list[WorkloadSummary], device: str) -> SessionSummary:
+    """The session's verdict: it passes only when every workload's gate passed (a workload
+    that stopped before its speedup was measured fails it, whatever was selected)."""
+    return SessionSummary(
+        device=device,
+        workloads=summaries,
+        gate_passed=all(s.status == "passed" for s in summaries),
+        gate_enforced=all(s.enforced for s in summaries),
+    )
+
+
 def _find(speedups: list[Speedup], baseline: str, candidate: str) -> Speedup | None:
     return next((s for s in speedups if s.baseline == baseline and s.candidate == candidate), None)
 
@@ -448,11 +466,7 @@ def merge_sessions(dirs: list[Path], out: Path) -> SessionSummary:
             found[w.name] = w
     summaries = [found[k] for k in sorted(found)]
     device = devices[0] if len(set(devices)) == 1 else " / ".join(sorted(set(devices)))
-    merged = SessionSummary(
-        device=device,
-        workloads=summaries,
-        gate_passed=all(s.status in ("passed", "skipped") for s in summaries),
-    )
+    merged = session_summary(summaries, device)
     write_artifact(out / "session.json", merged)
     report = render_session_report(summaries, device=device, out_dir=out)
     write_text_atomic(out / "report.md", report)

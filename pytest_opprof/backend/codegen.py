@@ -238,28 +238,57 @@ def render_notes(selection: BackendSelection, proposals: Sequence[Proposal]) -> 
         "",
         "## Variants measured",
         "",
-        "| variant | median ms | speedup vs reference | numerics | note |",
-        "|---|---|---|---|---|",
+        "Median ms: measured, eager and compile in one interleaved run, each rung paired with "
+        "the plan below it; that plan's median in the same rounds over the rung's is the paired "
+        "ratio. A rung's speedup vs reference is chained from the paired ratios: an estimate.",
+        "",
+        "| variant | median ms | paired ratio vs plan below (95% CI) | plan below, same rounds "
+        "| speedup vs reference | numerics | note |",
+        "|---|---|---|---|---|---|---|",
     ]
     for v in selection.variants:
         ms = f"{v.latency.median_ms:.4f}" if v.latency else "—"
-        sp = f"{v.speedup:.3f}x" if v.speedup else "—"
+        g = v.paired
+        pair = f"{g.ratio:.3f}x ({g.ci_low:.3f}–{g.ci_high:.3f})" if g else "—"
+        below = (
+            f"{g.baseline} {v.paired_baseline_ms:.4f}"
+            if g and v.paired_baseline_ms is not None
+            else "—"
+        )
+        sp = "—" if v.speedup is None else f"{v.speedup:.3f}x"
+        if v.speedup is not None and v.name not in ("eager", "compile"):
+            sp += " (chained, estimate)"
         num = (
             f"rel {v.numerics.rel_err:.2e} ({'ok' if v.numerics.ok else 'FAIL'})"
             if v.numerics
             else "—"
         )
-        lines.append(f"| {v.name} | {ms} | {sp} | {num} | {v.error or ''} |")
+        lines.append(f"| {v.name} | {ms} | {pair} | {below} | {sp} | {num} | {v.error or ''} |")
     lines += ["", "## Proposals kept", ""]
     for pid in selection.plan.proposals:
         p = by_id.get(pid)
         lines.append(f"- `{pid}`" + (f": {p.rationale or p.type}" if p else ""))
     lines += ["", "## Proposals dropped (never ship slower)", ""]
     lines += [f"- `{d.id}` ({d.type}): {d.reason}" for d in selection.dropped] or ["- none"]
-    lines += ["", "## Waterfall", "", "| step | ms | cumulative | added |", "|---|---|---|---|"]
+    lines += [
+        "",
+        "## Waterfall",
+        "",
+        "Each step's ms is measured in its run paired with the step above (whose ms in the same "
+        "rounds is shown); the cumulative speedup is chained from the paired ratios, an "
+        "estimate. The recapture times the chosen plan again: its figure is the gate's.",
+        "",
+        "| step | ms (measured) | step above, same rounds (ms) | added (paired, 95% CI) "
+        "| cumulative (chained, estimate) |",
+        "|---|---|---|---|---|",
+    ]
     for w in selection.waterfall:
+        above = "—" if w.paired_baseline_ms is None else f"{w.paired_baseline_ms:.4f}"
+        added = f"{w.speedup_added:.3f}x" + (
+            f" ({w.paired.ci_low:.3f}–{w.paired.ci_high:.3f})" if w.paired else ""
+        )
+        step_ms = w.latency_ms if w.measured_ms is None else w.measured_ms
         lines.append(
-            f"| {w.step} | {w.latency_ms:.4f} | {w.speedup_cumulative:.3f}x | "
-            f"{w.speedup_added:.3f}x |"
+            f"| {w.step} | {step_ms:.4f} | {above} | {added} | {w.speedup_cumulative:.3f}x |"
         )
     return "\n".join(lines) + "\n"

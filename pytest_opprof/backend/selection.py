@@ -7,7 +7,19 @@ from collections.abc import Mapping, Sequence, Set
 from typing import TYPE_CHECKING, Any
 
 from pytest_opprof.backend.plan import LADDER_ORDER, Rung, ladder
-from pytest_opprof.schema import Evidence, FxGraphSummary, Impact, IrLevel, Proposal, Speedup
+from pytest_opprof.schema import (
+    BackendPlan,
+    Evidence,
+    FxGraphSummary,
+    Impact,
+    IrLevel,
+    LatencyStats,
+    Numerics,
+    Proposal,
+    Speedup,
+    VariantResult,
+    WaterfallStep,
+)
 
 if TYPE_CHECKING:
     from pytest_opprof.passes.base import PassResult
@@ -165,6 +177,49 @@ def over_twice_as_slow(samples: Mapping[str, Sequence[float]]) -> bool:
     return done >= EARLY_ROUNDS and all(
         c * MUCH_SLOWER > b for b, c in zip(current[:done], candidate[:done], strict=True)
     )
+
+
+def timed_rung(
+    name: str,
+    plan: BackendPlan,
+    gain: Speedup,
+    latency: LatencyStats,
+    *,
+    label: str,
+    below_name: str,
+    below_latency: LatencyStats,
+    below_step: WaterfallStep,
+    numerics: Numerics | None = None,
+) -> tuple[VariantResult, WaterfallStep]:
+    """A rung's row of the variants table, and the waterfall step (``label``) it makes if kept,
+    from its one paired run against the plan below it: ``below_name``, whose latency in the same
+    rounds is ``below_latency`` and whose step is ``below_step``. Latencies and the paired ratio
+    are measured (``below_latency`` over ``latency`` is ``gain.ratio``); the speedup over the
+    reference is chained, ``below_step``'s times ``gain.ratio``: each pair ran on its own, so a
+    rung's latency over the reference's need not equal it (gpt2's first rung on the H200:
+    2.875 ms in its pair, 1.53x, against a reference timed at 3.297 ms in its own run;
+    ``examples/gpt2/h200``)."""
+    paired = gain.model_copy(update={"baseline": below_name, "candidate": name})
+    chained = below_step.speedup_cumulative * gain.ratio
+    variant = VariantResult(
+        name=name,
+        plan=plan,
+        latency=latency,
+        speedup=chained,
+        paired=paired,
+        paired_baseline_ms=below_latency.median_ms,
+        numerics=numerics,
+    )
+    step = WaterfallStep(
+        step=label,
+        latency_ms=below_step.latency_ms / gain.ratio,
+        speedup_cumulative=chained,
+        speedup_added=gain.ratio,
+        measured_ms=latency.median_ms,
+        paired=paired,
+        paired_baseline_ms=below_latency.median_ms,
+    )
+    return variant, step
 
 
 def second_pass(kept: Sequence[bool]) -> list[int]:

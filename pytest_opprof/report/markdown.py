@@ -24,16 +24,19 @@ from pytest_opprof.backend.plan import replaced_by_model_graph
 from pytest_opprof.measure import SLOW_HOST
 from pytest_opprof.report import plots as _plots
 from pytest_opprof.schema import (
+    CPU_NOT_ENFORCED,
     VALIDATION_STEPS,
     BackendPlan,
     BackendSelection,
     CaptureMetadata,
+    LatencyStats,
     OperatorAggregate,
     Profile,
     Proposal,
     Speedup,
     Timeline,
     Timing,
+    VariantResult,
     WaterfallStep,
     WorkloadSummary,
     timing_variant,
@@ -54,6 +57,12 @@ TIMELINE_LABELS = {"eager": ("eager",), "compile": ("compiled", "compile")}
 CANDIDATE_ORDER = ("optimized", "optimized_baseline_dtype")
 
 # ------------------------------------------------------------------------------ formatting
+
+
+def verdict(s: WorkloadSummary) -> str:
+    """The status a reader is shown: never ``passed`` where the gate was not enforced (the CPU
+    fallback, issue 37); a failure or an error keeps its own word."""
+    return CPU_NOT_ENFORCED if s.status == "passed" and not s.enforced else s.status
 
 
 def fmt_ms(value: float | None, *, unit: bool = True) -> str:
@@ -187,6 +196,13 @@ def gate_figures(
     variants = a.optimized.timing.variants
     b, o = variants.get(r.baseline), variants.get(r.candidate)
     return (r.ratio, r.ci_low, r.ci_high, b.median_ms if b else None, o.median_ms if o else None)
+
+
+def gate_enforced(a: WorkloadArtifacts) -> bool:
+    """False where the gate does not hold a CPU figure to account: the summary says so once the
+    gate ran, the profile before it (a workload that stopped at an earlier stage)."""
+    cpu = a.profile is not None and a.profile.capture_metadata.cpu_fallback
+    return a.summary.enforced and not (cpu and not a.gate_on_cpu)
 
 
 def on_cpu(a: WorkloadArtifacts) -> bool:
@@ -339,8 +355,9 @@ def _title(a: WorkloadArtifacts) -> list[str]:
         title = f"# {a.name}: {fmt_x(ratio)} {word} {label}"
     else:
         title = f"# {a.name}: no speedup measured"
-    lines = [title, "", f"Workload {code(a.path)} · status **{s.status}** (last stage: {s.stage})"]
-    if s.message and s.status != "passed":
+    status = verdict(s)
+    lines = [title, "", f"Workload {code(a.path)} · status **{status}** (last stage: {s.stage})"]
+    if s.message and status != "passed":
         lines += ["", f"> {one_line(s.message, 1000)}"]
     return [*lines, ""]
 
@@ -355,9 +372,11 @@ def _gate_line(a: WorkloadArtifacts) -> str:
     else:
         rule = f"fails only when the 95% CI lies wholly below {a.min_speedup:.2f}×"
     line = f"Gate: at least {a.min_speedup:.2f}× against {against}; {rule}."
-    cpu = a.profile is not None and a.profile.capture_metadata.cpu_fallback
-    if cpu and not a.gate_on_cpu:
-        line += " Not enforced here: " + CPU_CAVEAT + "."
+    if not gate_enforced(a):
+        line += (
+            f" **{CPU_NOT_ENFORCED}**: measured on the CPU, not a GPU figure; "
+            "`--opprof-gate-on-cpu` enforces it."
+        )
     return line
 
 
@@ -903,15 +922,34 @@ def section_implementation(a: WorkloadArtifacts) -> list[str]:
                     code(v.name),
                     _plan_text(v.plan),
                     fmt_ms(v.latency.median_ms) if v.latency else DASH,
-                    fmt_x(v.speedup),
+                    _paired_text(v),
+                    _vs_reference(v),
                     DASH if v.numerics is None else ("ok" if v.numerics.ok else "out of tolerance"),
                     one_line(v.error, 160) if v.error else "",
                 ]
                 for v in sel.variants
             ]
             lines += table(
-                ["variant", "plan", "latency", "vs reference", "numerics", "error"], rows
+                [
+                    "variant",
+                    "plan",
+                    "latency (measured)",
+                    "against the plan below, same rounds (measured)",
+                    "vs reference",
+                    "numerics",
+                    "error",
+                ],
+                rows,
             )
+            lines += [
+                "Latency: the median per call in selection's brief timing, eager and "
+                "torch.compile in one interleaved run, each rung in its own run paired with the "
+                "plan below it; the plan below's latency in those rounds over the rung's is its "
+                "paired ratio. A rung's speedup over the reference is chained from the paired "
+                "ratios (est.), not its latency over the reference's: those were timed in "
+                "different runs.",
+                "",
+            ]
         if sel.dropped:
             lines += ["Dropped by measurement (never ship slower):", ""]
             lines += [f"- {d.id} ({d.type}): {one_line(d.reason, 400)}" for d in sel.dropped]
@@ -922,6 +960,24 @@ def section_implementation(a: WorkloadArtifacts) -> list[str]:
     elif sel is not None:
         lines += ["_`profiler_output/implementation_notes.md` was not written._", ""]
     return lines
+
+
+def _paired_text(v: VariantResult) -> str:
+    """A rung's measured ratio over the plan below it, with that plan's latency in the same
+    rounds: ``1.53× (95% CI 1.50–1.56) over `compile` at 4.401 ms``."""
+    p = v.paired
+    if p is None:
+        return DASH
+    at = f" at {fmt_ms(v.paired_baseline_ms)}" if v.paired_baseline_ms is not None else ""
+    return f"{fmt_speedup(p.ratio, p.ci_low, p.ci_high)} over {code(p.baseline)}{at}"
+
+
+def _vs_reference(v: VariantResult) -> str:
+    """Eager's and torch.compile's speedup over the reference was measured in their one run; a
+    rung's is chained from the paired ratios (before schema 1.4 too), and says so."""
+    if v.speedup is None:
+        return DASH
+    return fmt_x(v.speedup) if v.name in BASELINE_LABELS else f"{fmt_x(v.speedup)} (chained, est.)"
 
 
 def section_validation(a: WorkloadArtifacts) -> list[str]:
@@ -1073,23 +1129,108 @@ def section_waterfall(a: WorkloadArtifacts, plots: bool) -> list[str]:
             "itself._",
             "",
         ]
-    rows = [[f"{ref} (reference)", fmt_ms(sel.reference_ms), fmt_x(1.0), DASH]]
-    rows += [
-        [s.step, fmt_ms(s.latency_ms), fmt_x(s.speedup_cumulative), fmt_x(s.speedup_added)]
-        for s in steps
-    ]
-    lines += table(["step", "latency", "cumulative speedup", "added by this step"], rows)
+    rows = [[f"{ref} (reference)", fmt_ms(sel.reference_ms), DASH, DASH, fmt_x(1.0)]]
+    rows += [_waterfall_row(s) for s in steps]
+    lines += table(
+        [
+            "step",
+            "latency (measured in selection's brief timing)",
+            "plan above, same rounds (measured)",
+            "added by this step (paired, 95% CI)",
+            "cumulative (chained from paired ratios, estimate)",
+        ],
+        rows,
+    )
+    chained = any(_paired_ms(s) is None for s in steps)
     lines += [
-        "Each step adds its passes to the previous one, timed briefly during variant "
-        "selection (`backend_selection.json`); the headline comes from the recapture and "
-        "can differ.",
+        "Each step adds its passes to the plan above it and is timed interleaved with that plan "
+        "(`backend_selection.json`): its latency and the plan above's are medians of the same "
+        "rounds, and the step's ratio is one over the other. A plan's latency moves from one "
+        "run to the next, so the cumulative speedup is the product of the paired ratios, an "
+        "estimate, not the reference's latency over a step's."
+        + (
+            " This selection was written before schema 1.4: its step latencies are chained "
+            "from the ratios too, marked (est.)."
+            if chained
+            else ""
+        ),
+        "",
+        _recapture_note(a, sel),
         "",
     ]
-    bars = [(ref, sel.reference_ms), *((s.step, s.latency_ms) for s in steps)]
+    bars = [
+        _plots.WaterfallBar(ref, sel.reference_ms),
+        *(
+            _plots.WaterfallBar(
+                s.step,
+                s.latency_ms if s.measured_ms is None else s.measured_ms,
+                measured=s.measured_ms is not None,
+                speedup=s.speedup_cumulative,
+            )
+            for s in steps
+        ),
+    ]
+    opt_ms = gate_figures(a)[4]
+    if opt_ms is not None:
+        bars.append(_plots.WaterfallBar("recapture (gate)", opt_ms, recapture=True))
     lines += _figure(
         a, plots, "waterfall.png", "per-pass waterfall", lambda p: _plots.waterfall(p, bars)
     )
     return lines
+
+
+def _paired_ms(s: WaterfallStep) -> tuple[float, float] | None:
+    """A step's measured latency and the plan above's in the same rounds (schema 1.4 on)."""
+    if s.measured_ms is None or s.paired_baseline_ms is None:
+        return None
+    return s.measured_ms, s.paired_baseline_ms
+
+
+def _waterfall_row(s: WaterfallStep) -> list[str]:
+    """A step's row: its measured latency, the plan above's in the same rounds and their ratio;
+    a step written before schema 1.4 has only a chained latency, marked as the estimate it is."""
+    measured = _paired_ms(s)
+    if measured is None:
+        latency, above, added = f"{fmt_ms(s.latency_ms)} (est.)", DASH, fmt_x(s.speedup_added)
+    else:
+        latency, above = fmt_ms(measured[0]), fmt_ms(measured[1])
+        p = s.paired
+        added = fmt_speedup(s.speedup_added, p.ci_low if p else None, p.ci_high if p else None)
+    return [s.step, latency, above, added, fmt_x(s.speedup_cumulative)]
+
+
+def _rounds(stats: LatencyStats) -> str:
+    """How long one latency was timed: ``9 rounds of 50 calls`` (per process, where several)."""
+    text = f"{stats.rounds} rounds of {stats.calls_per_round} calls"
+    return f"{text} over {stats.processes} processes" if stats.processes > 1 else text
+
+
+def _recapture_note(a: WorkloadArtifacts, sel: BackendSelection) -> str:
+    """Where the headline's latency of the chosen plan comes from, beside selection's: the
+    recapture times it again, longer, and that is the figure the gate holds."""
+    ratio, low, high, base_ms, opt_ms = gate_figures(a)
+    if opt_ms is None:
+        return (
+            "_The recapture measured no latency of the chosen plan: the figures above are "
+            "selection's only._"
+        )
+    base = gate_baseline(a)
+    label = BASELINE_LABELS.get(base or "", base or "the baseline")
+    opt = a.optimized.timing.variants.get("optimized") if a.optimized else None
+    brief = next((v.latency for v in sel.variants if v.name == sel.chosen and v.latency), None)
+    how = []
+    if brief is not None:
+        how.append(f"selection timed each plan for {_rounds(brief)}")
+    if opt is not None:
+        how.append(f"the recapture for {_rounds(opt)}")
+    return (
+        f"**Recapture of the chosen plan: {fmt_ms(opt_ms)}** per call, measured against "
+        f"{label} at {fmt_ms(base_ms)} in the same rounds, "
+        f"{fmt_speedup(ratio, low, high)} (`profile_optimized.json`): the headline's and the "
+        "gate's figure. Selection's latencies above come from brief runs"
+        + (f" ({'; '.join(how)})" if how else "")
+        + ", so they can differ from it."
+    )
 
 
 def section_estimated_vs_measured(a: WorkloadArtifacts) -> list[str]:
@@ -1110,7 +1251,9 @@ def section_estimated_vs_measured(a: WorkloadArtifacts) -> list[str]:
         measured.update(p.id for p in group)
         est_us = sum(p.impact.estimated_saving_us for p in group)
         est_x = math.prod(p.impact.estimated_speedup for p in group) if group else None
-        saved_us = (prev_ms - step.latency_ms) * 1000
+        # in the step's own rounds where recorded (schema 1.4 on), else chained latencies
+        after_ms, above_ms = _paired_ms(step) or (step.latency_ms, prev_ms)
+        saved_us = (above_ms - after_ms) * 1000
         prev_ms = step.latency_ms
         rows.append(
             [
@@ -1147,8 +1290,15 @@ def section_estimated_vs_measured(a: WorkloadArtifacts) -> list[str]:
     )
     lines += [
         "Estimated: `optimizations.json` (`impact`, from the roofline model; summed over the "
-        "proposals a step carried). Measured: that step of the waterfall (latency before the "
-        "step minus after it). A ratio well below 1 means the model was optimistic.",
+        "proposals a step carried). Measured: that step of the waterfall, the plan above's "
+        "latency minus the step's in the same interleaved rounds"
+        + (
+            " (a selection written before schema 1.4: the difference of chained latencies, "
+            "an estimate)"
+            if any(_paired_ms(s) is None for s in steps)
+            else ""
+        )
+        + ". A ratio well below 1 means the model was optimistic.",
         "",
     ]
     return lines
@@ -1361,7 +1511,7 @@ def write_workload_report(a: WorkloadArtifacts, *, plots: bool = True) -> Path:
 def summary_row(s: WorkloadSummary) -> list[str]:
     return [
         s.name,
-        s.status,
+        verdict(s),
         BASELINE_LABELS.get(s.baseline or "", s.baseline or DASH),
         fmt_ms(s.baseline_ms, unit=False),
         fmt_ms(s.optimized_ms, unit=False),
@@ -1423,8 +1573,9 @@ def _gpus_line(gpus: dict[str, tuple[list[str], set[int | None]]]) -> str:
 
 def render_session_report(items: Sequence[WorkloadSummary], *, device: str, out_dir: Path) -> str:
     """The session's ``report.md``: one table of every workload, then links to their reports."""
+    verdicts = [verdict(s) for s in items]
     counts = {
-        k: sum(1 for s in items if s.status == k) for k in ("passed", "failed", "error", "skipped")
+        k: verdicts.count(k) for k in ("passed", CPU_NOT_ENFORCED, "failed", "error", "skipped")
     }
     tally = ", ".join(f"{n} {k}" for k, n in counts.items() if n) or "no workload"
     lines = [
@@ -1433,6 +1584,12 @@ def render_session_report(items: Sequence[WorkloadSummary], *, device: str, out_
         f"Device: {device} · {len(items)} workload{'s' if len(items) != 1 else ''}: {tally}",
         "",
     ]
+    if counts[CPU_NOT_ENFORCED]:
+        lines += [
+            f"**{CPU_NOT_ENFORCED}** where a workload ran on the CPU: its speedup is a CPU "
+            "figure, not a verdict; `--opprof-gate-on-cpu` enforces it.",
+            "",
+        ]
     gpus = _gpus_measured(items, out_dir)
     if gpus:
         lines += [_gpus_line(gpus), ""]

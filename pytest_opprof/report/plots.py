@@ -146,19 +146,39 @@ def operator_bars(
     return _save(fig, path)
 
 
-def waterfall(path: Path, steps: Sequence[tuple[str, float]]) -> Path:
-    """Latency after each step (the first is the reference), with the speedup so far."""
+@dataclass(frozen=True)
+class WaterfallBar:
+    """One bar of the waterfall: a plan's latency, and what its label may claim of it."""
+
+    name: str
+    latency_ms: float
+    measured: bool = True
+    """False: a latency chained from ratios (a selection written before schema 1.4)."""
+    speedup: float | None = None
+    """Over the reference, chained from the paired ratios (an estimate); None: not shown."""
+    recapture: bool = False
+    """The recapture's latency of the chosen plan: the gate's figure, timed on its own."""
+
+
+def waterfall(path: Path, steps: Sequence[WaterfallBar]) -> Path:
+    """Latency of each cumulative plan (the first is the reference), with the speedup chained so
+    far, and the recapture's latency of the chosen plan where there is one. Each label says
+    which of its numbers are measured and which estimated."""
     if not steps:
         raise ValueError("no waterfall step to plot")
-    fig = _figure(1.5 + 1.1 * len(steps), 4.0)
+    fig = _figure(1.5 + 1.1 * len(steps), 4.6)
     ax = fig.add_subplot()
-    names = [_short(s[0], 22) for s in steps]
-    latencies = [s[1] for s in steps]
-    colors = ["#9e9e9e"] + ["#1f77b4"] * (len(steps) - 1)
+    names = [_short(s.name, 22) for s in steps]
+    latencies = [s.latency_ms for s in steps]
+    colors = [
+        "#ff7f0e" if s.recapture else "#9e9e9e" if i == 0 else "#1f77b4"
+        for i, s in enumerate(steps)
+    ]
     bars = ax.bar(range(len(steps)), latencies, color=colors)
-    ref = latencies[0]
-    for bar, value in zip(bars, latencies, strict=True):
-        label = f"{value:.3f} ms\n{ref / value:.2f}×" if value > 0 else f"{value:.3f} ms"
+    for bar, s in zip(bars, steps, strict=True):
+        label = f"{s.latency_ms:.3f} ms" + ("" if s.measured else " (est.)")
+        if s.speedup is not None:
+            label += f"\n{s.speedup:.2f}× est."
         ax.annotate(
             label,
             (bar.get_x() + bar.get_width() / 2, bar.get_height()),
@@ -168,8 +188,14 @@ def waterfall(path: Path, steps: Sequence[tuple[str, float]]) -> Path:
         )
     ax.set_xticks(range(len(steps)), names, rotation=20, ha="right", fontsize=8)
     ax.set_ylabel("latency per call (ms)")
-    ax.set_ylim(0, max(latencies) * 1.25)
-    ax.set_title("Per-pass waterfall")
+    ax.set_ylim(0, max(latencies) * 1.3)
+    notes = [
+        "latency: measured in selection's brief timing",
+        "×: chained from paired ratios (est.)",
+    ]
+    if any(s.recapture for s in steps):
+        notes.append("orange: the recapture's latency, the gate's figure")
+    ax.set_title("Per-pass waterfall\n" + "\n".join(notes), fontsize=8)
     return _save(fig, path)
 
 

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from tabulate import tabulate
 
 from pytest_opprof import ITEM_NAMES
-from pytest_opprof.report.markdown import BASELINE_LABELS, DASH, fmt_ms, fmt_speedup
+from pytest_opprof.report.markdown import BASELINE_LABELS, DASH, fmt_ms, fmt_speedup, verdict
 from pytest_opprof.schema import WorkloadSummary
 
 HEADERS = (
@@ -21,8 +21,11 @@ HEADERS = (
 )
 
 
-def _item(stage: str) -> str:
-    return ITEM_NAMES.get(stage, stage)
+def _status(s: WorkloadSummary) -> str:
+    """The verdict, with the item that stopped a workload which did not pass."""
+    if s.status == "passed" or not s.stage:
+        return verdict(s)
+    return f"{s.status} ({ITEM_NAMES.get(s.stage, s.stage)})"
 
 
 def terminal_summary_lines(items: Sequence[WorkloadSummary]) -> list[str]:
@@ -37,7 +40,7 @@ def terminal_summary_lines(items: Sequence[WorkloadSummary]) -> list[str]:
             fmt_ms(s.optimized_ms, unit=False),
             fmt_speedup(s.speedup, s.ci_low, s.ci_high),
             ", ".join(s.passes) or DASH,
-            s.status if s.status == "passed" or not s.stage else f"{s.status} ({_item(s.stage)})",
+            _status(s),
         ]
         for s in items
     ]

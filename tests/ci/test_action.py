@@ -27,6 +27,8 @@ yaml = pytest.importorskip("yaml", reason="PyYAML reads action.yml: pip install 
 ACTION = ROOT / "action.yml"
 WORKFLOW = ROOT / "ci" / "workflows" / "opprof.yml"
 SESSION = DATA / "session"
+CPU_SESSION = DATA / "cpu_session"  # the CPU fallback: measured, gate not enforced
+NOT_ENFORCED = "⚪ CPU fallback: gate not enforced"
 MARKER = "<!-- pytest-opprof -->"
 TABLE_HEADER = "| Workload | Status | Speedup (95% CI) | Baseline ms | Optimized ms | Passes |"
 TABLE_ROWS = (
@@ -258,10 +260,10 @@ def pr_env(github: FakeGitHub, tmp_path: Path) -> dict[str, str]:
     return {**github_env(github), "GITHUB_EVENT_PATH": str(event), "NO_PROXY": "127.0.0.1"}
 
 
-def session_with(tmp_path: Path, **changes: Any) -> Path:
-    """A copy of the fixture out-dir with session.json changed."""
+def session_with(tmp_path: Path, source: Path = SESSION, **changes: Any) -> Path:
+    """A copy of a fixture out-dir with session.json changed."""
     out = tmp_path / "results"
-    shutil.copytree(SESSION, out)
+    shutil.copytree(source, out)
     data = json.loads((out / "session.json").read_text())
     data.update(changes)
     (out / "session.json").write_text(json.dumps(data))
@@ -300,6 +302,7 @@ def test_dry_run_posts_the_table_and_fails_the_job_after_the_comment(
         "--opprof-out=opprof-results",
         "--opprof-min-speedup=1.2",
         "--opprof-baseline=compile",
+        "--opprof-device=cuda",
         "--junitxml=opprof-results/junit.xml",
         "--opprof-junit=opprof-results/opprof-junit.xml",
         "-n",
@@ -317,6 +320,7 @@ def test_dry_run_posts_the_table_and_fails_the_job_after_the_comment(
         "speedup-table": str(out / "speedup-table.md"),
         "comment-body": str(out / "comment.md"),
         "passed": "false",
+        "gate-enforced": "true",
     }
     job_summary = action.summary.read_text()
     comment_body = (out / "comment.md").read_text()
@@ -363,10 +367,93 @@ def test_dry_run_of_a_passing_gate_leaves_the_job_green(
     final = action.run("Fail the job when pytest or the speedup gate failed")
 
     assert action.outputs["summary"]["passed"] == "true"
+    assert action.outputs["summary"]["gate-enforced"] == "true"  # no key: a file from before it
     assert action.summary.read_text().startswith("### pytest-opprof: ✅ speedup gate passed")
     assert (action.workspace / "perf out" / "junit.xml").parent.is_dir()
     assert final.returncode == 0
     assert final.stdout == ""
+
+
+@pytest.mark.parametrize(
+    ("inputs", "device"), [({}, "cuda"), ({"device": "auto"}, "auto"), ({"device": "cpu"}, "cpu")]
+)
+def test_the_action_measures_on_the_gpu_unless_told_otherwise(
+    tmp_path: Path, fake_python: Path, inputs: dict[str, str], device: str
+) -> None:
+    log = tmp_path / "pytest-args.json"
+    env = {
+        "FAKE_PYTEST_LOG": str(log),
+        "FAKE_PYTEST_RESULTS": str(SESSION),
+        "FAKE_PYTEST_STATUS": "0",
+    }
+    action = ActionRun(tmp_path, env, python=str(fake_python), **inputs)
+
+    assert action.run("Run pytest --opprof").returncode == 0
+
+    assert load(ACTION)["inputs"]["device"]["default"] == "cuda"
+    devices = [arg for arg in json.loads(log.read_text()) if "device" in arg]
+    assert devices == [f"--opprof-device={device}"]
+
+
+def test_dry_run_of_a_cpu_fallback_is_neutral_not_green(
+    github: FakeGitHub, tmp_path: Path, fake_python: Path
+) -> None:
+    env = {
+        **pr_env(github, tmp_path),
+        "FAKE_PYTEST_LOG": str(tmp_path / "pytest-args.json"),
+        "FAKE_PYTEST_RESULTS": str(CPU_SESSION),
+        "FAKE_PYTEST_STATUS": "0",
+    }
+    action = ActionRun(tmp_path, env, python=str(fake_python), device="auto")
+
+    assert action.run("Run pytest --opprof").returncode == 0
+    assert action.run("Write the job summary and outputs").returncode == 0
+    assert action.run("Comment on the pull request").returncode == 0
+    final = action.run("Fail the job when pytest or the speedup gate failed")
+
+    job_summary = action.summary.read_text()
+    [posted] = github.bodies()
+    row = f"| tiny | {NOT_ENFORCED} | 1.05× (0.98–1.12) | 0.412 | 0.392 | bn_fold |"
+    assert job_summary.startswith(f"### pytest-opprof: {NOT_ENFORCED}\n\n1 workload; ")
+    assert row in job_summary.splitlines()
+    assert posted == f"{MARKER}\n{job_summary}"
+    assert "✅" not in posted and "passed" not in posted
+    assert action.outputs["summary"]["passed"] == "false"  # no speedup was proven
+    assert action.outputs["summary"]["gate-enforced"] == "false"
+    assert final.returncode == 0  # pytest passed: the job is not failed, only not green
+
+
+def test_a_workload_not_enforced_is_neutral_in_a_file_without_the_session_key(
+    tmp_path: Path,
+) -> None:
+    data = json.loads((CPU_SESSION / "session.json").read_text())
+    del data["gate_enforced"]
+    out = session_with(tmp_path, CPU_SESSION, **data)
+    output = tmp_path / "output"
+
+    summary.main([str(out)], env={"GITHUB_OUTPUT": str(output), "GITHUB_STEP_SUMMARY": os.devnull})
+
+    assert {"passed=false", "gate-enforced=false"} <= set(output.read_text().splitlines())
+    assert f"### pytest-opprof: {NOT_ENFORCED}" in (out / "comment.md").read_text()
+
+
+def test_a_failure_beside_a_cpu_fallback_still_fails_the_headline(tmp_path: Path) -> None:
+    cpu = json.loads((CPU_SESSION / "session.json").read_text())["workloads"]
+    failed = {"name": "attention", "status": "failed", "speedup": 0.9, "enforced": True}
+    out = session_with(tmp_path, CPU_SESSION, gate_passed=False, workloads=[*cpu, failed])
+
+    texts = summary.render(out, summary.parse_args([str(out)]), {})
+
+    assert texts["summary"].startswith("### pytest-opprof: ❌ speedup gate failed")
+    assert f"| tiny | {NOT_ENFORCED} |" in texts["table"]
+    assert "| attention | ❌ failed |" in texts["table"]
+    assert texts["passed"] == "false"
+
+
+def test_the_summary_says_the_plugins_words() -> None:
+    schema = pytest.importorskip("pytest_opprof.schema", reason="the plugin is not installed")
+
+    assert summary.CPU_NOT_ENFORCED == schema.CPU_NOT_ENFORCED
 
 
 def test_comment_only_reads_a_downloaded_out_dir(github: FakeGitHub, tmp_path: Path) -> None:
@@ -448,7 +535,8 @@ def test_the_action_steps_with_the_real_plugin_on_the_cpu(
         pr_env(github, tmp_path),
         python=sys.executable,
         paths=str(workload),
-        **{"extra-args": "--opprof-device=cpu -p no:cacheprovider"},
+        device="cpu",
+        **{"extra-args": "-p no:cacheprovider"},
     )
 
     pytest_step = action.run("Run pytest --opprof")
@@ -461,4 +549,6 @@ def test_the_action_steps_with_the_real_plugin_on_the_cpu(
     assert "**No results:**" not in action.summary.read_text(), pytest_step.stdout
     for text in (action.summary.read_text(), github.bodies()[0]):
         assert TABLE_HEADER in text
-        assert re.search(r"^\| tiny\S* \|", text, re.MULTILINE), text
+        assert re.search(rf"^\| tiny\S* \| {NOT_ENFORCED} \|", text, re.MULTILINE), text
+        assert "✅" not in text
+    assert action.outputs["summary"]["gate-enforced"] == "false"

@@ -397,3 +397,57 @@ def test_gemm_algorithm_runs_after_the_other_aten_passes(make_proposal: Any) -> 
         ]
     )
     assert plan.aten == ["gemm_out_dtype", "bn_fold", "gemm_algorithm"]
+
+
+def test_notes_say_which_figures_are_measured_and_which_chained() -> None:
+    """gpt2's first rung (examples/gpt2/h200): 2.875 ms in its pair, 1.53x over torch.compile
+    at 4.401 ms in the same rounds, the reference having timed 3.297 ms in its own run."""
+    from pytest_opprof.backend.codegen import render_notes
+    from pytest_opprof.backend.selection import timed_rung
+    from pytest_opprof.measure import latency_stats
+    from pytest_opprof.schema import Speedup, VariantResult, WaterfallStep
+
+    gain = Speedup(
+        baseline="current", candidate="candidate", ratio=4.401 / 2.875, ci_low=1.5, ci_high=1.56
+    )
+    plan = BackendPlan(proposals=["cuda_graphs-model"])
+    reference = WaterfallStep(
+        step="compile",
+        latency_ms=3.297,
+        speedup_cumulative=1.0,
+        speedup_added=1.0,
+        measured_ms=3.297,
+    )
+    variant, step = timed_rung(
+        "cuda_graphs-model",
+        plan,
+        gain,
+        latency_stats([2.875] * 5, 50),
+        label="+cuda_graphs_model (cuda_graphs-model)",
+        below_name="compile",
+        below_latency=latency_stats([4.401] * 5, 50),
+        below_step=reference,
+    )
+    compiled = VariantResult(
+        name="compile", plan=BackendPlan(), latency=latency_stats([3.297] * 5, 50), speedup=1.0
+    )
+    selection = BackendSelection(
+        workload="gpt2",
+        reference="compile",
+        reference_ms=3.297,
+        variants=[compiled, variant],
+        chosen=variant.name,
+        plan=plan,
+        waterfall=[reference, step],
+    )
+    notes = render_notes(selection, [])
+    assert "| compile | 3.2970 | — | — | 1.000x |" in notes
+    assert (
+        "| cuda_graphs-model | 2.8750 | 1.531x (1.500–1.560) | compile 4.4010 "
+        "| 1.531x (chained, estimate) |" in notes
+    )
+    assert "| cumulative (chained, estimate) |" in notes
+    assert (
+        "| +cuda_graphs_model (cuda_graphs-model) | 2.8750 | 4.4010 | 1.531x (1.500–1.560) "
+        "| 1.531x |" in notes
+    )

@@ -203,12 +203,15 @@ def test_selection_judges_a_rung_without_the_rounds_of_a_slowed_host() -> None:
     candidate = [1.0, 1.01, 0.99, 1.02, 0.98, 1.0, 1.01, 0.99, 3.0, 2.8, 3.1, 2.9]
     host_us = [1.2] * 8 + [2.6, 2.4, 2.5, 2.7]
     samples = {"current": current, "candidate": candidate}
-    gain, cand = paired_gain(samples, {"current": 5, "candidate": 5}, host_us, *samples)
+    gain, cand, base = paired_gain(samples, {"current": 5, "candidate": 5}, host_us, *samples)
     assert gain.ratio == pytest.approx(2.0, rel=0.01) and gain.ci_low > 1.95
     assert cand.set_aside == [8, 9, 10, 11] and cand.median_ms == pytest.approx(1.0)
     assert cand.calls_per_round == 5
+    # the plan below's latency over the same rounds: the ratio divides out of the two
+    assert base.set_aside == cand.set_aside
+    assert base.median_ms / cand.median_ms == pytest.approx(gain.ratio, rel=1e-12)
     # A steady host sets nothing aside: the same rounds widen the interval.
-    wide, _ = paired_gain(samples, {"current": 5, "candidate": 5}, [1.2] * 12, *samples)
+    wide, _, _ = paired_gain(samples, {"current": 5, "candidate": 5}, [1.2] * 12, *samples)
     assert wide.ci_low < 1.0
 
 

@@ -6,8 +6,8 @@ processes in test_devicelock.py."""
 
 from __future__ import annotations
 
+import hashlib
 import json
-import shutil
 import sys
 import threading
 import time
@@ -19,7 +19,7 @@ import pytest
 from pytest_opprof import pipeline
 from pytest_opprof.devicelock import LOCK_ENV
 from pytest_opprof.errors import StageError
-from pytest_opprof.schema import Profile, read_artifact, write_artifact
+from pytest_opprof.schema import Profile, ValidationReport, read_artifact, write_artifact
 
 H200 = Path(__file__).parents[2] / "examples" / "conv_block" / "h200"
 GIB = 1 << 30
@@ -52,7 +52,11 @@ class StandIn:
         self.fresh: dict[str, bool] = {}
         self.server: dict[str, int] = {}
         self._guard = threading.Lock()
-        shutil.copy(H200 / "validation_report.json", self.profiler_output)
+        # the generated file the validation report vouches for (the recapture checks its hash)
+        self.generated.write_text("# generated\n")
+        report = read_artifact(H200 / "validation_report.json", ValidationReport)
+        report.sha256 = hashlib.sha256(self.generated.read_bytes()).hexdigest()
+        write_artifact(self.profiler_output / "validation_report.json", report)
 
     def setting(self, name: str) -> Any:
         return {
@@ -182,6 +186,24 @@ def test_a_failed_timing_process_is_a_warning(
         w.startswith("timing process 2 of 2 failed: the retime process failed")
         for w in prof.warnings
     )
+
+
+@pytest.mark.parametrize("edit", ["edited", "no hash"])
+def test_a_file_edited_after_its_validation_is_never_timed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, edit: str
+) -> None:
+    """Before: the recapture timed whatever the generated file held by then."""
+    run = _under_a_lock(tmp_path, monkeypatch, GIB, processes=2)
+    if edit == "edited":
+        run.generated.write_text("# generated, then edited\n")
+    else:  # a report written before the hash was recorded
+        path = run.profiler_output / "validation_report.json"
+        write_artifact(
+            path, read_artifact(path, ValidationReport).model_copy(update={"sha256": ""})
+        )
+    with pytest.raises(StageError, match="is not the file validate checked"):
+        pipeline.stage_recapture(run)  # type: ignore[arg-type]
+    assert run.children == [] and not (run.out_dir / "profile_optimized.json").exists()
 
 
 def test_a_failed_recapture_waits_for_its_timing_processes(

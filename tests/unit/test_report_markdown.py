@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from pytest_opprof.backend.selection import timed_rung
 from pytest_opprof.options import OPTIONS
 from pytest_opprof.report import (
     COMMENT_MARKER,
@@ -22,9 +23,16 @@ from pytest_opprof.report import (
 )
 from pytest_opprof.report import markdown as md
 from pytest_opprof.schema import (
+    CPU_NOT_ENFORCED,
+    BackendPlan,
+    BackendSelection,
+    LatencyStats,
     OperatorAggregate,
     PassStatus,
     SessionSummary,
+    Speedup,
+    VariantResult,
+    WaterfallStep,
     WorkloadSummary,
     read_artifact,
 )
@@ -237,9 +245,13 @@ def test_waterfall_and_estimated_vs_measured(full: WorkloadArtifacts) -> None:
     text = render_workload_report(full, plots=False)
     wf = _section(text, "## What drove the speedup (per-pass waterfall)")
     # the selection's step 0 is the reference itself: shown once, as the reference
-    assert re.search(r"\| torch.compile \(reference\)\s+\| 0.254 ms\s+\| 1.00×", wf)
+    assert re.search(r"\| torch.compile \(reference\)\s+\| 0.254 ms\s+\| —\s+\| —\s+\| 1.00×", wf)
     assert "| compile " not in wf
-    assert re.search(r"\| \+dtype_promotion \(P1\)\s+\| 0.188 ms\s+\| 1.35×\s+\| 1.25×", wf)
+    # a selection before schema 1.4 chained its step latencies from the ratios: marked so
+    assert re.search(
+        r"\| \+dtype_promotion \(P1\)\s+\| 0.188 ms \(est.\)\s+\| —\s+\| 1.25×\s+\| 1.35×", wf
+    )
+    assert "written before schema 1.4" in wf
     est = _section(text, "## Estimated vs measured impact")
     # bn_fold: estimated 30.0 µs; measured 0.254 - 0.236 ms = 18.0 µs; ratio 0.60
     assert re.search(
@@ -263,6 +275,196 @@ def test_a_step_that_carried_several_proposals(full: WorkloadArtifacts) -> None:
         est,
     )
     assert est.count("P2 memory_layout") == 1
+
+
+WATERFALL = "## What drove the speedup (per-pass waterfall)"
+
+
+def _stats(median_ms: float) -> LatencyStats:
+    return LatencyStats(
+        median_ms=median_ms,
+        ci_low_ms=median_ms * 0.99,
+        ci_high_ms=median_ms * 1.01,
+        mean_ms=median_ms,
+        stdev_ms=median_ms * 0.01,
+        min_ms=median_ms * 0.98,
+        rounds=9,
+        calls_per_round=50,
+        samples_ms=[median_ms] * 9,
+    )
+
+
+def _gpt2_like() -> BackendSelection:
+    """gpt2's selection on the H200 (examples/gpt2/h200), trimmed: the reference timed at
+    3.297 ms in its run with eager; its first rung at 2.875 ms in its own pair, 1.53x over the
+    reference timed at 4.401 ms in those rounds; then bf16 at 0.624 ms, 4.61x over 2.874 ms;
+    then a rung that made nothing faster."""
+    ref = BackendPlan()
+    variants = [
+        VariantResult(name="eager", plan=ref, latency=_stats(6.228), speedup=3.297 / 6.228),
+        VariantResult(name="compile", plan=ref, latency=_stats(3.297), speedup=1.0),
+    ]
+    waterfall = [
+        WaterfallStep(
+            step="compile",
+            latency_ms=3.297,
+            speedup_cumulative=1.0,
+            speedup_added=1.0,
+            measured_ms=3.297,
+        )
+    ]
+    below = "compile"
+    proposals: list[str] = []
+    for pid, ms, below_ms, ci in (
+        ("cuda_graphs-model", 2.875, 4.401, (1.50, 1.56)),
+        ("dtype_promotion-1", 0.624, 2.874, (4.55, 4.66)),
+        ("pretranspose_weights-1", 0.6235, 0.624, (0.998, 1.003)),
+    ):
+        plan = BackendPlan(proposals=[*proposals, pid])
+        name = "+".join(plan.proposals)
+        gain = Speedup(
+            baseline="current",
+            candidate="candidate",
+            ratio=below_ms / ms,
+            ci_low=ci[0],
+            ci_high=ci[1],
+        )
+        variant, step = timed_rung(
+            name,
+            plan,
+            gain,
+            _stats(ms),
+            label=f"+{pid.split('-')[0]} ({pid})",
+            below_name=below,
+            below_latency=_stats(below_ms),
+            below_step=waterfall[-1],
+        )
+        variants.append(variant)
+        if ci[0] > 1.0:
+            waterfall.append(step)
+            below, proposals = name, plan.proposals
+    return BackendSelection(
+        workload="gpt2",
+        reference="compile",
+        reference_ms=3.297,
+        variants=variants,
+        chosen=below,
+        plan=BackendPlan(proposals=proposals),
+        waterfall=waterfall,
+    )
+
+
+def _table(section: str) -> list[list[str]]:
+    """The first table of a section, header and separator left out, cells stripped."""
+    lines = [line for line in section.splitlines() if line.startswith("|")]
+    return [[c.strip() for c in line.strip("|").split(" | ")] for line in lines[2:]]
+
+
+def _ms(cell: str) -> float:
+    return float(cell.split(" ms")[0])
+
+
+def test_waterfall_latencies_are_measured_and_their_ratios_divide_out(
+    full: WorkloadArtifacts,
+) -> None:
+    full.selection = _gpt2_like()
+    wf = _section(render_workload_report(full, plots=False), WATERFALL)
+    assert "latency (measured in selection's brief timing)" in wf
+    assert "cumulative (chained from paired ratios, estimate)" in wf
+    rows = _table(wf)
+    assert [r[0] for r in rows] == [
+        "torch.compile (reference)",
+        "+cuda_graphs (cuda_graphs-model)",
+        "+dtype_promotion (dtype_promotion-1)",
+    ]
+    # each step: its own measured latency, the plan above's in the same rounds, their ratio
+    assert rows[1][1:4] == ["2.875 ms", "4.401 ms", "1.53× (95% CI 1.50–1.56)"]
+    assert rows[2][1:4] == ["0.624 ms", "2.874 ms", "4.61× (95% CI 4.55–4.66)"]
+    for row in rows[1:]:
+        assert f"{_ms(row[2]) / _ms(row[1]):.2f}×" == row[3].split()[0]
+    # chained 1.53 x 4.61 = 7.05x, where the latencies shown would give 3.297 / 0.624 = 5.28x:
+    # only under the header that says it is chained, an estimate
+    assert rows[2][4] == "7.05×"
+
+
+def test_variant_rows_show_a_speedup_their_latencies_give_or_say_it_is_chained(
+    full: WorkloadArtifacts,
+) -> None:
+    full.selection = _gpt2_like()
+    notes = _section(render_workload_report(full, plots=False), "## Implementation notes")
+    rows = {r[0]: r for r in _table(notes)}
+    eager, compiled = rows["`eager`"], rows["`compile`"]
+    # eager and compile, timed in one run: the speedup is their latencies' ratio
+    assert compiled[2:5] == ["3.297 ms", "—", "1.00×"]
+    assert eager[2] == "6.228 ms" and eager[4] == f"{3.297 / 6.228:.2f}×"
+    # gpt2's row: 2.875 ms beside "1.53×" of a 3.297 ms reference, which 3.297 / 2.875 = 1.15x
+    # does not give: the ratio is over the plan below in the same rounds, and the speedup over
+    # the reference says it is chained
+    rung = rows["`cuda_graphs-model`"]
+    assert rung[2] == "2.875 ms"
+    assert rung[3] == "1.53× (95% CI 1.50–1.56) over `compile` at 4.401 ms"
+    assert rung[4] == "1.53× (chained, est.)"
+    for row in rows.values():
+        if row[0] not in ("`eager`", "`compile`"):
+            assert row[4].endswith("(chained, est.)"), row
+
+
+def test_waterfall_shows_the_recaptures_measured_latency(full: WorkloadArtifacts) -> None:
+    assert full.optimized is not None
+    full.selection = _gpt2_like()
+    full.summary = full.summary.model_copy(
+        update={"speedup": None, "ci_low": None, "ci_high": None, "baseline": None}
+    )
+    recaptured = full.optimized.timing.variants["optimized"]
+    recaptured.median_ms = 0.467
+    wf = _section(render_workload_report(full, plots=False), WATERFALL)
+    assert "**Recapture of the chosen plan: 0.467 ms** per call" in wf
+    assert "against torch.compile at 0.254 ms in the same rounds" in wf
+    assert "the headline's and the gate's figure" in wf
+    assert "selection timed each plan for 9 rounds of 50 calls" in wf
+    assert "the recapture for 15 rounds of 30 calls" in wf
+
+
+def test_waterfall_without_a_recapture_says_so(full: WorkloadArtifacts) -> None:
+    full.selection = _gpt2_like()
+    full.optimized = None
+    full.summary = full.summary.model_copy(update={"speedup": None})
+    wf = _section(render_workload_report(full, plots=False), WATERFALL)
+    assert "The recapture measured no latency of the chosen plan" in wf
+
+
+def test_waterfall_plot_gets_measured_latencies_and_the_recapture(
+    full: WorkloadArtifacts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    drawn: list[plots.WaterfallBar] = []
+
+    def waterfall(path: Path, steps: list[plots.WaterfallBar]) -> Path:
+        drawn.extend(steps)
+        return path
+
+    monkeypatch.setattr(plots, "have_matplotlib", lambda: True)
+    monkeypatch.setattr(plots, "waterfall", waterfall)
+    monkeypatch.setattr(plots, "operator_bars", lambda *args, **kwargs: None)
+    monkeypatch.setattr(plots, "roofline", lambda *args, **kwargs: None)
+    full.selection = _gpt2_like()
+    render_workload_report(full)
+    assert [(b.latency_ms, b.measured, b.recapture) for b in drawn] == [
+        (3.297, True, False),
+        (2.875, True, False),
+        (0.624, True, False),
+        (0.183, True, True),  # the gate's figure, from the session summary
+    ]
+    assert drawn[2].speedup == pytest.approx((4.401 / 2.875) * (2.874 / 0.624))
+
+
+def test_estimated_vs_measured_saving_comes_from_the_steps_own_rounds(
+    full: WorkloadArtifacts,
+) -> None:
+    full.selection = _gpt2_like()
+    est = _section(render_workload_report(full, plots=False), "## Estimated vs measured impact")
+    # 4.401 - 2.875 ms in the first rung's rounds, not 3.297 - 2.875 across two runs
+    assert re.search(r"\| \+cuda_graphs \(cuda_graphs-model\)\s+\| —\s+\| —\s+\| 1,526.0 µs", est)
+    assert "in the same interleaved rounds." in est
 
 
 def test_no_step_means_the_reference_itself(full: WorkloadArtifacts) -> None:
@@ -316,12 +518,25 @@ def test_cpu_fallback(full: WorkloadArtifacts) -> None:
     text = render_workload_report(full, plots=False)
     caveat = "measured on the CPU; not a GPU figure; gate not enforced unless --opprof-gate-on-cpu"
     assert f"- CPU fallback: {caveat}." in _section(text, "## Caveats")
-    assert "Not enforced here" in _section(text, "## Headline")
+    assert f"**{CPU_NOT_ENFORCED}**: measured on the CPU" in _section(text, "## Headline")
     assert "--opprof-device=cpu" in _section(text, "## Reproduce")
     full.gate_on_cpu = True
     text = render_workload_report(full, plots=False)
-    assert "Not enforced here" not in text
+    assert CPU_NOT_ENFORCED not in text
     assert "--opprof-device=cpu --opprof-gate-on-cpu" in text
+
+
+def test_a_gate_not_enforced_reads_so_in_the_title_and_the_headline(
+    full: WorkloadArtifacts,
+) -> None:
+    full.summary.enforced = False
+    full.summary.message = f"{CPU_NOT_ENFORCED} (speedup 1.39×; --opprof-gate-on-cpu enforces it)"
+    text = render_workload_report(full, plots=False)
+    title = text[: text.index("## Headline")]
+    assert f"status **{CPU_NOT_ENFORCED}** (last stage: report)" in title
+    assert "passed" not in title
+    assert f"> {CPU_NOT_ENFORCED} (speedup 1.39×;" in title  # the why, as for a failure
+    assert f"**{CPU_NOT_ENFORCED}**: measured on the CPU" in _section(text, "## Headline")
 
 
 def test_counters_missing(full: WorkloadArtifacts) -> None:
@@ -510,6 +725,17 @@ def test_session_report(tmp_path: Path) -> None:
     assert text.index("| conv_block") < text.index("## Reports")
 
 
+def test_session_report_says_where_the_gate_was_not_enforced(tmp_path: Path) -> None:
+    session = _session()
+    session.workloads[0].enforced = False
+    text = render_session_report(session.workloads, device="cpu", out_dir=tmp_path)
+    assert f"3 workloads: 1 {CPU_NOT_ENFORCED}, 1 failed, 1 error" in text
+    assert f"**{CPU_NOT_ENFORCED}** where a workload ran on the CPU" in text
+    row = next(line for line in text.splitlines() if line.startswith("| conv_block"))
+    assert [c.strip() for c in row.strip("|").split("|")][:2] == ["conv_block", CPU_NOT_ENFORCED]
+    assert "passed" not in text
+
+
 def test_session_report_links_absolute_report_paths(tmp_path: Path) -> None:
     s = WorkloadSummary(
         name="w",
@@ -559,7 +785,7 @@ def test_cpu_fallback_capture_reports_cpu_time(tmp_path: Path) -> None:
     assert conv.gpu_time_us == 0 and conv.cpu_time_us > 0
     assert md.fmt_us(conv.cpu_time_us) in ops  # per iteration already: calls == 1
     assert "CPU time/iter" in ops and "GPU" not in ops
-    assert "Not enforced here: measured on the CPU" in _section(text, "## Headline")
+    assert f"**{CPU_NOT_ENFORCED}**: measured on the CPU" in _section(text, "## Headline")
     assert "| CPU fallback " in _section(text, "## Hardware context")
     assert "_Not available (stage backend did not run: blocked by propose: boom)._" in text
 

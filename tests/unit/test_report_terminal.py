@@ -6,7 +6,7 @@ from pathlib import Path
 
 from pytest_opprof.report import terminal_summary_lines
 from pytest_opprof.report.terminal import HEADERS
-from pytest_opprof.schema import SessionSummary, read_artifact
+from pytest_opprof.schema import CPU_NOT_ENFORCED, SessionSummary, WorkloadSummary, read_artifact
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "report"
 
@@ -28,3 +28,22 @@ def test_one_row_per_workload_with_the_figures() -> None:
     assert lines[4].rstrip().endswith("error (capture)")
     assert lines[4].split()[1:6] == ["—"] * 5
     assert terminal_summary_lines([]) == []
+
+
+def test_a_cpu_fallback_row_says_the_gate_was_not_enforced() -> None:
+    cpu = WorkloadSummary(
+        name="tiny",
+        path="tiny.py",
+        status="passed",
+        stage="report",
+        speedup=1.05,
+        ci_low=0.98,
+        ci_high=1.12,
+        enforced=False,
+    )
+    failed = cpu.model_copy(update={"name": "slow", "status": "failed", "stage": "speedup"})
+    rows = terminal_summary_lines([cpu, failed])[2:]
+    assert rows[0].rstrip().endswith(CPU_NOT_ENFORCED)
+    assert "1.05× (95% CI 0.98–1.12)" in rows[0]  # measured, shown, not gated
+    assert "passed" not in rows[0]
+    assert rows[1].rstrip().endswith("failed (speedup)")  # a failure keeps its own word
