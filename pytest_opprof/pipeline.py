@@ -591,7 +591,9 @@ def stage_backend(run: WorkloadRun) -> str:
 
 
 def validate_file(run: WorkloadRun, generated: Path) -> ValidationReport:
-    """The six steps of DESIGN §2.4, in order; the first failure blocks the rest."""
+    """The six steps of DESIGN §2.4, in order; the first failure blocks the rest. Steps 2 to
+    5 run in a child that imports the file and saves its outputs; step 6 judges them in
+    another child that never imports it (``runner.task_validate_numerics``)."""
     steps: dict[str, StepResult] = {}
     extra: dict[str, Any] = {}
     digest = file_sha256(generated)
@@ -619,18 +621,31 @@ def validate_file(run: WorkloadRun, generated: Path) -> ValidationReport:
         )
     if steps["syntax"].status == "pass":
         with tempfile.TemporaryDirectory() as tmp:
-            result = Path(tmp) / "result.json"
+            result, outputs = Path(tmp) / "result.json", Path(tmp) / "outputs.pt"
             run.run_child(
                 "validate",
                 "validate",
                 generated=str(generated.resolve()),
                 result=str(result),
+                outputs=str(outputs),
                 tests_log=str((run.profiler_output / "generated_tests.log").resolve()),
                 dtype=dtype,
             )
             data = json.loads(result.read_text())
-        steps.update({k: StepResult(**v) for k, v in data["steps"].items()})
-        extra.update({k: v for k, v in data.items() if k != "steps"})
+            steps.update({k: StepResult(**v) for k, v in data["steps"].items()})
+            extra.update({k: v for k, v in data.items() if k != "steps"})
+            if outputs.exists():
+                # judged where the file under test was never imported
+                run.run_child(
+                    "validate_numerics",
+                    "validate",
+                    result=str(result),
+                    outputs=str(outputs),
+                    dtype=dtype,
+                )
+                data = json.loads(result.read_text())
+                steps.update({k: StepResult(**v) for k, v in data["steps"].items()})
+                extra.update({k: v for k, v in data.items() if k != "steps"})
     llm_passes = _validate_llm_passes(run, dtype) if steps["syntax"].status == "pass" else []
     if digest and file_sha256(generated) != digest:
         steps["syntax"] = StepResult(

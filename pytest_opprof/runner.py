@@ -959,8 +959,8 @@ def _write_steps(spec: dict[str, Any], steps: dict[str, Any], **extra: Any) -> N
 
 
 def _validate_run(spec: dict[str, Any], module: Any, steps: dict[str, Any]) -> None:
-    """Validation steps 5 and 6: a smoke run (1 warmup, 1 measured call) and the numerics
-    and anti-cheating checks against the eager baseline."""
+    """Validation step 5, a smoke run (1 warmup, 1 measured call), and the candidate's outputs
+    for step 6 (``task_validate_numerics``), saved to ``spec["outputs"]``."""
     import torch
 
     from pytest_opprof.backend import runtime
@@ -968,17 +968,15 @@ def _validate_run(spec: dict[str, Any], module: Any, steps: dict[str, Any]) -> N
     from pytest_opprof.capture.system import resolve_device
     from pytest_opprof.capture.timing import synchronize
     from pytest_opprof.schema import PassStatus, StepResult
-    from pytest_opprof.tolerances import tolerance_for
-    from pytest_opprof.validate import anti_cheat_checks, calibrated
+    from pytest_opprof.validate import SEEDS, run_candidate
 
     opts = _options(spec)
     device = resolve_device(opts.device)
-    # The reference is the workload itself, loaded here (seeded as the generated file seeds
-    # its copy), never what the file under test imports: it could import anything.
-    reference = _load_baseline(spec, device)
-    base_model, template = reference.model, reference.inputs
     try:
-        model, _ = module.get_model_and_input()
+        # The file's input serves as the template of the fresh inputs only: the judge draws
+        # its own from the workload's, with the same seeds.
+        model, x = module.get_model_and_input()
+        template = tuple(x) if isinstance(x, (tuple, list)) else (x,)
         fn = runtime.optimized_callable(module, model)
         with torch.no_grad():
             fn(*template)
@@ -996,26 +994,10 @@ def _validate_run(spec: dict[str, Any], module: Any, steps: dict[str, Any]) -> N
         steps["numerics"] = StepResult(status="skipped", detail="blocked by smoke")
         _write_steps(spec, steps)
         return
-    # Tolerances from the plan's compute dtype and the workload's OPPROF, never from the file
-    # under test (its RTOL is for its own generated tests).
-    dtype = spec.get("dtype")
-    rtol, atol = tolerance_for(dtype, spec.get("overrides"))
-    numerics, checks = anti_cheat_checks(
-        base_model,
-        fn,
-        template,
-        dtype=dtype,
-        rtol=rtol,
-        atol=atol,
-        calibrate=calibrated(spec.get("overrides")),
-    )
-    failed = [k for k, v in checks.items() if v.status == "fail"]
-    steps["numerics"] = StepResult(
-        status="fail" if failed else "pass",
-        detail="; ".join(f"{k}: {checks[k].detail}" for k in failed)
-        if failed
-        else checks["equivalent"].detail,
-    )
+    # The outputs only: they are judged in a process that never imported this file
+    # (task_validate_numerics), which could otherwise patch torch or the checks themselves.
+    run_candidate(fn, template, SEEDS).save(Path(spec["outputs"]))
+    phase("candidate outputs")
     results = list(getattr(module, "PASS_RESULTS", []))
     passes = [
         PassStatus(name=r.name, status=r.status, detail=r.detail, matches=r.matches)
@@ -1032,12 +1014,46 @@ def _validate_run(spec: dict[str, Any], module: Any, steps: dict[str, Any]) -> N
                 matches=int(recorded),
             )
         )
+    _write_steps(spec, steps, passes=[p.model_dump() for p in passes])
+
+
+def task_validate_numerics(spec: dict[str, Any]) -> None:
+    """Validation step 6 in a process that never imported the file under test: the workload
+    loaded here is the reference (seeded as the generated file seeds its copy), the
+    candidate's outputs are read from ``spec["outputs"]`` (tensors only), and the tolerances
+    come from the plan's compute dtype and the workload's OPPROF, never from the file."""
+    from pytest_opprof.capture.system import resolve_device
+    from pytest_opprof.schema import StepResult
+    from pytest_opprof.tolerances import tolerance_for
+    from pytest_opprof.validate import CandidateOutputs, calibrated, judge
+
+    _setup_torch()
+    device = resolve_device(_options(spec).device)
+    reference = _load_baseline(spec, device)
+    got = CandidateOutputs.load(Path(spec["outputs"]))
+    dtype = spec.get("dtype")
+    rtol, atol = tolerance_for(dtype, spec.get("overrides"))
+    numerics, checks = judge(
+        reference.model,
+        reference.inputs,
+        got,
+        dtype=dtype,
+        rtol=rtol,
+        atol=atol,
+        calibrate=calibrated(spec.get("overrides")),
+    )
+    failed = [k for k, v in checks.items() if v.status == "fail"]
+    step = StepResult(
+        status="fail" if failed else "pass",
+        detail="; ".join(f"{k}: {checks[k].detail}" for k in failed)
+        if failed
+        else checks["equivalent"].detail,
+    )
     _write_steps(
         spec,
-        steps,
+        {"numerics": step},
         numerics=numerics.model_dump(),
         checks={k: v.model_dump() for k, v in checks.items()},
-        passes=[p.model_dump() for p in passes],
     )
 
 
@@ -1212,6 +1228,7 @@ TASKS = {
     "counters_target": task_counters_target,
     "select": task_select,
     "validate": task_validate,
+    "validate_numerics": task_validate_numerics,
     "validate_llm_passes": task_validate_llm_passes,
     "recapture": task_recapture,
     "retime": task_retime,

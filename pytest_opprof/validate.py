@@ -16,6 +16,7 @@ import copy
 import importlib.util
 import itertools
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -202,6 +203,52 @@ def _clone(value: Any) -> list[torch.Tensor]:
     return [t.detach().clone() for t in flatten_tensors(value)]
 
 
+@dataclass
+class CandidateOutputs:
+    """What a candidate computed on the fresh inputs of ``seeds``, and on the first seed's
+    again after the others: all the checks need of it. It can be computed in the process that
+    imports the generated file and judged in one that never did (``save`` / ``load``)."""
+
+    seeds: list[int]
+    outputs: list[list[torch.Tensor]]
+    again: list[torch.Tensor]
+
+    def save(self, path: Path) -> None:
+        """To ``path`` (tensors on the CPU, each one's device recorded), atomically."""
+        devices = [[t.device.type for t in out] for out in self.outputs]
+        data = {
+            "seeds": self.seeds,
+            "outputs": [[t.cpu() for t in out] for out in self.outputs],
+            "again": [t.cpu() for t in self.again],
+            "devices": devices,
+            "again_devices": [t.device.type for t in self.again],
+        }
+        tmp = path.with_name(f".{path.name}.tmp")
+        torch.save(data, tmp)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> CandidateOutputs:
+        """Read back with tensors only (``weights_only``), each on the device it came from."""
+        data = torch.load(path, weights_only=True)
+        outputs = [
+            [t.to(d) for t, d in zip(out, devs, strict=True)]
+            for out, devs in zip(data["outputs"], data["devices"], strict=True)
+        ]
+        again = [t.to(d) for t, d in zip(data["again"], data["again_devices"], strict=True)]
+        return cls(seeds=[int(s) for s in data["seeds"]], outputs=outputs, again=again)
+
+
+def run_candidate(
+    candidate: Callable[..., Any], template: tuple[torch.Tensor, ...], seeds: Sequence[int]
+) -> CandidateOutputs:
+    """``candidate`` on the fresh inputs of each seed, then on the first seed's again."""
+    with torch.no_grad():
+        outputs = [_clone(candidate(*fresh_inputs(template, seed))) for seed in seeds]
+        again = _clone(candidate(*fresh_inputs(template, seeds[0])))
+    return CandidateOutputs(seeds=list(seeds), outputs=outputs, again=again)
+
+
 def anti_cheat_checks(
     baseline: Callable[..., Any],
     candidate: Callable[..., Any],
@@ -213,56 +260,66 @@ def anti_cheat_checks(
     seeds: Sequence[int] = SEEDS,
     calibrate: bool = True,
 ) -> tuple[Numerics, dict[str, StepResult]]:
-    """Numerics over several seeds (:func:`check_numerics`, calibrated by eager at ``dtype``
-    where ``calibrate`` and ``baseline`` is a module) plus the checks of DESIGN §2.4; the worst
-    seed is reported."""
+    """:func:`judge` of ``candidate``'s outputs, in this process."""
+    got = run_candidate(candidate, template, seeds)
+    return judge(baseline, template, got, dtype=dtype, rtol=rtol, atol=atol, calibrate=calibrate)
+
+
+def judge(
+    baseline: Callable[..., Any],
+    template: tuple[torch.Tensor, ...],
+    got: CandidateOutputs,
+    *,
+    dtype: str | None,
+    rtol: float,
+    atol: float,
+    calibrate: bool = True,
+) -> tuple[Numerics, dict[str, StepResult]]:
+    """Numerics over the candidate's seeds (:func:`check_numerics` against ``baseline`` on the
+    same fresh inputs, calibrated by eager at ``dtype`` where ``calibrate`` and ``baseline``
+    is a module) plus the checks of DESIGN §2.4; the worst seed is reported."""
     checks: dict[str, StepResult] = {}
     per_seed: list[Numerics] = []
-    outs: list[list[torch.Tensor]] = []
+    outs, seeds = got.outputs, got.seeds
     module = baseline if calibrate and isinstance(baseline, torch.nn.Module) else None
     with torch.no_grad():
-        for seed in seeds:
+        for seed, out in zip(seeds, outs, strict=True):
             inputs = fresh_inputs(template, seed)
             want = _clone(baseline(*inputs))
             reference = same_precision(module, inputs, dtype, want) if module else None
-            got = _clone(candidate(*inputs))
             per_seed.append(
-                check_numerics(want, got, dtype=dtype, rtol=rtol, atol=atol, reference=reference)
+                check_numerics(want, out, dtype=dtype, rtol=rtol, atol=atol, reference=reference)
             )
-            outs.append(got)
-        worst = max(per_seed, key=lambda n: (not n.ok, n.rel_err / (n.rel_limit or n.rtol)))
-        finite = all(
-            bool(torch.isfinite(t).all()) for o in outs for t in o if t.is_floating_point()
-        )
-        checks["finite"] = StepResult(
-            status="pass" if finite else "fail",
-            detail="no NaN/Inf in any output" if finite else "the output contains NaN or Inf",
-        )
-        constant = all(t.numel() > 1 and bool((t == t.flatten()[0]).all()) for o in outs for t in o)
-        checks["not_constant"] = StepResult(
-            status="fail" if constant else "pass",
-            detail="every output element has the same value" if constant else "output values vary",
-        )
-        same = len(outs) > 1 and all(
-            len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
-            for a, b in itertools.pairwise(outs)
-        )
-        checks["depends_on_input"] = StepResult(
-            status="fail" if same else "pass",
-            detail=f"identical output for {len(outs)} different inputs (seeds {list(seeds)})"
-            if same
-            else f"outputs differ across seeds {list(seeds)}",
-        )
-        # Stateless: the first seed's input again, after the others, gives its first output.
-        again = _clone(candidate(*fresh_inputs(template, seeds[0])))
-        repeat = check_numerics(outs[0], again, dtype=dtype, rtol=rtol, atol=atol)
-        checks["stateless"] = StepResult(
-            status="pass" if repeat.ok else "fail",
-            detail="the same input gives the same output after other calls"
-            if repeat.ok
-            else f"calling again with seed {seeds[0]}'s input gave a different output "
-            f"({repeat.failed}): state is carried between calls",
-        )
+    worst = max(per_seed, key=lambda n: (not n.ok, n.rel_err / (n.rel_limit or n.rtol)))
+    finite = all(bool(torch.isfinite(t).all()) for o in outs for t in o if t.is_floating_point())
+    checks["finite"] = StepResult(
+        status="pass" if finite else "fail",
+        detail="no NaN/Inf in any output" if finite else "the output contains NaN or Inf",
+    )
+    constant = all(t.numel() > 1 and bool((t == t.flatten()[0]).all()) for o in outs for t in o)
+    checks["not_constant"] = StepResult(
+        status="fail" if constant else "pass",
+        detail="every output element has the same value" if constant else "output values vary",
+    )
+    same = len(outs) > 1 and all(
+        len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+        for a, b in itertools.pairwise(outs)
+    )
+    checks["depends_on_input"] = StepResult(
+        status="fail" if same else "pass",
+        detail=f"identical output for {len(outs)} different inputs (seeds {list(seeds)})"
+        if same
+        else f"outputs differ across seeds {list(seeds)}",
+    )
+    # Stateless: the first seed's input again, after the others, gives its first output.
+    repeat = check_numerics(outs[0], got.again, dtype=dtype, rtol=rtol, atol=atol)
+    checks["stateless"] = StepResult(
+        status="pass" if repeat.ok else "fail",
+        detail="the same input gives the same output after other calls"
+        if repeat.ok
+        else f"calling again with seed {seeds[0]}'s input gave a different output "
+        f"({repeat.failed}): state is carried between calls",
+    )
     checks["equivalent"] = StepResult(status="pass" if worst.ok else "fail", detail=describe(worst))
     return worst, checks
 

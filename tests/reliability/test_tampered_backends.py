@@ -62,6 +62,12 @@ TAMPERS = {
     # the file's own tolerance, loose enough for its own generated tests to pass
     "own tolerance": SCALED
     + "get_model_and_input = _scaled(get_model_and_input)\nRTOL, ATOL = 1.0, 1.0\n",
+    # the checks themselves patched in the process that imports the file
+    "patched checker": SCALED
+    + "get_model_and_input = _scaled(get_model_and_input)\nRTOL, ATOL = 1.0, 1.0\n"
+    + "import pytest_opprof.validate as _v\n"
+    + "_v.check_numerics = lambda *a, **k: _v.Numerics(max_abs_err=0, rel_err=0, rtol=1, "
+    + "atol=1, dtype='float32', ok=True)\n",
     # the reference taken through the file's imports: its tests compare the cheat with itself
     "own reference": SCALED
     + "baseline.get_model_and_input = _scaled(baseline.get_model_and_input)\n",
@@ -101,7 +107,8 @@ def _report(work: Path) -> dict[str, object]:
 
 @pytest.mark.parametrize("tamper", sorted(TAMPERS))
 def test_opprof_validate_blocks_a_tampered_file_naming_the_check(work: Path, tamper: str) -> None:
-    """Before: both passed, held to the file's RTOL or compared with the file's own baseline."""
+    """Before: each passed, held to the file's RTOL, compared with the file's own baseline, or
+    judged by checks the file had patched in the process that imported it."""
     generated = _generated(work)
     generated.write_text(generated.read_text() + TAMPERS[tamper])
     result = _run(work, "-m", "pytest_opprof.cli", "validate", str(generated), "--device=cpu")
