@@ -195,10 +195,9 @@ def timed_rung(
     from its one paired run against the plan below it: ``below_name``, whose latency in the same
     rounds is ``below_latency`` and whose step is ``below_step``. Latencies and the paired ratio
     are measured (``below_latency`` over ``latency`` is ``gain.ratio``); the speedup over the
-    reference is chained, ``below_step``'s times ``gain.ratio``: each pair ran on its own, so a
-    rung's latency over the reference's need not equal it (gpt2's first rung on the H200:
-    2.875 ms in its pair, 1.53x, against a reference timed at 3.297 ms in its own run;
-    ``examples/gpt2/h200``)."""
+    reference is chained, ``below_step``'s times ``gain.ratio``: each pair ran on its own, so
+    the reference's latency over a rung's, taken from two runs, need not equal it (the report
+    labels it an estimate)."""
     paired = gain.model_copy(update={"baseline": below_name, "candidate": name})
     chained = below_step.speedup_cumulative * gain.ratio
     variant = VariantResult(

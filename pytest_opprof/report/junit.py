@@ -104,6 +104,8 @@ def user_properties(s: WorkloadSummary) -> list[tuple[str, str]]:
     ``--junitxml`` also from xdist workers. Absent figures are left out, never written as 0."""
     pairs: list[tuple[str, object]] = [
         ("opprof.status", s.status),
+        # "false" on the CPU fallback: the status says no stage failed, not that a gate held
+        ("opprof.gate_enforced", str(s.enforced).lower()),
         ("opprof.baseline", s.baseline),
         ("opprof.speedup", s.speedup),
         ("opprof.speedup_ci_low", s.ci_low),

@@ -164,6 +164,9 @@ def test_user_properties_leave_out_what_was_not_measured() -> None:
     assert props["opprof.passes"] == "bn_fold,dtype_promotion"
     assert props["opprof.baseline"] == "compile"
     assert "opprof.eager_ms" not in props and "opprof.dtype" not in props
+    assert props["opprof.gate_enforced"] == "true"
+    cpu = dict(user_properties(s.model_copy(update={"enforced": False})))
+    assert cpu["opprof.status"] == "passed" and cpu["opprof.gate_enforced"] == "false"
 
 
 XSD = Path(__file__).parents[1] / "data" / "junit" / "junit.xsd"
