@@ -23,9 +23,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from pytest_opprof.numerics import anti_cheat_checks  # noqa: E402
 from pytest_opprof.passes.dtype_promotion import apply_model  # noqa: E402
 from pytest_opprof.tolerances import tolerance_for  # noqa: E402
-from pytest_opprof.validate import anti_cheat_checks  # noqa: E402
 from pytest_opprof.workload import load  # noqa: E402
 
 EXAMPLES = ROOT / "examples"

@@ -186,8 +186,9 @@ def cmd_validate(ns: argparse.Namespace, options: OpprofOptions) -> int:
     import its baseline itself, as generated files do."""
     from dataclasses import replace
 
-    from pytest_opprof.pipeline import WorkloadRun, validate_file
+    from pytest_opprof.pipeline import WorkloadRun
     from pytest_opprof.schema import write_artifact
+    from pytest_opprof.stages.validate import validate_file
     from pytest_opprof.workload import WorkloadSpec
 
     file = ns.file.resolve()

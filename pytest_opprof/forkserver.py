@@ -32,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterable
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -51,9 +50,9 @@ START_TIMEOUT_S = 120.0
 
 def serve(socket_path: str) -> int:
     """Import ``PRELOAD`` and fork a child per request until the parent goes."""
-    from pytest_opprof.runner import _die_with_parent
+    from pytest_opprof.runner import die_with_parent
 
-    _die_with_parent()
+    die_with_parent()
     # torch.cuda.is_available() by NVML, which leaves the driver uninitialised (the default
     # cudaGetDeviceCount poisons fork) should an imported module ask at import time.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
@@ -166,10 +165,11 @@ def _child(request: dict[str, Any]) -> None:
                 sys.path.insert(0, folder)
         os.chdir(request["cwd"])
         from pytest_opprof import runner
+        from pytest_opprof.stages import common
 
-        runner._STARTED = time.perf_counter()  # its stage log counts from the fork
-        runner._die_with_parent()  # the server is the parent now
-        runner.phase(f"forked from the fork server of pid {os.getppid()} at {runner.wall_clock()}")
+        common.restart_clock()  # its stage log counts from the fork
+        runner.die_with_parent()  # the server is the parent now
+        common.phase(f"forked from the fork server of pid {os.getppid()} at {common.wall_clock()}")
         code = runner.main([request["spec"]])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1

@@ -16,7 +16,7 @@ from pytest_opprof import STAGES
 from pytest_opprof.errors import ArtifactError, OpprofError, StageError
 from pytest_opprof.measure import gate_verdict
 from pytest_opprof.options import OpprofOptions
-from pytest_opprof.pipeline import StageOutcome, WorkloadRun, run_stage
+from pytest_opprof.pipeline import StageOutcome, WorkloadRun
 from pytest_opprof.schema import (
     CPU_NOT_ENFORCED,
     BackendSelection,
@@ -30,6 +30,7 @@ from pytest_opprof.schema import (
     write_artifact,
     write_text_atomic,
 )
+from pytest_opprof.stages import run_stage
 from pytest_opprof.workload import WorkloadSpec
 
 SUMMARY_FILE = "workload_summary.json"

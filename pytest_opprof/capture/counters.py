@@ -3,7 +3,7 @@
 Why an NVTX range and not ``--launch-skip``: the number of kernels launched before the
 measured call (model set-up, Inductor compile and autotuning, warmup) changes from run to run
 with the autotune and FX-graph caches, so a skip count taken from the timeline is not exact. The
-target process (``counters_target_task``) wraps the one measured call in
+target process (``stages.capture.task_counters_target``) wraps the one measured call in
 ``torch.cuda.nvtx.range("opprof_iteration")``, a push/pop range, which ncu selects with
 ``--nvtx --nvtx-include "opprof_iteration/"`` (the trailing ``/`` names a push/pop range).
 ``--launch-count`` is only a safety bound (twice the timeline's kernel count, at least +16): if
@@ -35,7 +35,7 @@ geometries differ is a warning naming the kernels, never a shifted join. Keys co
 so ``triton_poi_fused_add_1`` never matches ``triton_poi_fused_add_10``.
 
 Everything here is data in, data out: failures come back as ``CountersResult.note`` and
-``warnings``, never raised. No torch at module level (``counters_target_task`` imports it).
+``warnings``, never raised. No torch here: the target process is a stage child (``stages.capture``).
 """
 
 from __future__ import annotations
@@ -1064,44 +1064,3 @@ def rejoin(profile: Profile, ncu_dir: Path) -> Profile:
             "note_at_capture": before.get("note_at_capture", before.get("note")),
         }
     return profile.model_copy(update={"timelines": timelines, "counters": counters})
-
-
-# ------------------------------------------------------------------------------ child side
-
-
-def counters_target_task(spec: dict[str, Any]) -> None:
-    """The process ncu profiles: for each of ``counters_labels`` in turn, compile as the
-    timeline did (``compiled``) or not (``eager``), warm up, one call inside that label's NVTX
-    range, synchronize."""
-    import torch
-
-    from pytest_opprof.options import OpprofOptions
-    from pytest_opprof.runner import (
-        _setup_torch,  # the timeline's Dynamo/Inductor settings
-        phase,
-    )
-    from pytest_opprof.workload import load
-
-    _setup_torch()
-    phase("torch imported (under ncu)")
-    opts = OpprofOptions.from_child(spec["options"])
-    w = load(Path(spec["workload"]), "cuda")
-    phase("workload loaded")
-    for label in spec.get("counters_labels") or [spec.get("counters_label", "eager")]:
-        fn: Any = w.model
-        if label != "eager":
-            fn = torch.compile(w.model, backend=opts.compile_backend)
-        with torch.no_grad():
-            for _ in range(int(spec.get("counters_warmup", 3))):
-                fn(*w.inputs)
-            torch.cuda.synchronize()
-            phase(f"{label}: warmed up")
-            with torch.cuda.nvtx.range(range_name(label)):
-                fn(*w.inputs)
-            torch.cuda.synchronize()
-            phase(f"{label}: iteration replayed")
-
-
-def counters_target_main(spec_path: str | Path) -> None:
-    """``counters_target_task`` from a spec file (for running it by hand)."""
-    counters_target_task(json.loads(Path(spec_path).read_text(encoding="utf-8")))

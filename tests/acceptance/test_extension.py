@@ -24,7 +24,7 @@ import pytest
 from pytest_opprof.backend.codegen import render_optimized
 from pytest_opprof.backend.plan import ExtraPass, PassRegistry, add_proposal, extra_targets
 from pytest_opprof.options import OpprofOptions
-from pytest_opprof.pipeline import WorkloadRun, merge_hook_proposals
+from pytest_opprof.pipeline import WorkloadRun
 from pytest_opprof.schema import (
     VALIDATION_STEPS,
     BackendPlan,
@@ -35,6 +35,7 @@ from pytest_opprof.schema import (
     read_artifact,
     write_artifact,
 )
+from pytest_opprof.stages.propose import merge_hook_proposals
 from pytest_opprof.workload import GENERATED_MARKER, WorkloadSpec
 
 ROOT = Path(__file__).parents[2]

@@ -65,7 +65,7 @@ TAMPERS = {
     # the checks themselves patched in the process that imports the file
     "patched checker": SCALED
     + "get_model_and_input = _scaled(get_model_and_input)\nRTOL, ATOL = 1.0, 1.0\n"
-    + "import pytest_opprof.validate as _v\n"
+    + "import pytest_opprof.numerics as _v\n"
     + "_v.check_numerics = lambda *a, **k: _v.Numerics(max_abs_err=0, rel_err=0, rtol=1, "
     + "atol=1, dtype='float32', ok=True)\n",
     # the reference taken through the file's imports: its tests compare the cheat with itself

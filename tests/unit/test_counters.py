@@ -14,12 +14,14 @@ import pytest
 
 from pytest_opprof.capture import counters as c
 from pytest_opprof.schema import (
+    ChildSpec,
     KernelRecord,
     OperatorAggregate,
     OperatorRecord,
     Timeline,
     TimelineSummary,
 )
+from pytest_opprof.stages.capture import task_counters_target
 
 ROOT = Path(__file__).parents[2]
 DATA = ROOT / "tests" / "data" / "ncu"
@@ -586,18 +588,18 @@ def test_target_runs_one_call_inside_the_range(
         device="cuda",
     )  # fmt: skip
     monkeypatch.setattr(workload, "load", lambda path, device: loaded)
-    monkeypatch.setattr("pytest_opprof.runner._setup_torch", lambda: events.append("setup"))
+    monkeypatch.setattr("pytest_opprof.stages.common.setup_torch", lambda: events.append("setup"))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
     monkeypatch.setattr(torch.cuda.nvtx, "range", Range)
     monkeypatch.setattr(torch, "compile", lambda m, backend: events.append(backend) or m)
-    spec = {
-        "task": "counters_target",
-        "workload": str(tmp_path / "w.py"),
-        "options": OpprofOptions().to_child(),
-        "counters_label": label,
-        "counters_warmup": 2,
-    }
-    c.counters_target_task(spec)
+    spec = ChildSpec(
+        task="counters_target",
+        workload=str(tmp_path / "w.py"),
+        options=OpprofOptions().to_child(),
+        counters_label=label,
+        counters_warmup=2,
+    )
+    task_counters_target(spec)
     compiled = ["inductor"] if label == "compiled" else []
     assert events == [
         "setup",
@@ -611,7 +613,7 @@ def test_target_runs_one_call_inside_the_range(
         "sync",
     ]
     events.clear()
-    c.counters_target_task({**spec, "counters_labels": ["eager", "compiled"]})
+    task_counters_target(spec.model_copy(update={"counters_labels": ["eager", "compiled"]}))
     assert [e for e in events if e.startswith("push") or e == "inductor"] == [
         "push opprof_iteration_eager",
         "inductor",

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from pytest_opprof.options import OpprofOptions
-from pytest_opprof.runner import task_validate_llm_passes
+from pytest_opprof.schema import ChildSpec
+from pytest_opprof.stages.validate import task_validate_llm_passes
 
 WORKLOAD = """
 import torch
@@ -71,12 +72,13 @@ def checked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, obj
         path.write_text(code, encoding="utf-8")
         files.append({"id": f"llm-{name}-1", "file": str(path)})
     result = tmp / "result.json"
-    spec = {
-        "workload": str(workload),
-        "options": OpprofOptions(device="cpu").to_child(),
-        "passes": files,
-        "result": str(result),
-    }
+    spec = ChildSpec(
+        task="validate_llm_passes",
+        workload=str(workload),
+        options=OpprofOptions(device="cpu").to_child(),
+        passes=files,
+        result=result,
+    )
     task_validate_llm_passes(spec)
     data = json.loads(result.read_text(encoding="utf-8"))
     return {p["name"].split("-")[1]: p for p in data["llm_passes"]}

@@ -20,6 +20,7 @@ from pytest_opprof import pipeline
 from pytest_opprof.devicelock import LOCK_ENV
 from pytest_opprof.errors import StageError
 from pytest_opprof.schema import Profile, ValidationReport, read_artifact, write_artifact
+from pytest_opprof.stages import recapture
 
 H200 = Path(__file__).parents[2] / "examples" / "conv_block" / "h200"
 GIB = 1 << 30
@@ -122,7 +123,7 @@ def test_under_a_gpu_lock_the_timing_processes_start_together(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = _under_a_lock(tmp_path, monkeypatch, 2 * GIB, processes=3)
-    said = pipeline.stage_recapture(run)  # type: ignore[arg-type]
+    said = recapture.run(run)  # type: ignore[arg-type]
     assert len(run.children) == 3 and _overlapping(run.children)
     assert "side by side" in said
     # on one CPU slice, none may compile while another measures: they share a lock for it
@@ -154,7 +155,7 @@ def test_otherwise_one_after_another(
         monkeypatch.delenv(LOCK_ENV, raising=False)
     run = StandIn(tmp_path, processes=3)
     _baseline(run, peak=peak)
-    said = pipeline.stage_recapture(run)  # type: ignore[arg-type]
+    said = recapture.run(run)  # type: ignore[arg-type]
     assert [name for name, _, _ in run.children] == ["recapture", "retime1", "retime2"]
     assert not any(run.shares_cpus.values()) and not any(run.siblings.values())
     for (_, _, end), (_, start, _) in zip(run.children, run.children[1:], strict=False):
@@ -172,7 +173,7 @@ def test_fresh_timing_starts_the_timing_processes_past_the_first_as_new_interpre
         monkeypatch.delenv(LOCK_ENV, raising=False)
     run = StandIn(tmp_path, processes=3, fresh_timing=True)
     _baseline(run, peak=2 * GIB)
-    pipeline.stage_recapture(run)  # type: ignore[arg-type]
+    recapture.run(run)  # type: ignore[arg-type]
     assert run.fresh == {"recapture": False, "retime1": True, "retime2": True}
 
 
@@ -180,7 +181,7 @@ def test_a_failed_timing_process_is_a_warning(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     run = _under_a_lock(tmp_path, monkeypatch, GIB, processes=2, fail_retime=True)
-    pipeline.stage_recapture(run)  # type: ignore[arg-type]
+    recapture.run(run)  # type: ignore[arg-type]
     prof = read_artifact(run.out_dir / "profile_optimized.json", Profile)
     assert any(
         w.startswith("timing process 2 of 2 failed: the retime process failed")
@@ -202,7 +203,7 @@ def test_a_file_edited_after_its_validation_is_never_timed(
             path, read_artifact(path, ValidationReport).model_copy(update={"sha256": ""})
         )
     with pytest.raises(StageError, match="is not the file validate checked"):
-        pipeline.stage_recapture(run)  # type: ignore[arg-type]
+        recapture.run(run)  # type: ignore[arg-type]
     assert run.children == [] and not (run.out_dir / "profile_optimized.json").exists()
 
 
@@ -212,7 +213,7 @@ def test_a_failed_recapture_waits_for_its_timing_processes(
     """None of them outlives the stage (or writes into its deleted folder)."""
     run = _under_a_lock(tmp_path, monkeypatch, GIB, processes=3, fail_recapture=True)
     with pytest.raises(StageError, match="the recapture process failed"):
-        pipeline.stage_recapture(run)  # type: ignore[arg-type]
+        recapture.run(run)  # type: ignore[arg-type]
     assert sorted(name for name, _, _ in run.children) == ["retime1", "retime2"]
     assert all(end <= time.monotonic() for _, _, end in run.children)
 
@@ -278,7 +279,7 @@ def test_timing_servers_spread_the_timing_processes_over_servers_in_turn(
         monkeypatch.delenv(LOCK_ENV, raising=False)
     run = StandIn(tmp_path, processes=5, timing_servers=3)
     _baseline(run, peak=GIB)
-    pipeline.stage_recapture(run)  # type: ignore[arg-type]
+    recapture.run(run)  # type: ignore[arg-type]
     assert run.server == {"recapture": 0, "retime1": 1, "retime2": 2, "retime3": 0, "retime4": 1}
 
 
@@ -323,7 +324,7 @@ def test_the_timing_processes_servers_start_beforehand(
     write_artifact(run.out_dir / "profile.json", base.model_copy(update={"capture_metadata": meta}))
     calls: list[tuple[list[int], Any]] = []
     monkeypatch.setattr(forkserver, "warm", lambda slots, hold: calls.append((list(slots), hold)))
-    pipeline.warm_timing_servers(run)  # type: ignore[arg-type]
+    recapture.warm_timing_servers(run)  # type: ignore[arg-type]
     if warmed is None:
         assert calls == []
     else:
@@ -345,7 +346,7 @@ def test_before_the_capture_the_device_is_a_gpu_where_the_session_named_a_lock(
     run = StandIn(tmp_path, processes=None, timing_servers=3)  # type: ignore[arg-type]
     calls: list[list[int]] = []
     monkeypatch.setattr(forkserver, "warm", lambda slots, hold: calls.append(list(slots)))
-    pipeline.warm_timing_servers(run)  # type: ignore[arg-type]
+    recapture.warm_timing_servers(run)  # type: ignore[arg-type]
     (run.out_dir / "profile.json").write_text("{not json")
-    pipeline.warm_timing_servers(run)  # type: ignore[arg-type]
+    recapture.warm_timing_servers(run)  # type: ignore[arg-type]
     assert calls == ([[1, 2], [1, 2]] if lock else [])

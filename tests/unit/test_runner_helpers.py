@@ -11,14 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_opprof.runner import _pristine_copy, compile_clock, compile_note
+from pytest_opprof.schema import ChildSpec
+from pytest_opprof.stages.backend import pristine_copy
+from pytest_opprof.stages.common import compile_clock, compile_note
 
 
 def test_a_variants_copy_is_independent_of_the_baseline() -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4)).eval()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    copy = _pristine_copy(model, reload=lambda: None)
+    copy = pristine_copy(model, reload=lambda: None)
     assert copy is not model
     with torch.no_grad():
         copy[0].weight.mul_(2)  # what a non-graph pass does to its model, in place
@@ -38,7 +40,7 @@ def test_a_model_that_cannot_be_copied_is_built_again_under_seed_0() -> None:
         return Locked()
 
     torch.manual_seed(123)
-    first = _pristine_copy(Locked(), reload)
+    first = pristine_copy(Locked(), reload)
     torch.manual_seed(0)
     expected = Locked()
     assert torch.equal(first.lin.weight, expected.lin.weight)
@@ -63,14 +65,15 @@ def test_a_compile_is_a_step_after_which_a_waiting_measurer_goes_first(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Stage processes sharing a GPU make way at the end of each compile (devicelock)."""
-    from pytest_opprof import devicelock, runner
+    from pytest_opprof import devicelock
+    from pytest_opprof.stages import common
 
     made_way: list[bool] = []
     monkeypatch.setattr(devicelock, "make_way", lambda: made_way.append(True))
     model = torch.nn.Linear(4, 2).eval()
-    _, seconds = runner._compile_timed(model, "eager", (torch.randn(3, 4),), "cpu")
+    _, seconds = common.compile_timed(model, "eager", (torch.randn(3, 4),), "cpu")
     assert made_way == [True] and seconds >= 0
-    runner._step_done("cpu")  # any other step: the same, once its GPU work has finished
+    common.step_done("cpu")  # any other step: the same, once its GPU work has finished
     assert made_way == [True, True]
 
 
@@ -82,9 +85,9 @@ def test_the_gpu_time_pass_is_sized_by_host_launches_not_kernels(
     A profile written before the launch count existed falls back to the kernels."""
     from types import SimpleNamespace
 
-    from pytest_opprof import runner
     from pytest_opprof.capture import timing
     from pytest_opprof.capture.timing import RoundSamples
+    from pytest_opprof.stages import capture
 
     seen: dict[str, object] = {}
 
@@ -100,7 +103,7 @@ def test_the_gpu_time_pass_is_sized_by_host_launches_not_kernels(
         return SimpleNamespace(label=label, summary=summary)
 
     timelines = [timeline("optimized", 545.0, 1.0), timeline("eager", 536.0, None)]
-    runner._gpu_time({}, (), "cuda", samples, timelines)
+    capture.gpu_time({}, (), "cuda", samples, timelines)
     assert seen["launches"] == {"optimized": 1.0, "eager": 536.0}
     assert seen["calls_per_sample"] == {"optimized": 30, "eager": 12}
 
@@ -115,8 +118,9 @@ def test_a_process_on_its_own_cpus_compiles_without_holding_the_gpu(
     callbacks) is undone at the next compile."""
     from torch._dynamo.callback import CallbackTrigger, callback_handler
 
-    from pytest_opprof import devicelock, runner
+    from pytest_opprof import devicelock
     from pytest_opprof.capture import timing
+    from pytest_opprof.stages import common
 
     monkeypatch.setattr(timing, "synchronize", lambda device: None)  # "cuda" on this CPU
     monkeypatch.setattr(devicelock, "_LOCK", None)
@@ -141,18 +145,18 @@ def test_a_process_on_its_own_cpus_compiles_without_holding_the_gpu(
         return gm.forward
 
     try:
-        monkeypatch.setattr(runner, "_OWN_CPUS", True)
+        monkeypatch.setattr(common, "_OWN_CPUS", True)
         for attempt in range(2):
             torch._dynamo.reset()  # the second time: after a reset cleared the callbacks
-            runner._compile_timed(torch.nn.Linear(4, 2), backend, (torch.randn(3, 4),), "cuda")
+            common.compile_timed(torch.nn.Linear(4, 2), backend, (torch.randn(3, 4),), "cuda")
             assert seen[-1] == (None, True) and lock.held == "shared", attempt
             assert not gpu_free()
         with callback_handler.install_callbacks(CallbackTrigger.CUDAGRAPH_RECORDING, "0"):
             assert lock.held == "shared"
-        monkeypatch.setattr(runner, "_OWN_CPUS", False)
+        monkeypatch.setattr(common, "_OWN_CPUS", False)
         torch._dynamo.reset()
-        runner._compile_off_gpu("cuda")
-        assert runner._off_gpu_start not in callback_handler.start_callbacks
+        common.compile_off_gpu("cuda")
+        assert common._off_gpu_start not in callback_handler.start_callbacks
     finally:
         torch._dynamo.reset()
         lock.close()
@@ -168,14 +172,14 @@ def test_a_timing_process_beside_its_siblings_compiles_without_a_worker_pool(
     import torch._inductor.config
     from torch._inductor.async_compile import AsyncCompile
 
-    from pytest_opprof import runner
+    from pytest_opprof.stages import common
 
     monkeypatch.setattr(torch._inductor.config, "compile_threads", 4)
-    monkeypatch.setattr(runner, "_SHARES_CPUS", False)
-    runner._setup_torch()
+    monkeypatch.setattr(common, "_SHARES_CPUS", False)
+    common.setup_torch()
     assert torch._inductor.config.compile_threads == 4
-    monkeypatch.setattr(runner, "_SHARES_CPUS", True)
-    runner._setup_torch()
+    monkeypatch.setattr(common, "_SHARES_CPUS", True)
+    common.setup_torch()
     assert torch._inductor.config.compile_threads == 1
     assert not AsyncCompile.use_process_pool()  # no pool, none started
 
@@ -199,26 +203,27 @@ def test_the_spec_says_whether_a_stage_process_may_compile_off_the_gpu(
 
     from torch._dynamo.callback import callback_handler
 
-    from pytest_opprof import devicelock, runner
+    from pytest_opprof import devicelock, runner, stages
+    from pytest_opprof.stages import common
 
     seen: dict[str, bool] = {}
 
     def task(spec: dict[str, object]) -> None:
-        runner._compile_off_gpu("cuda")
+        common.compile_off_gpu("cuda")
         seen.update(
-            shares=runner._SHARES_CPUS,
-            off_gpu=runner._off_gpu_start in callback_handler.start_callbacks,
+            shares=common._SHARES_CPUS,
+            off_gpu=common._off_gpu_start in callback_handler.start_callbacks,
         )
 
-    monkeypatch.setitem(runner.TASKS, "probe", task)
-    monkeypatch.setattr(runner, "_die_with_parent", lambda: None)
+    monkeypatch.setitem(stages.TASKS, "probe", task)
+    monkeypatch.setattr(runner, "die_with_parent", lambda: None)
     monkeypatch.setattr(devicelock, "_LOCK", None)
     monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
     monkeypatch.setenv(devicelock.OWN_CPUS_ENV, "1")
-    monkeypatch.setattr(runner, "_SHARES_CPUS", False)
-    monkeypatch.setattr(runner, "_OWN_CPUS", False)
+    monkeypatch.setattr(common, "_SHARES_CPUS", False)
+    monkeypatch.setattr(common, "_OWN_CPUS", False)
     spec = tmp_path / "spec.json"
-    body: dict[str, object] = {"task": "probe", "shares_cpus": shares}
+    body: dict[str, object] = {"task": "probe", "workload": "w.py", "shares_cpus": shares}
     if siblings:
         body["siblings_lock"] = str(tmp_path / "siblings.lock")
     spec.write_text(json.dumps(body))
@@ -243,29 +248,34 @@ def test_validation_compiles_off_the_gpu_in_its_tests_and_after_its_reset(
 
     from torch._dynamo.callback import callback_handler
 
-    from pytest_opprof import runner
     from pytest_opprof.capture import system, timing
+    from pytest_opprof.stages import common
+    from pytest_opprof.stages import validate as validate_stage
 
     registered: dict[str, bool] = {}
 
     def seen(step: str) -> None:
-        registered[step] = runner._off_gpu_start in callback_handler.start_callbacks
+        registered[step] = common._off_gpu_start in callback_handler.start_callbacks
 
     def tests(spec: object) -> SimpleNamespace:
         seen("tests")
         return SimpleNamespace(status="pass")
 
-    monkeypatch.setattr(runner, "_OWN_CPUS", True)
-    monkeypatch.setattr(runner, "_options", lambda spec: SimpleNamespace(device="cuda"))
+    monkeypatch.setattr(common, "_OWN_CPUS", True)
+    monkeypatch.setattr(common, "options", lambda spec: SimpleNamespace(device="cuda"))
     monkeypatch.setattr(system, "resolve_device", lambda requested: "cuda")
     monkeypatch.setattr(timing, "synchronize", lambda device: None)  # "cuda" on this CPU
-    monkeypatch.setattr(runner, "_validate_import", lambda spec, steps: object())
-    monkeypatch.setattr(runner, "_generated_tests", tests)
-    monkeypatch.setattr(runner, "_import_generated", lambda path: object())
-    monkeypatch.setattr(runner, "_validate_run", lambda spec, module, steps: seen("smoke run"))
+    monkeypatch.setattr(validate_stage, "_validate_import", lambda spec, steps: object())
+    monkeypatch.setattr(validate_stage, "_generated_tests", tests)
+    monkeypatch.setattr(common, "import_generated", lambda path: object())
+    monkeypatch.setattr(
+        validate_stage, "_validate_run", lambda spec, module, steps: seen("smoke run")
+    )
     torch._dynamo.reset()
     try:
-        runner.task_validate({"generated": "x_optimized.py"})
+        validate_stage.task_validate(
+            ChildSpec(task="validate", workload="w.py", generated=Path("x_optimized.py"))
+        )
     finally:
         torch._dynamo.reset()
     assert registered == {"tests": True, "smoke run": True}
@@ -276,19 +286,20 @@ def test_only_the_reported_measurements_may_time_from_any_cpu_of_the_host(
 ) -> None:
     """The capture's, recapture's and retime's timing (quiet, under the lock) may move its
     launching thread to any CPU of the host; selection's (not quiet) stays on its own."""
-    from pytest_opprof import devicelock, runner
+    from pytest_opprof import devicelock
     from pytest_opprof.capture import timing
+    from pytest_opprof.stages import capture, common
 
     seen: list[bool] = []
     monkeypatch.setattr(
         timing, "time_interleaved", lambda *a, **kw: seen.append(kw["any_cpu"]) or {}
     )
-    monkeypatch.setattr(runner, "_setting", lambda spec, name: 1)
+    monkeypatch.setattr(common, "setting", lambda spec, name: 1)
     monkeypatch.setattr(devicelock, "_LOCK", None)
     monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
     assert devicelock.join() is not None
     with devicelock.measuring(quiet=True):
-        runner._time_calls({}, {}, (), "cuda")
+        capture.time_calls(ChildSpec(task="recapture", workload="w.py"), {}, (), "cuda")
     with devicelock.measuring():
-        runner._time_calls({}, {}, (), "cuda")
+        capture.time_calls(ChildSpec(task="recapture", workload="w.py"), {}, (), "cuda")
     assert seen == [True, False]

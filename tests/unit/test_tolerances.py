@@ -10,7 +10,7 @@ from torch import nn
 
 from pytest_opprof.backend.plan import BackendPlan
 from pytest_opprof.passes.base import ALLOW_TF32
-from pytest_opprof.runner import _runs_tf32
+from pytest_opprof.stages.backend import runs_tf32
 from pytest_opprof.tolerances import TF32, TOLERANCES, numerics_dtype, tolerance_for
 
 
@@ -42,12 +42,12 @@ def test_fp32_convolutions_on_cuda_run_tf32_by_default() -> None:
     conv = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4))
     mlp = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     plan = BackendPlan()
-    assert _runs_tf32(conv, plan, "cuda") is True
-    assert _runs_tf32(conv, plan, "cpu") is False
-    assert _runs_tf32(mlp, plan, "cuda") is False  # matmuls stay fp32 unless allowed
+    assert runs_tf32(conv, plan, "cuda") is True
+    assert runs_tf32(conv, plan, "cpu") is False
+    assert runs_tf32(mlp, plan, "cuda") is False  # matmuls stay fp32 unless allowed
     tf32_plan = plan.model_copy(update={"config_patches": {ALLOW_TF32: True}})
-    assert _runs_tf32(mlp, tf32_plan, "cuda") is True
+    assert runs_tf32(mlp, tf32_plan, "cuda") is True
     torch.backends.cudnn.allow_tf32 = False
-    assert _runs_tf32(conv, plan, "cuda") is False
+    assert runs_tf32(conv, plan, "cuda") is False
     torch.backends.cuda.matmul.allow_tf32 = True
-    assert _runs_tf32(mlp, plan, "cuda") is True
+    assert runs_tf32(mlp, plan, "cuda") is True

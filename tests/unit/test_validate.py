@@ -7,7 +7,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from pytest_opprof.validate import anti_cheat_checks, check_numerics
+from pytest_opprof.numerics import anti_cheat_checks, check_numerics
 
 torch.manual_seed(0)
 MODEL = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4)).eval()

@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 import torch
 
+from pytest_opprof.numerics import anti_cheat_checks
 from pytest_opprof.passes.dtype_promotion import apply_model
 from pytest_opprof.tolerances import tolerance_for
-from pytest_opprof.validate import anti_cheat_checks
 from pytest_opprof.workload import load
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"

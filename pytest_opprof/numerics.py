@@ -1,12 +1,11 @@
-"""Stage 3: numerical equivalence and the checks that a backend cannot fool.
+"""The numerical check every candidate meets, wherever it runs: measured selection's rungs,
+the validate stage's step 6 (``stages.validate``), LLM-written passes (``check_llm_pass``) and
+``opprof validate``.
 
-The first steps (syntax, import, registration, the generated tests) are cheap and run in order;
-the last one compares the optimized workload with the baseline on fresh inputs of several seeds
-and checks that the output is finite, not constant, depends on the input, and carries no state
-from one call to the next (a cached or memoised output fails it).
-
-LLM-written passes of types the library lacks get the same checks on their own
-(``check_llm_pass``), outside the backend.
+:func:`check_numerics` holds an output to the fp32 eager reference with both an L2 and an
+elementwise bound, calibrated by eager at the compute dtype; :func:`judge` adds the
+anti-cheating checks (finite, not constant, depends on the input, stateless) over several
+seeds, on outputs that may come from another process (:class:`CandidateOutputs`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,343 @@
+"""Stage 2, backend: measured selection of the proposals (the child half, ``task_select``,
+builds and times each rung of the ladder) and the generated ``<stem>_optimized.py``, its
+test file and the implementation notes (the parent half, ``run``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pytest_opprof import devicelock
+from pytest_opprof.backend.plan import extra_targets
+from pytest_opprof.pipeline import WorkloadRun
+from pytest_opprof.schema import (
+    BackendSelection,
+    ChildSpec,
+    FxGraphSummary,
+    Optimizations,
+    read_artifact,
+    write_artifact,
+    write_text_atomic,
+)
+from pytest_opprof.stages import common
+
+if TYPE_CHECKING:
+    from pytest_opprof.backend.plan import Rung
+
+NAME = "backend"
+
+
+def run(run: WorkloadRun) -> str:
+    from pytest_opprof.backend.codegen import render_notes, render_optimized, render_test
+    from pytest_opprof.tolerances import tolerance_for
+
+    optimizations = read_artifact(run.out_dir / "optimizations.json", Optimizations)
+    run.run_child("select", "backend")
+    sel_path = run.profiler_output / "backend_selection.json"
+    selection = read_artifact(sel_path, BackendSelection)
+    user_passes = run.extra_passes()
+    used = extra_targets(selection.plan, user_passes)
+    if used:  # the plan names where its user passes come from (the child only routed them)
+        selection.plan.extra_passes = used
+        write_artifact(sel_path, selection)
+    rtol, atol = tolerance_for(selection.numerics_dtype or selection.plan.dtype, run.spec.overrides)
+    write_text_atomic(
+        run.generated,
+        render_optimized(
+            stem=run.spec.stem,
+            workload=run.spec.path,
+            out_file=run.generated,
+            selection=selection,
+            proposals=optimizations.proposals,
+            rtol=rtol,
+            atol=atol,
+            extra_passes=[user_passes[name] for name in used],
+        ),
+    )
+    write_text_atomic(run.generated_test, render_test(stem=run.spec.stem))
+    write_text_atomic(
+        run.profiler_output / "implementation_notes.md",
+        render_notes(selection, optimizations.proposals),
+    )
+    kept = ", ".join(selection.plan.proposals) or "none (the baseline is kept)"
+    return f"kept {kept}; dropped {len(selection.dropped)}"
+
+
+def _captured_graph(out_dir: Path) -> FxGraphSummary | None:
+    """The capture stage's FX graph summary (``graph.json``, validated on read), or None where
+    capture wrote none."""
+    from pytest_opprof.schema import FxGraphSummary, read_artifact
+
+    path = out_dir / "graph.json"
+    return read_artifact(path, FxGraphSummary) if path.is_file() else None
+
+
+def task_select(spec: ChildSpec) -> None:
+    """Measured selection: climb the ladder of proposals, keeping a rung only when it is
+    confidently faster than the plan below it (paired, interleaved rounds), by at least
+    ``MIN_RUNG_GAIN``, and numerically equivalent to the eager baseline; then give each rung
+    dropped before the last kept one a second chance on top of the final plan, since some
+    gains only appear together (bf16 pays once layouts match). The rungs:
+    :func:`selection_rungs`."""
+    import torch
+
+    from pytest_opprof.backend.build import build
+    from pytest_opprof.backend.plan import add_proposal, cannot_change
+    from pytest_opprof.backend.selection import (
+        applied_nowhere,
+        climbed,
+        faster_enough,
+        over_twice_as_slow,
+        second_pass,
+        timed_rung,
+        verdict,
+        worth_a_second_pass,
+    )
+    from pytest_opprof.capture.system import resolve_device
+    from pytest_opprof.capture.timing import synchronize, time_interleaved
+    from pytest_opprof.measure import latency_stats, paired_gain, slow_host_rounds
+    from pytest_opprof.numerics import calibrated, check_numerics, describe, same_precision
+    from pytest_opprof.schema import (
+        BackendPlan,
+        BackendSelection,
+        DroppedProposal,
+        Optimizations,
+        VariantResult,
+        WaterfallStep,
+        read_artifact,
+        write_artifact,
+    )
+    from pytest_opprof.tolerances import TF32, numerics_dtype, tolerance_for
+    from pytest_opprof.workload import fresh_inputs
+
+    common.setup_torch()
+    opts = common.options(spec)
+    device = resolve_device(opts.device)
+    out_dir = Path(spec.out_dir)
+    opt = read_artifact(out_dir / "optimizations.json", Optimizations)
+    w = common.load_baseline(spec, device)
+    eager = w.model
+    compiled, _ = common.compile_timed(eager, opts.compile_backend, w.inputs, device)
+    check_in = fresh_inputs(w.inputs, 7)
+    with torch.no_grad():
+        reference_out = [t.clone() for t in common.flat(eager(*check_in))]
+    # eager's own error at each compute dtype a rung tries, which bounds that rung's
+    same_dtype: dict[str, Any] = {}
+    calls = max(3, common.setting(spec, "measure_iters") // 2)
+    rounds = max(5, min(9, common.setting(spec, "rounds")))
+    brief = {"device": device, "warmup": 3, "calls_per_round": calls, "rounds": rounds}
+
+    # Each rung shares the GPU again as it starts (attempt()); after the last, nothing runs.
+    with devicelock.measuring(share_after=False):
+        base = time_interleaved({"eager": eager, "compile": compiled}, w.inputs, **brief)
+    aside = slow_host_rounds(base.host_us)
+    stats = {k: latency_stats(v, base.calls[k], set_aside=aside) for k, v in base.items()}
+    ref_name = min(stats, key=lambda k: stats[k].median_ms)
+    ref_ms = stats[ref_name].median_ms
+    variants = [
+        VariantResult(name=k, plan=BackendPlan(), latency=v, speedup=ref_ms / v.median_ms)
+        for k, v in stats.items()
+    ]
+    state = {
+        "plan": BackendPlan(),
+        "fn": compiled if ref_name == "compile" else eager,
+        "name": ref_name,
+    }
+    waterfall = [
+        WaterfallStep(
+            step=ref_name,
+            latency_ms=ref_ms,
+            speedup_cumulative=1.0,
+            speedup_added=1.0,
+            measured_ms=ref_ms,
+        )
+    ]
+    skip = set(spec.overrides.get("skip", []))
+    not_built, rungs = climbed(opt.proposals, device, skip, _captured_graph(out_dir))
+    dropped = {
+        pid: DroppedProposal(id=pid, type=kind, reason=reason)
+        for pid, (kind, reason) in not_built.items()
+    }
+
+    def attempt(rung: Rung, second_chance: bool) -> bool:
+        plan = state["plan"]
+        moot = next(filter(None, (cannot_change(plan, p) for p in rung.proposals)), None)
+        if moot is not None:
+            for p in rung.proposals:
+                before = dropped.get(p.id)
+                reason = (
+                    f"{before.reason}; not tried again: {moot}" if before else f"not tried: {moot}"
+                )
+                dropped[p.id] = DroppedProposal(id=p.id, type=p.type, reason=reason)
+            return False
+        for p in rung.proposals:
+            plan = add_proposal(plan, p)
+        name = "+".join(plan.proposals)
+        common.step_done(device)  # after the rung before, built and dropped without a measurement
+        devicelock.resume()  # or measured: then the GPU was released
+        t0 = time.perf_counter()
+        fresh = pristine_copy(eager, lambda: common.load_baseline(spec, device).model)
+        t1 = time.perf_counter()
+        clock = common.compile_clock()
+        common.compile_off_gpu(device)
+        try:
+            built = build(fresh, w.inputs, plan)
+            with torch.no_grad():
+                got = [t.clone() for t in common.flat(built.fn(*check_in))]
+            synchronize(device)
+        except Exception as exc:  # a pass or Inductor failed on this rung: drop it, go on
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            variants.append(VariantResult(name=name, plan=plan, error=reason[:300]))
+            for p in rung.proposals:
+                dropped[p.id] = DroppedProposal(
+                    id=p.id, type=p.type, reason=f"failed to build: {reason[:200]}"
+                )
+            return False
+        note = common.compile_note(clock)
+        common.phase(
+            f"built {name}: model {t1 - t0:.1f} s, compile and first call "
+            f"{time.perf_counter() - t1:.1f} s" + (f" ({note})" if note else "")
+        )
+        common.note_tuned_gemms()
+        unchanged = applied_nowhere(rung.proposals, built.results)
+        if unchanged is not None:
+            # Timing an identical program only measures noise; a lucky CI must not keep it.
+            variants.append(VariantResult(name=name, plan=plan, error="applied nowhere"))
+            for p in rung.proposals:
+                dropped[p.id] = DroppedProposal(
+                    id=p.id, type=p.type, reason=f"applied nowhere: {unchanged[:200]}"
+                )
+            return False
+        checked_as = numerics_dtype(plan.dtype, tf32=runs_tf32(eager, plan, device))
+        rtol, atol = tolerance_for(checked_as, spec.overrides)
+        if calibrated(spec.overrides) and checked_as not in same_dtype:
+            with torch.no_grad():
+                same_dtype[checked_as] = same_precision(eager, check_in, checked_as, reference_out)
+        numerics = check_numerics(
+            reference_out,
+            got,
+            dtype=checked_as,
+            rtol=rtol,
+            atol=atol,
+            reference=same_dtype.get(checked_as),
+        )
+        if not numerics.ok:
+            variants.append(
+                VariantResult(
+                    name=name, plan=plan, numerics=numerics, error="numerics out of tolerance"
+                )
+            )
+            for p in rung.proposals:
+                dropped[p.id] = DroppedProposal(
+                    id=p.id,
+                    type=p.type,
+                    reason=(f"changed the output: {describe(numerics)}"),
+                )
+            return False
+        with devicelock.measuring(share_after=False):
+            s = time_interleaved(
+                {"current": state["fn"], "candidate": built.fn},
+                w.inputs,
+                **brief,
+                enough=over_twice_as_slow,
+            )
+        gain, cand, below = paired_gain(s, s.calls, s.host_us, "current", "candidate")
+        aside = f" ({len(cand.set_aside)} rounds set aside)" if cand.set_aside else ""
+        timed = len(s["candidate"])  # fewer than planned: stopped, over twice as slow in each
+        early = f", timed for {timed} rounds, each over twice as slow" if timed < rounds else ""
+        common.phase(f"timed {name}: {gain.ratio:.3f}x{aside}{early}")
+        ids = ", ".join(p.id for p in rung.proposals)
+        variant, step = timed_rung(
+            name,
+            plan,
+            gain,
+            cand,
+            label=f"+{rung.name} ({ids})" + (" [second pass]" if second_chance else ""),
+            below_name=state["name"],
+            below_latency=below,
+            below_step=waterfall[-1],  # the plan below: the last step kept
+            numerics=numerics,
+        )
+        variants.append(variant)
+        if faster_enough(gain):
+            state.update(plan=plan, fn=built.fn, name=name)
+            for p in rung.proposals:
+                dropped.pop(p.id, None)
+            waterfall.append(step)
+            return True
+        for p in rung.proposals:
+            dropped[p.id] = DroppedProposal(
+                id=p.id,
+                type=p.type,
+                reason=(
+                    verdict(gain) + f": {gain.ratio:.3f}x (95% CI {gain.ci_low:.3f}–"
+                    f"{gain.ci_high:.3f}) against the plan without it"
+                    + early
+                    + (", also on the second pass" if second_chance else "")
+                ),
+            )
+        return False
+
+    kept = [attempt(r, second_chance=False) for r in rungs]
+    # A rung dropped before the last kept one met a plan that has changed since: try it again.
+    # One that applied nowhere is tried again once a rung before it was kept on this pass
+    # (gemm_out_dtype finds its bf16 GEMMs only once dtype_promotion is in).
+    revived = False
+    for i in second_pass(kept):
+        rung = rungs[i]
+        reasons = [dropped[p.id].reason for p in rung.proposals]
+        if worth_a_second_pass(reasons, revived) and attempt(rung, second_chance=True):
+            revived = True
+    final = state["plan"]
+    checked_as = numerics_dtype(final.dtype, tf32=runs_tf32(eager, final, device))
+    selection = BackendSelection(
+        workload=Path(spec.workload).stem,
+        reference=ref_name,
+        reference_ms=ref_ms,
+        variants=variants,
+        chosen=state["name"],
+        plan=final,
+        dropped=list(dropped.values()),
+        waterfall=waterfall,
+        numerics_dtype=checked_as if checked_as == TF32 else None,
+    )
+    write_artifact(out_dir / "profiler_output" / "backend_selection.json", selection)
+
+
+def pristine_copy(model: Any, reload: Callable[[], Any]) -> Any:
+    """A copy of the untouched baseline for one variant to change (non-graph passes change
+    the model in place): a deep copy, on the device, instead of building the model again (1.2 s
+    each for GPT-2 on the H200 host, nine times in one selection); ``reload()`` under seed 0,
+    as the baseline was made, where the model cannot be deep-copied."""
+    import copy
+
+    import torch
+
+    try:
+        return copy.deepcopy(model)
+    except Exception:  # a module holding something deepcopy refuses (a lock, a C handle)
+        torch.manual_seed(0)
+        return reload()
+
+
+def runs_tf32(model: Any, plan: Any, device: str) -> bool:
+    """Whether an fp32 ``plan`` of ``model`` computes on TF32 tensor cores: its convolutions
+    where cuDNN allows TF32 (PyTorch's default), its matmuls where the process or the plan's
+    algorithm_selection allows it."""
+    import torch
+
+    from pytest_opprof.passes.base import ALLOW_TF32
+
+    if device != "cuda":
+        return False
+    if torch.backends.cuda.matmul.allow_tf32 or plan.config_patches.get(ALLOW_TF32):
+        return True
+    convs = any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
+    return bool(convs and torch.backends.cudnn.allow_tf32)
+
+
+TASKS: dict[str, Callable[[ChildSpec], None]] = {"select": task_select}
+"""The child halves, by the task name a spec carries (``runner`` dispatches them)."""

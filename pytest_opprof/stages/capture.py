@@ -1,0 +1,308 @@
+"""Stage 0, capture: the workload's timing (eager and the compiled baseline, interleaved), its
+timelines and, on a GPU with Nsight Compute, its hardware counters.
+
+The parent half (``run``) starts the child and reads ``profile.json`` back; the child half
+(``task_capture``) does the work in the stage process. ``metadata``, ``timelines``,
+``gpu_time`` and ``timing_of`` are shared with the recapture, which profiles the optimized
+workload the same way.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pytest_opprof import devicelock
+from pytest_opprof.pipeline import WorkloadRun
+from pytest_opprof.schema import (
+    CaptureMetadata,
+    ChildSpec,
+    Profile,
+    read_artifact,
+    write_artifact,
+    write_text_atomic,
+)
+from pytest_opprof.stages import common
+
+if TYPE_CHECKING:
+    from pytest_opprof.capture.timing import RoundSamples
+
+NAME = "capture"
+
+
+def run(run: WorkloadRun) -> str:
+    run.run_child("capture", "capture")
+    profile = read_artifact(run.out_dir / "profile.json", Profile)
+    t = profile.timing
+    eager, comp = t.variants["eager"], t.variants["compile"]
+    return (
+        f"eager {eager.median_ms:.4f} ms, torch.compile {comp.median_ms:.4f} ms on "
+        f"{profile.capture_metadata.device_name}"
+    )
+
+
+def run_metadata(spec: ChildSpec, w: Any, device: str, info: dict[str, Any]) -> Any:
+    import torch
+
+    from pytest_opprof.capture.system import fingerprint
+    from pytest_opprof.workload import WorkloadSpec
+
+    opts = common.options(spec)
+    params = list(w.model.parameters())
+    return CaptureMetadata(
+        workload=Path(spec.workload).stem,
+        device_type="cuda" if device == "cuda" else "cpu",
+        device_name=info["device_name"],
+        sm_count=info["sm_count"],
+        compute_capability=info["compute_capability"],
+        driver=info["driver"],
+        torch_version=info["torch_version"],
+        cuda_version=info["cuda_version"],
+        triton_version=info["triton_version"],
+        python_version=info["python_version"],
+        dtype=str(params[0].dtype).replace("torch.", "") if params else "float32",
+        input_shapes=[list(t.shape) for t in w.inputs],
+        input_dtypes=[str(t.dtype).replace("torch.", "") for t in w.inputs],
+        warmup_iters=common.setting(spec, "warmup_iters"),
+        measure_iters=common.setting(spec, "measure_iters"),
+        rounds=common.setting(spec, "rounds"),
+        compile_mode=f"torch.compile(backend={opts.compile_backend!r})",
+        timestamp=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        environment_fingerprint=fingerprint(info),
+        workload_sha256=WorkloadSpec(Path(spec.workload)).sha256(),
+        cpu_fallback=device == "cpu",
+        visible_devices=info.get("visible_devices"),
+        device_count=info.get("device_count"),
+        device_uuid=info.get("device_uuid"),
+        peak_memory_bytes=torch.cuda.max_memory_reserved() if device == "cuda" else None,
+        device_memory_bytes=info.get("device_memory"),
+    )
+
+
+def draw_timelines(
+    spec: ChildSpec,
+    calls: dict[str, tuple[Any, str]],
+    inputs: Any,
+    device: str,
+    out_dir: Path,
+    twins: dict[str, Any] | None = None,
+) -> tuple[list[Any], list[Any]]:
+    """Profile each call; a label in ``twins`` (a CUDA-graph variant) is first profiled as its
+    uncaptured twin, whose trace places the replayed kernels (``attribution.replay_twin``)."""
+    from pytest_opprof.capture.attribution import provenance_file, replay_twin, trace_file
+    from pytest_opprof.capture.provenance import collect_inductor_provenance
+    from pytest_opprof.capture.timeline import capture_timeline
+
+    stem = Path(spec.workload).stem
+    folder = out_dir / "profiler_output"
+    provenance = collect_inductor_provenance()
+    write_text_atomic(
+        provenance_file(folder, stem, calls), json.dumps(provenance, indent=1, sort_keys=True)
+    )
+    timelines: list[Any] = []
+    flags: list[Any] = []
+
+    def profile(fn: Any, label: str, mode: str, twin: Any = None) -> tuple[Any, list[Any]]:
+        return capture_timeline(
+            fn,
+            inputs,
+            device=device,
+            label=label,
+            compile_mode=mode,
+            warmup=3,
+            iterations=spec.timeline_iters,
+            trace_path=trace_file(folder, stem, label),
+            provenance=provenance,
+            twin=twin,
+        )
+
+    for label, (fn, mode) in calls.items():
+        twin = None
+        if twins and label in twins:
+            uncaptured, _ = profile(twins[label], f"{label}_uncaptured", f"{mode} without graphs")
+            twin = replay_twin(uncaptured)
+        timeline, found = profile(fn, label, mode, twin)
+        timelines.append(timeline)
+        flags += [f for f in found if f.name not in {x.name for x in flags}]
+    return timelines, flags
+
+
+def gpu_time(
+    calls: dict[str, Any],
+    inputs: Any,
+    device: str,
+    samples: RoundSamples,
+    timelines: list[Any],
+) -> dict[str, float]:
+    """The GPU time of each call with the host hidden (capture.timing.gpu_time), its first
+    attempt sized by the timing pass (its calls per round and latencies, ``samples``) and the
+    timeline's kernels per call."""
+    import statistics
+
+    from pytest_opprof.capture.timing import gpu_time
+    from pytest_opprof.schema import timing_variant
+
+    return gpu_time(
+        calls,
+        inputs,
+        device=device,
+        calls_per_sample=samples.calls,
+        latency_ms={k: statistics.median(v) for k, v in samples.items() if v},
+        launches={
+            timing_variant(t.label): t.summary.launches_per_iter or t.summary.kernels_per_iter
+            for t in timelines
+        },
+    )
+
+
+def timing_of(
+    samples: RoundSamples,
+    device: str,
+    pairs: list[tuple[str, str]],
+    timelines: list[Any],
+    compile_s: dict[str, float],
+    gpu_ms: dict[str, float],
+) -> Any:
+    from pytest_opprof.measure import latency_stats, slow_host_rounds, speedup
+    from pytest_opprof.schema import Timing
+
+    slow = slow_host_rounds(samples.host_us)
+    return Timing(
+        device=device,
+        clock="cuda_event" if device == "cuda" else "perf_counter",
+        variants={
+            k: latency_stats(
+                v,
+                samples.calls[k],
+                cpu_share=samples.cpu_share.get(k, ()),
+                preempted=samples.preempted.get(k, ()),
+                set_aside=slow,
+            )
+            for k, v in samples.items()
+        },
+        gpu_kernel_ms={t.label: t.summary.device_time_per_iter_us / 1000.0 for t in timelines},
+        gpu_time_ms=gpu_ms,
+        speedups=[
+            speedup(a, samples[a], b, samples[b], set_aside=slow)
+            for a, b in pairs
+            if a in samples and b in samples
+        ],
+        compile_seconds=compile_s,
+        host=[samples.host] if samples.host is not None else [],
+        host_us=samples.host_us,
+    )
+
+
+def time_calls(spec: ChildSpec, calls: dict[str, Any], inputs: Any, device: str) -> Any:
+    from pytest_opprof.capture.timing import time_interleaved
+
+    return time_interleaved(
+        calls,
+        inputs,
+        device=device,
+        warmup=common.setting(spec, "warmup_iters"),
+        calls_per_round=common.setting(spec, "measure_iters"),
+        rounds=common.setting(spec, "rounds"),
+        any_cpu=devicelock.quiet_now(),
+    )
+
+
+def task_capture(spec: ChildSpec) -> None:
+    """Stage 0: graph summary, timing (eager vs compiled, interleaved), both timelines, and
+    each call's GPU time with the host hidden (what the timelines' kernel time is checked
+    against)."""
+    from pytest_opprof.capture.graph import capture_graph
+    from pytest_opprof.capture.system import environment, resolve_device
+    from pytest_opprof.schema import Profile
+
+    common.setup_torch()
+    opts = common.options(spec)
+    out_dir = Path(spec.out_dir)
+    device = resolve_device(opts.device)
+    w = common.load_baseline(spec, device)
+    info = environment(device)
+    write_artifact(out_dir / "graph.json", capture_graph(w.model, w.inputs))
+    compiled, compile_s = common.compile_timed(w.model, opts.compile_backend, w.inputs, device)
+    baselines = {"eager": w.model, "compile": compiled}
+    mode = f"torch.compile(backend={opts.compile_backend!r})"
+    # The counters pass, if it runs, shares the GPU again first (counters_for_capture).
+    with devicelock.measuring(share_after=False, quiet=True):
+        samples = time_calls(spec, baselines, w.inputs, device)
+        timelines, flags = draw_timelines(
+            spec,
+            {"eager": (w.model, "eager"), "compiled": (compiled, mode)},
+            w.inputs,
+            device,
+            out_dir,
+        )
+        gpu_ms = gpu_time(baselines, w.inputs, device, samples, timelines)
+    common.phase("timed and profiled")
+    timing = timing_of(
+        samples,
+        device,
+        [("eager", "compile")],
+        timelines,
+        {"compile": compile_s},
+        gpu_ms,
+    )
+    from pytest_opprof.capture.counters import counters_for_capture
+
+    meta = run_metadata(spec, w, device, info)
+    timelines, counters, notes = counters_for_capture(
+        spec.model_dump(mode="json"), timelines, info, opts, meta.dtype, device
+    )
+    common.phase("counters pass")
+    common.step_done(device)  # after the Nsight Compute pass, if it ran
+    profile = Profile(
+        capture_metadata=meta,
+        counters=counters,
+        timing=timing,
+        timelines=timelines,
+        edge_case_flags=flags,
+        warnings=notes
+        if device == "cuda"
+        else [
+            "CPU fallback: no CUDA device, so CPU operators were profiled and no hardware "
+            "counters were read"
+        ],
+    )
+    write_artifact(out_dir / spec.profile_name, profile)
+
+
+def task_counters_target(spec: ChildSpec) -> None:
+    """The process ncu profiles: for each of ``counters_labels`` in turn, compile as the
+    timeline did (``compiled``) or not (``eager``), warm up, one call inside that label's NVTX
+    range (``capture.counters.range_name``), synchronize."""
+    import torch
+
+    from pytest_opprof.capture.counters import range_name
+    from pytest_opprof.workload import load
+
+    common.setup_torch()  # the timeline's Dynamo/Inductor settings
+    common.phase("torch imported (under ncu)")
+    opts = common.options(spec)
+    w = load(Path(spec.workload), "cuda")
+    common.phase("workload loaded")
+    for label in spec.counters_labels or [spec.counters_label]:
+        fn: Any = w.model
+        if label != "eager":
+            fn = torch.compile(w.model, backend=opts.compile_backend)
+        with torch.no_grad():
+            for _ in range(spec.counters_warmup):
+                fn(*w.inputs)
+            torch.cuda.synchronize()
+            common.phase(f"{label}: warmed up")
+            with torch.cuda.nvtx.range(range_name(label)):
+                fn(*w.inputs)
+            torch.cuda.synchronize()
+            common.phase(f"{label}: iteration replayed")
+
+
+TASKS: dict[str, Callable[[ChildSpec], None]] = {
+    "capture": task_capture,
+    "counters_target": task_counters_target,
+}
+"""The child halves, by the task name a spec carries (``runner`` dispatches them)."""

@@ -1,0 +1,270 @@
+"""What the child halves of the stages share: the stage log, the torch set-up, the options,
+loading the workload and the generated file, and compiling off the GPU (``devicelock``).
+
+The stage process's bootstrap (``runner``) configures it once (:func:`configure`); the stage
+modules call it. It imports no stage, so no stage's module imports another's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+import time
+import types
+from pathlib import Path
+from typing import Any
+
+from pytest_opprof import devicelock
+from pytest_opprof.schema import ChildSpec
+
+_STARTED = time.perf_counter()
+
+
+def phase(what: str) -> None:
+    """One line in the stage log: seconds since this process started, and what just ended —
+    where a stage's wall time goes."""
+    print(f"[opprof] +{time.perf_counter() - _STARTED:7.1f} s  {what}", flush=True)
+
+
+def wall_clock() -> str:
+    """Now, in UTC to the millisecond: a stage log's first line says when its process started,
+    so the logs of a run's processes line up on one timeline (who held the GPU while another
+    waited)."""
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).strftime("%H:%M:%S.%f")[:-3] + " UTC"
+
+
+def note_tuned_gemms() -> None:
+    """One stage-log line for each GEMM shape ``opprof::tuned_mm`` tuned in this process since
+    the last: which cuBLASLt algorithm it kept, against torch's own. Without the module loaded
+    (no plan routed a GEMM through it) there is none."""
+    cublaslt = sys.modules.get("pytest_opprof.backend.cublaslt")
+    for choice in cublaslt.unreported() if cublaslt is not None else []:
+        phase(choice.describe())
+
+
+_COMPILE_PARTS = (
+    ("trace", "bytecode_tracing"),
+    ("aot", "create_aot_dispatcher_function"),
+    ("inductor", "fx_codegen_and_compile"),
+    ("kernels", "async_compile.wait"),
+)
+
+
+def compile_clock() -> dict[str, float]:
+    """Dynamo's running totals of compile time by phase, and Inductor's FX graph cache hits and
+    misses so far; :func:`compile_note` reports the difference since a reading."""
+    try:
+        from torch._dynamo import utils
+    except ImportError:  # pragma: no cover - torch without Dynamo
+        return {}
+    totals = {
+        name: sum(utils.compilation_time_metrics.get(key, [])) for name, key in _COMPILE_PARTS
+    }
+    inductor = utils.counters["inductor"]
+    totals["cache_hit"] = float(inductor.get("fxgraph_cache_hit", 0))
+    totals["cache_miss"] = float(inductor.get("fxgraph_cache_miss", 0))
+    return totals
+
+
+def compile_note(before: dict[str, float]) -> str:
+    """Where a compile's time went since ``before`` (a :func:`compile_clock` reading): Dynamo's
+    trace, AOT autograd, Inductor's codegen and the wait for its kernels, and whether Inductor's
+    FX graph cache answered. Empty where Dynamo records nothing."""
+    now = compile_clock()
+    if not now or not before:
+        return ""
+
+    def since(name: str) -> float:  # torch._dynamo.reset() clears the totals in between
+        was = before.get(name, 0.0)
+        return now[name] - was if now[name] >= was else now[name]
+
+    parts = [f"{name} {since(name):.1f}" for name, _ in _COMPILE_PARTS]
+    hits, misses = int(since("cache_hit")), int(since("cache_miss"))
+    return f"{', '.join(parts)} s; FX graph cache {hits} hit, {misses} miss"
+
+
+def setup_torch() -> None:
+    import torch
+
+    # Inductor's C++ kernels are invisible to the profiler unless asked (torch 2.11/2.13);
+    # with it they appear as cpu ops that attribution ties to their fused ATen ops.
+    cpp = getattr(torch._inductor.config, "cpp", None)
+    if cpp is not None and hasattr(cpp, "enable_kernel_profile"):
+        cpp.enable_kernel_profile = True
+
+    # Measured selection compiles the same forward many times (one per variant); Dynamo's
+    # default recompile limit (8) would silently fall back to eager past it.
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, 64)
+    if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
+        torch._dynamo.config.accumulated_recompile_limit = 512
+
+    if _SHARES_CPUS:
+        # Inductor starts a pool of compile workers at a process's first compile, each
+        # importing torch: seconds of CPU on the slice, outside any lock. Beside a sibling
+        # timing process that measures meanwhile, its launch-bound calls ran 1.4-2.5x slower
+        # (benchmarks/results/h200-2026-11-30j). The siblings compile what selection already
+        # compiled (the caches answer): in this process, without the pool.
+        torch._inductor.config.compile_threads = 1
+    phase("torch imported")
+
+
+def options(spec: ChildSpec) -> Any:
+    from pytest_opprof.options import OpprofOptions
+
+    return OpprofOptions.from_child(spec.options)
+
+
+def setting(spec: ChildSpec, name: str) -> Any:
+    return spec.overrides.get(name, getattr(options(spec), name, None))
+
+
+def load_baseline(spec: ChildSpec, device: str) -> Any:
+    import torch
+
+    from pytest_opprof.workload import check_output, load
+
+    w = load(Path(spec.workload), device)
+    with torch.no_grad():
+        out = w.model(*w.inputs)
+    check_output(w.path, out)
+    return w
+
+
+def import_generated(path: Path, sha256: str | None = None) -> Any:
+    """Import the generated file; with ``sha256``, only the file of that hash (the one
+    validated), read once so that the bytes checked are the bytes run."""
+    import hashlib
+
+    from pytest_opprof.errors import StageError
+
+    name = path.stem
+    if sha256 is not None:
+        source = path.read_bytes()
+        if hashlib.sha256(source).hexdigest() != sha256:
+            raise StageError(
+                f"{path.name} changed after its validation: not timed; validate it again"
+            )
+        module = types.ModuleType(name)
+        module.__file__ = str(path)
+        sys.modules[name] = module
+        exec(compile(source, str(path), "exec"), module.__dict__)
+        return module
+    mod_spec = importlib.util.spec_from_file_location(name, path)
+    if mod_spec is None or mod_spec.loader is None:
+        raise StageError(f"{path}: cannot be imported")
+    module = importlib.util.module_from_spec(mod_spec)
+    sys.modules[name] = module
+    mod_spec.loader.exec_module(module)
+    return module
+
+
+_SHARES_CPUS = False
+"""Sibling stage processes share this process's CPUs (a recapture's timing processes, side by
+side): one of them measures while the others compile."""
+
+_OWN_CPUS = False
+"""This process's CPU slice is its workload's own (``devicelock.OWN_CPUS_ENV``): it may compile
+while another workload's process measures — alone on the slice, or beside siblings that hold
+their lock (``devicelock``: a sibling's measurement waits for its siblings' compiles)."""
+
+_OFF_GPU = contextlib.ExitStack()
+"""The compile under way off the GPU: entered at Dynamo's compile start, closed at its end
+(Dynamo runs both once for nested compiles)."""
+
+
+def _off_gpu_start(args: Any) -> None:
+    from torch._dynamo.callback import CallbackTrigger
+
+    from pytest_opprof.capture.timing import synchronize
+
+    if args.callback_trigger is CallbackTrigger.DYNAMO:  # not a CUDA-graph recording
+        # first the work queued before the compile (a graph before a break)
+        _OFF_GPU.enter_context(devicelock.off_gpu(lambda: synchronize("cuda")))
+
+
+def _off_gpu_end(args: Any) -> None:
+    _OFF_GPU.close()
+
+
+def compile_off_gpu(device: str) -> None:
+    """Where this process's CPUs are its own, let go of the GPU while Dynamo compiles (from
+    its start to its end callback: ``devicelock.off_gpu``), so a measurer waits for no compile
+    of ours; our backend takes the GPU back for the weights it folds. Registered again where a
+    ``torch._dynamo.reset()`` cleared the callbacks; nothing on torch without them."""
+    if device != "cuda" or not _OWN_CPUS or (_SHARES_CPUS and not devicelock.has_siblings()):
+        return
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:  # pragma: no cover - torch < 2.6
+        return
+    if _off_gpu_start not in callback_handler.start_callbacks:
+        callback_handler.register_start_callback(_off_gpu_start)
+        callback_handler.register_end_callback(_off_gpu_end)
+
+
+def step_done(device: str) -> None:
+    """A step of this process's work (a compile, a build, the generated tests) is over: once
+    its GPU work has finished, a measurer waiting on the GPU goes first."""
+    from pytest_opprof.capture.timing import synchronize
+
+    synchronize(device)
+    devicelock.make_way()
+
+
+def compile_timed(
+    model: Any, backend: Any, inputs: tuple[Any, ...], device: str
+) -> tuple[Any, float]:
+    import torch
+
+    from pytest_opprof.capture.timing import synchronize
+    from pytest_opprof.errors import StageError
+
+    fn = torch.compile(model, backend=backend)
+    compile_off_gpu(device)
+    clock = compile_clock()
+    t0 = time.perf_counter()
+    try:
+        with torch.no_grad():
+            fn(*inputs)
+        synchronize(device)
+    except Exception as exc:
+        if isinstance(exc, torch.cuda.OutOfMemoryError):
+            raise
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        shown = lines[0] if lines else type(exc).__name__
+        raise StageError(
+            f"torch.compile(backend={getattr(backend, '__name__', backend)!r}) failed: "
+            f"{type(exc).__name__}: {shown[:300]}; check that Inductor works here (a C++ "
+            "compiler for the CPU, Triton for the GPU), or see the stage log"
+        ) from None
+    seconds = time.perf_counter() - t0
+    note = compile_note(clock)
+    phase(
+        f"compiled (backend={getattr(backend, '__name__', backend)!r}) in {seconds:.1f} s"
+        + (f" ({note})" if note else "")
+    )
+    devicelock.make_way()  # synchronized above
+    return fn, seconds
+
+
+def flat(value: Any) -> list[Any]:
+    from pytest_opprof.workload import flatten_tensors
+
+    return flatten_tensors(value)
+
+
+def configure(*, shares_cpus: bool, own_cpus: bool) -> None:
+    """The process's place among its siblings, from its spec and its environment."""
+    global _SHARES_CPUS, _OWN_CPUS
+    _SHARES_CPUS, _OWN_CPUS = shares_cpus, own_cpus
+
+
+def restart_clock() -> None:
+    """The stage log counts from now: a process forked from the fork server starts here."""
+    global _STARTED
+    _STARTED = time.perf_counter()

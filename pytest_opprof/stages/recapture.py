@@ -1,0 +1,353 @@
+"""Stage 4, recapture: the optimized workload, through its backend, timed interleaved with
+both baselines in one or more timing processes (pooled), with its timeline. Only the file
+the validation report's sha256 names is timed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pytest_opprof import devicelock, forkserver
+from pytest_opprof.devicelock import LOCK_ENV
+from pytest_opprof.errors import OpprofError, StageBlocked, StageError
+from pytest_opprof.measure import Replica, pooled_timing
+from pytest_opprof.pipeline import WorkloadRun, file_sha256, rel_path
+from pytest_opprof.schema import (
+    BackendSelection,
+    CaptureMetadata,
+    ChildSpec,
+    Profile,
+    ValidationReport,
+    read_artifact,
+    write_artifact,
+    write_text_atomic,
+)
+from pytest_opprof.stages import capture, common
+
+if TYPE_CHECKING:
+    pass
+
+NAME = "recapture"
+
+
+def warm_timing_servers(run: WorkloadRun) -> None:
+    """Where ``--opprof-timing-servers`` spreads the recapture's timing processes over several
+    fork servers (``_retime_one``), start those past the first in the background at the
+    workload's first stage, so that their torch import is over long before the recapture.
+    Each import holds the host's CPU work (``devicelock.host_work``): a quiet measurement
+    waits until it ends. Nothing where the timing processes are new interpreters or one. The
+    device is the capture's, or before it a GPU wherever the session named a GPU lock."""
+    servers = timing_servers(run)
+    if run.setting("fresh_timing") or servers <= 1:
+        return
+    device_type = "cuda" if os.environ.get(LOCK_ENV) else "cpu"
+    profile = run.out_dir / "profile.json"
+    if profile.exists():
+        with contextlib.suppress(OpprofError):  # the stages say what is wrong with it
+            device_type = read_artifact(profile, Profile).capture_metadata.device_type
+    processes = timing_processes(run, device_type)
+    slots = {forkserver.slot_of(i, servers) for i in range(1, processes)} - {0}
+    if slots:
+        forkserver.warm(sorted(slots), devicelock.host_work)
+
+
+def run(run: WorkloadRun) -> str:
+    report = read_artifact(run.profiler_output / "validation_report.json", ValidationReport)
+    if report.overall != "READY_FOR_PROFILING":
+        raise StageBlocked(f"blocked by validate: {report.message}")
+    digest = validated_digest(run, report)
+    baseline = read_artifact(run.out_dir / "profile.json", Profile).capture_metadata
+    processes = timing_processes(run, baseline.device_type)
+    together = processes > 1 and side_by_side(baseline, processes)
+    fresh = bool(run.setting("fresh_timing"))
+    generated = str(run.generated.resolve())
+    with tempfile.TemporaryDirectory(prefix="opprof-retime-") as tmp:
+        if together:
+            # Each process compiles while the others do; they measure one at a time, none
+            # beside another's compile (the siblings' lock: devicelock).
+            siblings = Path(tmp) / "siblings.lock"
+            pool = ThreadPoolExecutor(processes - 1)
+            pending = [
+                pool.submit(_retime_one, run, i, Path(tmp), siblings=siblings, fresh=fresh)
+                for i in range(1, processes)
+            ]
+            try:
+                run.run_child(
+                    "recapture",
+                    "recapture",
+                    generated=generated,
+                    sha256=digest,
+                    shares_cpus=True,
+                    siblings_lock=str(siblings),
+                )
+            except BaseException as exc:
+                # A failed recapture waits for its timing processes (none outlives its stage
+                # or its folder); an interrupt does not (the session's end stops them).
+                pool.shutdown(wait=not isinstance(exc, KeyboardInterrupt), cancel_futures=True)
+                raise
+            replicas = [f.result() for f in pending]
+            pool.shutdown()
+        else:
+            run.run_child("recapture", "recapture", generated=generated, sha256=digest)
+            replicas = [_retime_one(run, i, Path(tmp), fresh=fresh) for i in range(1, processes)]
+    path = run.out_dir / "profile_optimized.json"
+    prof = read_artifact(path, Profile)
+    if processes > 1:
+        warnings = list(prof.warnings)
+        warnings += [
+            f"timing process {i + 1} of {processes} failed: {r}"
+            for i, r in enumerate(replicas, start=1)
+            if isinstance(r, str)
+        ]
+        timing = pooled_timing(prof.timing, [r for r in replicas if not isinstance(r, str)])
+        prof = prof.model_copy(update={"timing": timing, "warnings": warnings})
+        write_artifact(path, prof)
+    opt = prof.timing.variants["optimized"]
+    if opt.processes == 1:
+        return f"optimized {opt.median_ms:.4f} ms"
+    how = "side by side" if together else "one after another"
+    return f"optimized {opt.median_ms:.4f} ms ({opt.processes} processes, {how})"
+
+
+def validated_digest(run: WorkloadRun, report: ValidationReport) -> str:
+    """The sha256 of the generated file, which must be the one ``report`` validated: the
+    recapture never times a file that was edited after its validation."""
+    digest = file_sha256(run.generated)
+    if not report.sha256 or digest != report.sha256:
+        raise StageError(
+            f"{run.generated.name} is not the file validate checked (its sha256 differs from "
+            "validation_report.json's): validate it again — `opprof validate "
+            f"{rel_path(run.generated)}`, or run without --opprof-from/--opprof-stage"
+        )
+    return digest
+
+
+TIMING_PROCESSES_GPU = 3
+"""Timing processes on a GPU when the option says auto: on the lent H200 host the same eager
+call ran at 0.28 ms in some fresh processes and 0.36-0.54 ms in others, steady within each
+(benchmarks/affinity_probe.py), so one process's interval does not cover the next run."""
+
+
+def timing_processes(run: WorkloadRun, device_type: str) -> int:
+    chosen = run.setting("timing_processes")
+    if chosen is None:
+        return TIMING_PROCESSES_GPU if device_type == "cuda" else 1
+    return int(chosen)
+
+
+def timing_servers(run: WorkloadRun) -> int:
+    """The fork servers the timing processes are spread over (``--opprof-timing-servers``)."""
+    return int(run.setting("timing_servers") or 1)
+
+
+SIDE_BY_SIDE_MEMORY = 0.8
+"""The share of the GPU's memory a workload's timing processes may plan on together, each
+counted at twice the capture's peak (it holds the optimized plan besides both baselines)."""
+
+
+def side_by_side(baseline: CaptureMetadata, processes: int) -> bool:
+    """Whether the recapture's timing processes start together: only under a GPU lock, which
+    keeps their measurements apart (``devicelock``), and where the capture's peak memory says
+    they all fit."""
+    if not os.environ.get(LOCK_ENV):
+        return False
+    peak, total = baseline.peak_memory_bytes, baseline.device_memory_bytes
+    return bool(peak and total and 2 * peak * processes <= SIDE_BY_SIDE_MEMORY * total)
+
+
+def _retime_one(
+    run: WorkloadRun,
+    i: int,
+    folder: Path,
+    *,
+    siblings: Path | None = None,
+    fresh: bool = False,
+) -> Replica | str:
+    """The recapture's calls timed again in another process: its samples, or why it failed (a
+    process that fails adds a warning, not an error: the others' timing stands).
+
+    Forked processes come from the session's fork server, or with ``--opprof-timing-servers
+    N`` from server ``i % N`` (``forkserver.slot_of``; the recapture from server 0, which
+    every stage shares). Processes forked from one server share what it fixed at its start
+    (its address layout, hash seed, the memory its imports were loaded into), and on the H200
+    host a launch-bound call's speed went with the server: conv_block's torch.compile call,
+    three children forked from each of four servers (benchmarks/layout_probe.py,
+    benchmarks/results/h200-2026-12-02d/probes), took 0.2396, 0.2407 and 0.2412 ms from one
+    and 0.2535-0.2576 from another; the servers' means spread 2.9% where their children's
+    spread alone predicts 1.6%. Servers started with one layout and seed (``setarch -R``,
+    ``PYTHONHASHSEED=0``) still differed by 3%. Processes of one server repeat its offset,
+    which their interval cannot show; processes of several draw one each, so their spread
+    and the interval include it. Not the default: in the pipeline that offset was lost in
+    larger noise. With three servers (benchmarks/results/h200-2026-12-02e) the launch-bound
+    baselines' ratios spread over a workload's processes by a median 2.8% (sd / mean, 16
+    timings), against 3.3% with one server (151 timings, h200-2026-12-01 to -02d); the same
+    backends timed again a minute later still moved by 8-12%, with the host, and the captures
+    took 5-20 s longer beside the servers' imports.
+
+    ``fresh`` (``--opprof-fresh-timing``): a new interpreter instead, a draw of its own, at a
+    torch import on the stage's own time: with them the seven examples at ``-n 7`` took
+    309 s and over 265 s on the H200 host against 203 s forked (h200-2026-12-02d)."""
+    result = folder / f"retime{i}.json"
+    try:
+        run.run_child(
+            "retime",
+            "recapture",
+            log_name=f"retime{i}",
+            fresh=fresh,
+            server=forkserver.slot_of(i, timing_servers(run)),
+            generated=str(run.generated.resolve()),
+            sha256=file_sha256(run.generated),
+            result=result,
+            shares_cpus=siblings is not None,
+            siblings_lock=str(siblings) if siblings is not None else None,
+        )
+        return Replica.from_json(json.loads(result.read_text(encoding="utf-8")))
+    except (OpprofError, OSError, ValueError) as exc:
+        return str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+
+
+def _optimized_calls(
+    spec: ChildSpec, device: str, w: Any, *, retime: bool = False
+) -> dict[str, Any]:
+    """What the recapture times: eager, the compiled baseline, the optimized workload through
+    its backend (in its CUDA graph where the plan says so) and, when the dtype changed, the
+    same plan at the baseline dtype; with the pairs whose ratios are reported, the twins the
+    timeline profiles first (a CUDA-graph variant uncaptured) and the compile seconds. A
+    ``retime`` process builds neither the baseline-dtype plan nor a twin compiled anew: it
+    times, it draws no timeline."""
+    import torch
+
+    from pytest_opprof.backend.build import build
+    from pytest_opprof.backend.model_graph import ModelGraph, uncaptured
+    from pytest_opprof.schema import read_artifact
+
+    opts = common.options(spec)
+    out_dir = Path(spec.out_dir)
+    module = common.import_generated(spec.need("generated"), sha256=spec.sha256)
+    model, _ = module.get_model_and_input()
+    compile_s: dict[str, float] = {}
+    compiled, compile_s["compile"] = common.compile_timed(
+        w.model, opts.compile_backend, w.inputs, device
+    )
+    if getattr(module, "COMPILE", True):
+        optimized, compile_s["optimized"] = common.compile_timed(
+            model, module.BACKEND, w.inputs, device
+        )
+    else:
+        optimized = model
+    twins: dict[str, Any] = {}
+    if getattr(module, "CUDA_GRAPH", False) and device == "cuda":
+        optimized = ModelGraph(optimized)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            optimized(*w.inputs)  # warmup and recording
+        compile_s["cuda_graph_capture"] = time.perf_counter() - t0
+        twins["optimized"] = uncaptured(optimized)
+        common.step_done(device)
+    calls: dict[str, Any] = {"eager": w.model, "compile": compiled, "optimized": optimized}
+    pairs = [("eager", "compile"), ("eager", "optimized"), ("compile", "optimized")]
+    selection_path = out_dir / "profiler_output" / "backend_selection.json"
+    if selection_path.exists():
+        plan = read_artifact(selection_path, BackendSelection).plan
+        if not retime and device == "cuda" and plan.config_patches.get("triton.cudagraphs"):
+            # Inductor's graphs: the same plan compiled without them is the twin.
+            torch.manual_seed(0)
+            patches = {k: v for k, v in plan.config_patches.items() if k != "triton.cudagraphs"}
+            without = plan.model_copy(update={"config_patches": patches})
+            twins["optimized"] = build(
+                common.load_baseline(spec, device).model, w.inputs, without
+            ).fn
+            common.step_done(device)
+        if not retime and plan.dtype not in (None, "float32"):
+            torch.manual_seed(0)
+            same = build(common.load_baseline(spec, device).model, w.inputs, plan.without_dtype())
+            with torch.no_grad():
+                t0 = time.perf_counter()
+                same.fn(*w.inputs)
+            compile_s["optimized_baseline_dtype"] = time.perf_counter() - t0
+            common.step_done(device)
+            calls["optimized_baseline_dtype"] = same.fn
+            pairs += [
+                ("eager", "optimized_baseline_dtype"),
+                ("compile", "optimized_baseline_dtype"),
+            ]
+    common.note_tuned_gemms()
+    return {
+        "calls": calls,
+        "pairs": pairs,
+        "twins": twins,
+        "compile_s": compile_s,
+        "backend": module.BACKEND,
+    }
+
+
+def task_recapture(spec: ChildSpec) -> None:
+    """Stage 4: the optimized workload through its backend, timed interleaved with eager and
+    the compiled baseline (and, when the dtype changed, the same plan at the baseline dtype),
+    its timeline, and each call's GPU time with the host hidden."""
+    from pytest_opprof.capture.system import environment, resolve_device
+    from pytest_opprof.schema import Profile, write_artifact
+
+    common.setup_torch()
+    device = resolve_device(common.options(spec).device)
+    out_dir = Path(spec.out_dir)
+    w = common.load_baseline(spec, device)
+    info = environment(device)
+    built = _optimized_calls(spec, device, w)
+    optimized = built["calls"]["optimized"]
+    with devicelock.measuring(share_after=False, quiet=True):  # its last GPU work
+        samples = capture.time_calls(spec, built["calls"], w.inputs, device)
+        timelines, flags = capture.draw_timelines(
+            spec,
+            {"optimized": (optimized, f"torch.compile(backend={built['backend']!r})")},
+            w.inputs,
+            device,
+            out_dir,
+            built["twins"],
+        )
+        gpu_ms = capture.gpu_time(built["calls"], w.inputs, device, samples, timelines)
+    timing = capture.timing_of(
+        samples,
+        device,
+        built["pairs"],
+        timelines,
+        built["compile_s"],
+        gpu_ms,
+    )
+    profile = Profile(
+        capture_metadata=capture.run_metadata(spec, w, device, info),
+        timing=timing,
+        timelines=timelines,
+        edge_case_flags=flags,
+    )
+    write_artifact(out_dir / "profile_optimized.json", profile)
+
+
+def task_retime(spec: ChildSpec) -> None:
+    """Stage 4, once more in a fresh process: the recapture's calls built and timed again the
+    same way (no timeline), the samples written to ``spec.result`` for the parent to pool.
+    A host-bound baseline runs at a different speed in each process; only more processes show
+    how much. The same plan at the baseline dtype is left out (one more compile per process):
+    its ratios stay the recapture's own."""
+    from pytest_opprof.capture.system import resolve_device
+
+    common.setup_torch()
+    device = resolve_device(common.options(spec).device)
+    w = common.load_baseline(spec, device)
+    built = _optimized_calls(spec, device, w, retime=True)
+    with devicelock.measuring(share_after=False, quiet=True):  # its last GPU work
+        samples = capture.time_calls(spec, built["calls"], w.inputs, device)
+    common.phase("timed again")
+    write_text_atomic(spec.need("result"), json.dumps(samples.to_json()))
+
+
+TASKS: dict[str, Callable[[ChildSpec], None]] = {"recapture": task_recapture, "retime": task_retime}
+"""The child halves, by the task name a spec carries (``runner`` dispatches them)."""
