@@ -37,7 +37,7 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "pytest_opprof.runner")
+PRELOAD = ("torch", "torch._dynamo", "torch._inductor.compile_fx", "pytest_opprof.stages")
 BAD_FORK = 75
 """A child's exit status when torch says its CUDA was poisoned by the server (something the
 server imported had initialised the driver): the stage is then run as a plain process."""
@@ -48,10 +48,9 @@ START_TIMEOUT_S = 120.0
 # ------------------------------------------------------------------------------- server side
 
 
-def serve(socket_path: str) -> int:
-    """Import ``PRELOAD`` and fork a child per request until the parent goes."""
-    from pytest_opprof.runner import die_with_parent
-
+def serve(socket_path: str, run: Callable[[str], int]) -> int:
+    """Import ``PRELOAD`` and fork a child per request until the parent goes; each child calls
+    ``run(spec_path)`` (the stage bootstrap, ``runner.forked``) and exits with its status."""
     die_with_parent()
     # torch.cuda.is_available() by NVML, which leaves the driver uninitialised (the default
     # cudaGetDeviceCount poisons fork) should an imported module ask at import time.
@@ -75,7 +74,7 @@ def serve(socket_path: str) -> int:
                 # A client that went away (a timeout, an interrupt) is its own business: the
                 # server goes on with the others whatever happened on this connection.
                 with contextlib.suppress(OSError, ValueError):
-                    pid = _fork_one(accepted, listener, running, torch.cuda.is_initialized)
+                    pid = _fork_one(accepted, listener, running, torch.cuda.is_initialized, run)
                     if pid is not None:
                         running[accepted] = pid
                         continue
@@ -107,6 +106,7 @@ def _fork_one(
     listener: socket.socket,
     running: dict[socket.socket, int],
     cuda_initialized: Any,
+    run: Callable[[str], int],
 ) -> int | None:
     """One request: fork its child and answer its pid (None where no child runs). Several
     run at once: a workload's timing processes compile side by side (``devicelock``)."""
@@ -121,7 +121,7 @@ def _fork_one(
         listener.close()
         for other in (conn, *running):
             other.close()
-        _child(request)  # never returns
+        _child(request, run)  # never returns
     try:
         conn.sendall((json.dumps({"pid": pid}) + "\n").encode())
     except OSError:  # the client went away: its child must not run on unwatched
@@ -144,7 +144,7 @@ def _read_line(conn: socket.socket) -> str:
     return data.decode("utf-8")
 
 
-def _child(request: dict[str, Any]) -> None:
+def _child(request: dict[str, Any], run: Callable[[str], int]) -> None:
     code = 1
     try:
         os.setsid()  # its own process group, which the client kills on a timeout
@@ -164,13 +164,8 @@ def _child(request: dict[str, Any]) -> None:
             if folder not in sys.path:
                 sys.path.insert(0, folder)
         os.chdir(request["cwd"])
-        from pytest_opprof import runner
-        from pytest_opprof.stages import common
-
-        common.restart_clock()  # its stage log counts from the fork
-        runner.die_with_parent()  # the server is the parent now
-        common.phase(f"forked from the fork server of pid {os.getppid()} at {common.wall_clock()}")
-        code = runner.main([request["spec"]])
+        die_with_parent()  # the server is the parent now
+        code = run(request["spec"])
     except SystemExit as exc:
         code = exc.code if isinstance(exc.code, int) else 1
     except BaseException:
@@ -197,7 +192,7 @@ class ForkServer:
         log = open(os.path.join(self._folder, "server.log"), "w+", encoding="utf-8")  # noqa: SIM115
         self._log = log
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "pytest_opprof.forkserver", self.socket_path],
+            [sys.executable, "-m", "pytest_opprof.runner", "--fork-server", self.socket_path],
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
@@ -394,5 +389,19 @@ def shutdown() -> None:
         server.close()
 
 
-if __name__ == "__main__":
-    sys.exit(serve(sys.argv[1]))
+def die_with_parent() -> None:
+    """Linux: be killed when the parent (pytest, the CLI, the fork server) dies, even by
+    SIGKILL, so no child writes artifacts after its session is gone. Elsewhere the parent's
+    own cleanup must do."""
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() == 1:  # the parent died before prctl: nobody to report to
+        os._exit(1)

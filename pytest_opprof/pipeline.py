@@ -86,11 +86,11 @@ def default_hooks() -> Any:
     is (the ``opprof`` command), so that both go through the same code."""
     import pluggy
 
-    from pytest_opprof import hookspecs, plugin
+    from pytest_opprof import defaults, hookspecs
 
     manager = pluggy.PluginManager("pytest")
     manager.add_hookspecs(hookspecs)
-    manager.register(plugin, "opprof")
+    manager.register(defaults, "opprof-defaults")
     return manager.hook
 
 

@@ -19,8 +19,7 @@ from pytest_opprof.options import OPTIONS, OpprofOptions
 from pytest_opprof.workload import WorkloadSpec, discover, is_generated
 
 if TYPE_CHECKING:
-    from pytest_opprof.pipeline import WorkloadRun
-    from pytest_opprof.schema import SessionSummary, Timing
+    from pytest_opprof.schema import SessionSummary
     from pytest_opprof.session import OpprofSession, Optimizer  # noqa: F401 (used in a string)
 
 SESSION_KEY = pytest.StashKey["OpprofSession"]()
@@ -30,9 +29,10 @@ WRITTEN_KEY = pytest.StashKey[tuple[Path, "SessionSummary"]]()
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
-    from pytest_opprof import hookspecs
+    from pytest_opprof import defaults, hookspecs
 
     pluginmanager.add_hookspecs(hookspecs)
+    pluginmanager.register(defaults, "opprof-defaults")  # the trylast decision hooks
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -365,28 +365,3 @@ def opprof(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     if not given:
         options = dataclasses.replace(options, out=tmp_path_factory.mktemp("opprof"))
     return Optimizer(options=options, hook=request.node.ihook)
-
-
-# ------------------------------------------------- the plugin's own decision hooks (trylast)
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_opprof_select_baseline(workload: WorkloadRun, timing: Timing) -> str | None:
-    """``--opprof-baseline`` / ``OPPROF['baseline']``: eager, compile, or best (the faster)."""
-    choice = str(workload.base_setting("baseline"))
-    if choice != "best":
-        return choice
-    v = timing.variants
-    return "eager" if v["eager"].median_ms < v["compile"].median_ms else "compile"
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_opprof_min_speedup(workload: WorkloadRun, min_speedup: float) -> float | None:
-    return min_speedup
-
-
-@pytest.hookimpl(trylast=True)
-def pytest_opprof_timing_settings(
-    workload: WorkloadRun, settings: dict[str, int]
-) -> dict[str, int] | None:
-    return settings

@@ -14,7 +14,8 @@ import os
 import sys
 from pathlib import Path
 
-from pytest_opprof import devicelock
+from pytest_opprof import devicelock, forkserver
+from pytest_opprof.forkserver import die_with_parent
 from pytest_opprof.stages import common
 
 EXIT_USER_ERROR = 3
@@ -66,23 +67,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def die_with_parent() -> None:
-    """Linux: be killed when the parent (pytest, the CLI) dies, even by SIGKILL, so no child
-    writes artifacts after its session is gone. Elsewhere the parent's own cleanup must do."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-    import signal
-
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        return
-    if os.getppid() == 1:  # the parent died before prctl: nobody to report to
-        os._exit(1)
-
-
 def _is_oom(exc: BaseException) -> bool:
     try:
         import torch
@@ -91,6 +75,16 @@ def _is_oom(exc: BaseException) -> bool:
     return isinstance(exc, torch.cuda.OutOfMemoryError)
 
 
+def forked(spec_path: str) -> int:
+    """``main`` in a child of the fork server (torch already imported there): its stage log
+    counts from the fork."""
+    common.restart_clock()
+    common.phase(f"forked from the fork server of pid {os.getppid()} at {common.wall_clock()}")
+    return main([spec_path])
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--fork-server"]:  # python -m pytest_opprof.runner --fork-server SOCK
+        sys.exit(forkserver.serve(sys.argv[2], forked))
     common.phase(f"started at {common.wall_clock()}")
     sys.exit(main())

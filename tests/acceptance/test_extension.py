@@ -8,6 +8,7 @@ the selection and validation records written here, so their gates are real GPU n
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -122,16 +123,19 @@ def h200_workload(root: Path, folder: str, example: str, name: str | None = None
             plan=BackendPlan(proposals=ids),
         ),
     )
+    generated = out / f"{example}_optimized.py"
+    generated.write_text(f"{GENERATED_MARKER} (test stand-in)\n")
     write_artifact(
         out / "profiler_output" / "validation_report.json",
         ValidationReport(
-            file=f"{example}_optimized.py",
+            file=generated.name,
+            # the file validated: anything else would be validated again before the report
+            sha256=hashlib.sha256(generated.read_bytes()).hexdigest(),
             backend=f"opprof_{example}",
             steps={s: StepResult(status="pass") for s in VALIDATION_STEPS},
             overall="READY_FOR_PROFILING",
         ),
     )
-    (out / f"{example}_optimized.py").write_text(f"{GENERATED_MARKER} (test stand-in)\n")
     return workload
 
 
