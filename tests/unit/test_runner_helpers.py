@@ -174,14 +174,16 @@ def test_a_timing_process_beside_its_siblings_compiles_without_a_worker_pool(
 
     from pytest_opprof.stages import common
 
-    monkeypatch.setattr(torch._inductor.config, "compile_threads", 4)
-    monkeypatch.setattr(common, "_SHARES_CPUS", False)
-    common.setup_torch()
-    assert torch._inductor.config.compile_threads == 4
-    monkeypatch.setattr(common, "_SHARES_CPUS", True)
-    common.setup_torch()
-    assert torch._inductor.config.compile_threads == 1
-    assert not AsyncCompile.use_process_pool()  # no pool, none started
+    # config.patch, not monkeypatch: monkeypatch's undo leaves Inductor's config without the
+    # key (a later compile in this process then fails on config.compile_threads)
+    with torch._inductor.config.patch(compile_threads=4):
+        monkeypatch.setattr(common, "_SHARES_CPUS", False)
+        common.setup_torch()
+        assert torch._inductor.config.compile_threads == 4
+        monkeypatch.setattr(common, "_SHARES_CPUS", True)
+        common.setup_torch()
+        assert torch._inductor.config.compile_threads == 1
+        assert not AsyncCompile.use_process_pool()  # no pool, none started
 
 
 @pytest.mark.parametrize(
