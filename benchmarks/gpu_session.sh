@@ -3,6 +3,8 @@
 # examples, write the results table ($OUT/summary.json and summary.md, by summarize.py) and pack
 # every artifact into $OUT/results.tar.xz, so traces and reports come back in one file.
 #   bash benchmarks/gpu_session.sh conv_block mlp_activations [-- extra pytest args]
+# Back in the repository, `bash benchmarks/pack_results.sh OUT benchmarks/results/<session>/<run>`
+# publishes the raw run to the `results` branch and keeps its summary (docs/results.md).
 # Needs the pure-Python wheels in .whl/ (../shared/gpu/wheels.sh .whl) where the machine has no
 # package index.
 set -uo pipefail

@@ -10,6 +10,7 @@ hand-tuned figures of EXAMPLES.md (H200, torch 2.11).
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import math
 import re
@@ -52,6 +53,13 @@ def _artifact(where: Path, name: str) -> Path:
     plain = where / name
     packed = where / f"{name}.gz"
     return packed if not plain.exists() and packed.exists() else plain
+
+
+def read_summary(path: Path) -> dict[str, Any]:
+    """A run's ``summary.json``, or its gzip copy (``summary.json.gz``), as main keeps them."""
+    path = _artifact(path.parent, path.name)
+    data = path.read_bytes()
+    return json.loads(gzip.decompress(data) if path.suffix == ".gz" else data)
 
 
 CACHED_S = 0.015
@@ -673,7 +681,7 @@ def main() -> None:
         runs = []
         for path in args.compare:
             try:
-                runs.append(json.loads(path.read_text(encoding="utf-8")))
+                runs.append(read_summary(path))
             except (OSError, ValueError) as exc:
                 parser.error(f"{path}: not a summary JSON ({exc}); pass two summary.json files")
         names = (args.compare[0].parent.name, args.compare[1].parent.name)

@@ -107,7 +107,9 @@ def margins(name: str, device: str, batch: int | None) -> list[dict[str, Any]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("names", nargs="*", default=sorted(p.name for p in EXAMPLES.iterdir()))
+    parser.add_argument(
+        "names", nargs="*", default=sorted(p.name for p in EXAMPLES.iterdir() if p.is_dir())
+    )
     parser.add_argument("--out", type=Path, default=Path("validator_margins.json"))
     parser.add_argument("--batch", type=int, default=None, help="first N of the batch only")
     ns = parser.parse_args()

@@ -1,10 +1,11 @@
-"""Render knowledge/hardware.json as knowledge/hardware.md, the table for people.
+"""Render pytest_opprof/data/hardware.json as knowledge/hardware.md, the table for people.
 
     python knowledge/render_hardware.py          # rewrite hardware.md
     python knowledge/render_hardware.py --check  # exit 1 if hardware.md is stale
 
-Standard library only, so it runs before the package is installed. The JSON is the source of
-truth; a unit test fails when the committed Markdown no longer matches it.
+Standard library only, so it runs before the package is installed. The JSON, the one copy the
+code reads (``pytest_opprof.knowledge``, from an installed wheel too), is the source of truth; a
+unit test fails when the committed Markdown no longer matches it.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-JSON_PATH = HERE / "hardware.json"
+JSON_PATH = HERE.parent / "pytest_opprof" / "data" / "hardware.json"
 MD_PATH = HERE / "hardware.md"
 
 TERA = 1e12
@@ -97,10 +98,12 @@ def render(table: dict[str, Any]) -> str:
     lines = [
         "# Hardware table",
         "",
-        "<!-- Generated from hardware.json by render_hardware.py; do not edit by hand. -->",
+        "<!-- Generated from pytest_opprof/data/hardware.json by render_hardware.py; do not edit"
+        " by hand. -->",
         "",
-        "Generated from [`hardware.json`](hardware.json) by `python knowledge/render_hardware.py`;"
-        " edit the JSON, then re-run the script (a unit test fails while this page is stale).",
+        "Generated from [`pytest_opprof/data/hardware.json`](../pytest_opprof/data/hardware.json)"
+        " by `python knowledge/render_hardware.py`; edit the JSON, then re-run the script (a unit"
+        " test fails while this page is stale).",
         "",
         f"- **Peaks:** {table['peak_basis']}",
         "- **Units in the JSON:** base units — FLOP/s, bytes/s, bytes, Hz. "

@@ -39,25 +39,21 @@ compiled. A measurement therefore still runs beside no other GPU work, and besid
 on its own CPUs.
 
 Neighbours' compiles on other CPUs still slow a launch-bound call by sharing the host (caches,
-memory, the hypervisor): on the H200 host, a model's dispatch on CPU tensors took 200 µs with
-the other CPUs idle and 250-260 µs with each of them busy (``benchmarks/host_probe.py``). So a
-measurement whose figures are reported (``measuring(quiet=True)``) also waits until no compile
-runs off the GPU: compiles hold a fourth file, ``path.cpu``, shared while they run off it (never
-while they wait for the GPU), and a quiet measurer takes it exclusively once it holds the GPU.
-Selection's measurements, which compare two calls round by round, do not wait for it.
+memory, the hypervisor; docs/design-notes.md#quiet-measurements). So a measurement whose
+figures are reported (``measuring(quiet=True)``) also waits until no compile runs off the GPU:
+compiles hold a fourth file, ``path.cpu``, shared while they run off it (never while they wait
+for the GPU), and a quiet measurer takes it exclusively once it holds the GPU. Selection's
+measurements, which compare two calls round by round, do not wait for it.
 
 A recapture's timing processes run side by side on one CPU slice (:data:`OWN_CPUS_ENV` is not
 theirs alone), so each of their measurements must run beside no compile of the others. Holding
 the GPU shared through their compiles did that, but it held every other process's measurement
-back too: on the H200 host three such processes compiling for 2-3 s each kept five processes of
-other workloads waiting for 2.5-3.5 s while nobody measured, and such drains made 31% of the
-stage processes' waits for the GPU in that run (``benchmarks/gpu_timeline.py``; 23% in the next,
-with this lock, on another host). So siblings hold a fifth file of their own,
-``siblings_lock`` (:func:`join`): a compile lets go of the GPU and holds it shared instead, and
-a measurement takes it exclusively *before* it asks for the GPU, so that it waits for its
-siblings' compiles without holding the GPU idle. Every process takes the locks in one order
-(siblings, then the GPU, then ``path.cpu``), and lets go of ``path.cpu`` and the siblings' lock
-before it waits for the GPU: no wait can close a cycle.
+back too, waiting while nobody measured (docs/design-notes.md#the-siblings-lock). So siblings
+hold a fifth file of their own, ``siblings_lock`` (:func:`join`): a compile lets go of the GPU
+and holds it shared instead, and a measurement takes it exclusively *before* it asks for the
+GPU, so that it waits for its siblings' compiles without holding the GPU idle. Every process
+takes the locks in one order (siblings, then the GPU, then ``path.cpu``), and lets go of
+``path.cpu`` and the siblings' lock before it waits for the GPU: no wait can close a cycle.
 """
 
 from __future__ import annotations
@@ -368,8 +364,8 @@ def measuring_within() -> Iterator[None]:
     """A measurement in the middle of this process's GPU work (``opprof::tuned_mm`` timing
     cuBLASLt's algorithms on a shape's first call): the GPU to this process alone for the block,
     then held as it was before. A no-op without a lock, while measuring already, or aside for a
-    compile (no GPU work of its own runs there). On the H200, two timing processes that tuned
-    beside the recapture's GPU work kept a GEMM 15% slower than the one it kept alone."""
+    compile (no GPU work of its own runs there). Tuned beside another process's GPU work,
+    ``tuned_mm`` kept slower GEMMs (docs/design-notes.md#tuning-with-the-gpu-alone)."""
     lock = _LOCK
     if lock is None or lock.held == "exclusive" or lock.aside:
         yield

@@ -16,7 +16,7 @@ class UsageError(OpprofError):
 
 
 class WorkloadError(OpprofError):
-    """The workload file breaks the contract of DESIGN §1."""
+    """The workload file breaks the workload contract (docs/usage.md#a-workload)."""
 
 
 class ArtifactError(OpprofError):

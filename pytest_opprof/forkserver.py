@@ -1,13 +1,14 @@
 """Stage processes forked from a process that has already imported torch.
 
 Every stage runs its user code in a child process (``python -m pytest_opprof.runner SPEC``),
-and each child spent most of its start importing torch, Dynamo and Inductor: ~8 s per process
-on the H200 host, five processes per workload. The fork server is one process per pytest
-process (each xdist worker has its own) that imports them once, never touches CUDA, and forks a
-child per stage: the child starts with the imports done and no CUDA context, a state that forking
-is safe from (as PyTorch's DataLoader workers are forked). Each child is what the plain child
-was: its own process group, its output in the stage log, the request's environment and working
-folder, killed when the server goes, which is killed when its parent goes.
+and each child spent most of its start importing torch, Dynamo and Inductor: seconds per
+process, five processes per workload (docs/design-notes.md#importing-torch-once). The fork
+server is one process per pytest process (each xdist worker has its own) that imports them
+once, never touches CUDA, and forks a child per stage: the child starts with the imports done
+and no CUDA context, a state that forking is safe from (as PyTorch's DataLoader workers are
+forked). Each child is what the plain child was: its own process group, its output in the stage
+log, the request's environment and working folder, killed when the server goes, which is killed
+when its parent goes.
 
 Protocol (a Unix socket, one request per connection, JSON lines): the client sends ``{"spec",
 "log", "env", "cwd"}``; the server answers ``{"pid"}`` once forked, then ``{"exit"}`` with the

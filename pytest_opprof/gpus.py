@@ -10,11 +10,10 @@ The parent process never initialises CUDA (stages run in child processes), so se
 starts. An outer restriction is honoured: of the G GPUs already visible, worker ``gwK`` gets
 the (K mod G)-th.
 
-The CPUs are split too. On two H200s, two runs of the same examples gave optimized (CUDA-
-graphed) latencies within 0.1% of each other while the launch-bound torch.compile baselines,
-and with them the speedups, moved by 5-17%: a launch-bound timing depends on the CPU that
-launches the kernels, which one worker's Inductor compile pool (a process per core) can take
-from the other worker's timing loop. Worker ``gwK`` is pinned to the K-th of N contiguous
+The CPUs are split too: a launch-bound timing depends on the CPU that launches the kernels,
+which one worker's Inductor compile pool (a process per core) can take from the other worker's
+timing loop, moving the torch.compile baselines and the speedups with them between runs
+(docs/design-notes.md#cpu-slices-per-worker). Worker ``gwK`` is pinned to the K-th of N contiguous
 slices of the CPUs this process may use, and Inductor's compile pool and OpenMP are sized to
 that slice; every child process inherits both.
 """

@@ -445,7 +445,7 @@ BottleneckClass = Literal[
     "well_optimized",
 ]
 BOTTLENECK_CLASSES: tuple[BottleneckClass, ...] = get_args(BottleneckClass)
-"""The classes of DESIGN §2.2; ``launch_bound`` covers launch- and latency-bound work.
+"""The bottleneck classes; ``launch_bound`` covers launch- and latency-bound work.
 knowledge/bottlenecks.md gives each one's rule with counters and without."""
 
 

@@ -276,7 +276,8 @@ def judge(
 ) -> tuple[Numerics, dict[str, StepResult]]:
     """Numerics over the candidate's seeds (:func:`check_numerics` against ``baseline`` on the
     same fresh inputs, calibrated by eager at ``dtype`` where ``calibrate`` and ``baseline``
-    is a module) plus the checks of DESIGN §2.4; the worst seed is reported."""
+    is a module) plus the anti-cheating checks (docs/how-it-works.md#the-validator); the worst
+    seed is reported."""
     checks: dict[str, StepResult] = {}
     per_seed: list[Numerics] = []
     outs, seeds = got.outputs, got.seeds

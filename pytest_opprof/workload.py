@@ -1,4 +1,5 @@
-"""Workloads: discovery from the AST (no import), loading in the child, the contract of DESIGN §1.
+"""Workloads: discovery from the AST (no import), loading in the child, the workload contract
+(docs/usage.md#a-workload).
 
 Discovery is pure Python and never runs user code. Loading imports torch lazily; it runs only
 inside the runner's child process.
@@ -254,7 +255,8 @@ def _is_oom(exc: BaseException) -> bool:
 
 
 def check_contract(path: Path, result: Any, device: str) -> LoadedWorkload:
-    """DESIGN §1: a model in eval mode on the device, not compiled; tensor inputs on the device."""
+    """The workload contract (docs/usage.md#a-workload): a model in eval mode on the device,
+    not compiled; tensor inputs on the device."""
     import torch
 
     name = path.name

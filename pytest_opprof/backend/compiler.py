@@ -1,7 +1,7 @@
 """The pass-routing ``torch.compile`` backend that generated ``<stem>_optimized.py`` files call.
 
-``make_backend`` returns a Dynamo backend that routes the passes across three IR levels
-(DESIGN §2.3):
+``make_backend`` returns a Dynamo backend that routes the passes across three IR levels (each
+proposal's ``ir_level``, as ``backend.plan`` routes it):
 
 1. **functional** — on the Dynamo graph, before ``compile_fx``, with Dynamo's real example
    inputs (parameters arrive as ``nn.Parameter`` graph inputs on torch >= 2.5).

@@ -2,24 +2,20 @@
 
 torch runs the first algorithm cuBLAS(Lt)'s heuristic names for a shape; nothing in torch
 lists the others (TunableOp enumerates candidates on ROCm only). The first is not always the
-fastest: on the H200 (torch 2.11, cuBLAS 13; ``benchmarks/cublaslt_algos.py``,
-benchmarks/results/h200-2026-12-02b/probes) embedding_projection's logits GEMM, [8192, 512] @
-[512, 32000] in bf16 writing fp32, took 0.536 ms under torch's choice
-(``nvjet_sm90_tss_320x128_64x3_1x2_h_bz_coopB``) and 0.453 ms under the seventh of the eight
-candidates the heuristic returned (``nvjet_sm90_tss_176x128_64x5_1x2_h_bz``); writing bf16,
-0.414 and 0.359 ms.
+fastest: a large bf16 GEMM can run markedly faster under another of the heuristic's candidates
+(docs/design-notes.md#cublaslts-algorithms).
 
 This module calls the libcublasLt that torch itself loaded, through ctypes. The first call of a
 shape (outside CUDA graph capture) asks the heuristic for up to ``CANDIDATES`` algorithms, times
 each beside torch's own call on the real operands in the two ways the op runs, back to back and
 replayed from a CUDA graph behind a kernel that writes its input, and keeps the fastest that
 beats torch's by ``MIN_GAIN`` in both (:func:`keep`); later calls of that shape, captured or
-not, run the kept one. The timing holds the GPU alone (``devicelock.measuring_within``): beside
-another stage process's GPU work on the H200, two processes kept candidates 15% slower than the
-one kept alone. Anywhere this cannot run (no CUDA, no libcublasLt, an unaligned or strided
-operand, the first call of a shape made inside a capture) the op runs ``torch.mm`` as torch
-would. Every algorithm computes the same sums in fp32; the order of the K-reduction may differ
-(split-K), well inside a bf16 tolerance.
+not, run the kept one. The timing holds the GPU alone (``devicelock.measuring_within``):
+beside another process's GPU work it kept slower candidates
+(docs/design-notes.md#tuning-with-the-gpu-alone). Anywhere this cannot run (no CUDA, no
+libcublasLt, an unaligned or strided operand, the first call of a shape made inside a capture)
+the op runs ``torch.mm`` as torch would. Every algorithm computes the same sums in fp32; the
+order of the K-reduction may differ (split-K), well inside a bf16 tolerance.
 """
 
 from __future__ import annotations
@@ -41,22 +37,18 @@ LOGGER = logging.getLogger("pytest_opprof.passes")
 OP_NAME = "opprof::tuned_mm"
 
 CANDIDATES = 16
-"""How many algorithms the heuristic is asked for (it returned 8 for the H200's logits GEMM)."""
+"""How many algorithms the heuristic is asked for: more than it returned for the logits GEMM
+(docs/design-notes.md#cublaslts-algorithms)."""
 MIN_GAIN = 1.05
 """A candidate replaces torch's own call only when this much faster at the median, both ways.
 Each process tunes for itself, and a close race is decided differently from one process to the
-next: on the H200, sdpa_attention's [4096, 512] @ [512, 1536] had a candidate 4-5% faster than
-torch's back to back and 0-3% faster in a graph; at a 2% bar two of the four processes of one
-run kept it and one of four in the next, so the processes timing one backend ran different
-GEMMs. That candidate has cuBLASLt zero a 4-byte workspace before each call, and in the model's
-CUDA graph the profiled timeline shows the GPU idle 6-12 µs after that memset; the model's GPU
-time per call was 1-2 µs more than in runs with torch's algorithm, while the GEMM saved 1.7.
-Neither timing here shows that cost, even replayed from a graph
-(benchmarks/results/h200-2026-12-02c). The GEMMs this op is for win by far more: the logits
-GEMM of embedding_projection by 18%, a [8192, 512] @ [512, 2048] one by 12%."""
+next, so the processes timing one backend would run different GEMMs; and a candidate a few
+percent faster here can cost the model more than it saves (a workspace memset that leaves the
+GPU idle in its CUDA graph), which neither timing here shows. The GEMMs this op is for win by
+far more (docs/design-notes.md#the-5-bar)."""
 WORKSPACE_BYTES = 32 * 1024 * 1024
-"""Workspace offered to the algorithms (cuBLAS's own default on Hopper); the H200's candidates
-asked for 4 bytes."""
+"""Workspace offered to the algorithms (cuBLAS's own default on Hopper); the candidates
+measured asked for far less (docs/design-notes.md#cublaslts-algorithms)."""
 TIMED_GPU_MS = 1.0
 """GPU time each candidate is timed over: enough calls back to back to fill it."""
 TIMED_SAMPLES = 5
@@ -504,8 +496,8 @@ def _graphed_times(
 ) -> dict[int, float]:
     """Each call's GPU ms in a CUDA graph of ``produce(); call()`` replayed back to back, less
     a graph of ``produce()`` alone: the call replayed from a graph behind the kernel that wrote
-    its input, as in a model's graph, memset nodes and all (on the H200 it did not show what a
-    workspace memset cost inside sdpa_attention's whole graph: ``MIN_GAIN``). The graphs share
+    its input, as in a model's graph, memset nodes and all (it does not show what a workspace
+    memset costs inside a whole model's graph: ``MIN_GAIN``). The graphs share
     one memory pool (each call's output is dropped once captured). A call that cannot be
     captured is left out, and every call where the producer alone cannot be captured or
     timed."""

@@ -11,9 +11,9 @@ Outputs are not copied: each call returns fresh tensors over the recorded output
 ``mode="reduce-overhead"`` does, and the next replay overwrites them. So that a caller who
 keeps an output across calls cannot read overwritten values by mistake, the previous call's
 outputs (and every view of them) are released before each replay: reading one raises an error
-that says to clone it. A 51 MB output then costs no copy (26 µs per call on an H200). Where
-this torch lacks the bindings for that (``_set_storage_data_ptr_access_error_msg``), each
-output is cloned instead.
+that says to clone it. A large output then costs no copy
+(docs/design-notes.md#whole-call-graph-outputs). Where this torch lacks the bindings for that
+(``_set_storage_data_ptr_access_error_msg``), each output is cloned instead.
 
 Preconditions, checked on every call: CUDA tensors only, autograd off, and the same shapes,
 dtypes, strides and non-tensor arguments as the recorded call. A call that differs runs the
@@ -54,7 +54,7 @@ STALE = (
     "clone an output you keep across calls: out = model(x).clone()"
 )
 # The bindings cudagraph trees invalidate stale outputs with (torch/csrc/cuda/Module.cpp):
-# present in CUDA builds (torch 2.11 on the H200), absent from CPU-only ones (2.13+cpu here).
+# present in CUDA builds (torch 2.11), absent from CPU-only ones (2.13+cpu).
 _CAN_RELEASE = hasattr(torch._C, "_set_storage_data_ptr_access_error_msg") and hasattr(
     torch._C, "_construct_storage_from_data_pointer"
 )
@@ -139,8 +139,8 @@ class ModelGraph:
     def _hand_out(self, layout: Layout) -> torch.Tensor:
         """A new tensor over a recorded output's memory, on a storage of its own that the next
         replay releases (views the caller takes share that storage, so they are released too).
-        On the H200 a small graph's call took 17 µs this way against 28 µs with a clone, and
-        one with a 51 MB output 204 against 233 µs (``benchmarks/model_graph_probe.py``)."""
+        Cheaper than a clone, for a host-bound call as for a large output
+        (docs/design-notes.md#whole-call-graph-outputs)."""
         ptr, device, nbytes, dtype, offset, shape, stride = layout
         own = torch._C._construct_storage_from_data_pointer(ptr, device, nbytes)
         self._handed_out.append(own)

@@ -10,11 +10,8 @@ rungs were timed in; the order decides what each rung is timed against.
 A rung is timed against the plan below it, so the ladder starts with the two changes that
 move a call's time the most, and every later rung is timed in the conditions of the plan it
 would end in. Where the plan's GPU waits on the host, a shorter kernel gains nothing
-measurable: with CUDA graphs last (until 2026-12-01), in the six H200 runs of the examples
-that kept bf16 on conv_block, mlp_activations or the LSTM only on the second pass, at
-1.35–4.63×, it had timed 0.81–1.04× on the first. And a rewrite's gain can depend on the
-precision: gpt2's SDPA rewrite timed 0.98× at float32 and 1.20× at bf16 (2026-12-01, CUDA
-graphs first, precision after the rewrites), so precision comes before them.
+measurable, so CUDA graphs come first; and a rewrite's gain can depend on the precision, so
+precision comes before the rewrites (docs/design-notes.md#the-ladders-order).
 """
 
 from __future__ import annotations
@@ -94,7 +91,7 @@ def replaced_by_model_graph(plan: BackendPlan, kind: str, scope: Any) -> bool:
 
 def inside_model_graph(plan: BackendPlan, proposal: Proposal) -> bool:
     """``proposal`` is Inductor's per-graph CUDA graphs and ``plan`` already records the whole
-    call as one CUDA graph: cudagraph trees cannot run inside another capture (on the H200,
+    call as one CUDA graph: cudagraph trees cannot run inside another capture (torch 2.11:
     "Cannot prepare for replay during capturing stage"), and the outer graph already holds
     every kernel they would record, so there is nothing to build or time. The same test as
     :func:`replaced_by_model_graph`, asked before the rung is built."""

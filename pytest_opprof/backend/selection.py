@@ -31,7 +31,7 @@ def not_tried(proposals: Sequence[Proposal], skip: Set[str]) -> dict[str, tuple[
     if any, was written to ``params["pass_file"]`` for stage 3 to check apart); and a rewrite
     whose chain the torch.compile profile already runs inside one kernel
     (``params["compiled_already"]``): Inductor builds every variant, and compiles the rewrite
-    to that same kernel (gpt2's tanh-GELU timed 0.997–1.003× in the H200 runs of 2026-12-01)."""
+    to that same kernel (docs/design-notes.md#rewrites-inductor-already-fuses)."""
     out: dict[str, tuple[str, str]] = {}
     for p in proposals:
         if p.type in skip:
@@ -110,8 +110,8 @@ def climbed(
 def gemm_writes_an_output(graph: FxGraphSummary | None) -> bool:
     """Whether a GEMM without a bias writes one of the graph's outputs (through views and
     casts): the only place where bf16 leaves a GEMM whose result is just cast back up to
-    float32. Without a graph summary, assume it may. Building the rung to find out cost gpt2's
-    selection 17 s on the H200 (h200-2026-12-01c), for a pass that applied nowhere."""
+    float32. Without a graph summary, assume it may. Elsewhere the rung applies nowhere, and
+    building it to find out costs seconds (docs/design-notes.md#gemms-that-write-an-output)."""
     if graph is None:
         return True
     from pytest_opprof.propose.graph import views
@@ -134,18 +134,16 @@ def has_tunable_gemm(graph: FxGraphSummary | None) -> bool:
 MIN_RUNG_GAIN = 1.01
 """A rung is kept when it is confidently faster (the paired 95% CI above 1) and by at least
 this much at the median. Timed on CUDA graphs the intervals narrow to a few tenths of a
-percent: gpt2 kept its GELU rewrite and frozen weights at 1.003x each (H200, 2026-12-01),
-two builds and a second pass for nothing a user would measure."""
+percent, and a gain that small is not worth a build and a second pass
+(docs/design-notes.md#the-1-floor)."""
 NO_GAIN = "made nothing faster"
 SMALL_GAIN = f"gained under {MIN_RUNG_GAIN - 1:.0%}"
 
 
 MUCH_SLOWER = 0.5
 """A rung whose paired CI lies wholly below this, the call over twice as slow, gets no second
-pass. Of the rungs the H200 runs kept on their second pass, the worst had timed 0.79x on its
-first (bf16 on conv_block under a launch-bound plan), none near a halving; bf16 on a CPU
-without bf16 units ran 0.29x, and its second pass cost the README's conv_block run 32 s of
-timing."""
+pass: no rung kept on a second pass had timed near a halving on its first, and such a rung's
+second pass is a selection's slowest timing (docs/design-notes.md#no-second-pass-for-a-halving)."""
 SLOWER = "made the call over twice as slow"
 
 
@@ -282,11 +280,12 @@ def auto_gemm_algorithm() -> Proposal:
 
 
 def auto_cuda_graphs(scope: str = "graph") -> Proposal:
-    """CUDA graphs are tried on every GPU workload (DESIGN §2.3: variants with CUDA graphs on
-    and off), proposed or not: once other rungs shorten the kernels, launch overhead is often
-    what is left, which the eager profile cannot show. ``scope="graph"``: Inductor's CUDA
-    graph trees, one per compiled graph; ``"model"``: one graph of the whole call, which also
-    covers the code between graph breaks and skips the per-call Python of guards and trees."""
+    """CUDA graphs are tried on every GPU workload, proposed or not
+    (docs/how-it-works.md#measured-selection): once other rungs shorten the kernels, launch
+    overhead is often what is left, which the eager profile cannot show. ``scope="graph"``:
+    Inductor's CUDA graph trees, one per compiled graph; ``"model"``: one graph of the whole
+    call, which also covers the code between graph breaks and skips the per-call Python of
+    guards and trees."""
     whole = scope == "model"
     return _tried_by_selection(
         "cuda_graphs-model" if whole else "cuda_graphs-selection",

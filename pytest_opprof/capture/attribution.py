@@ -65,7 +65,7 @@ def _is_operator(event: _Event) -> bool:
     return event.cat == "cpu_op" and bool(_CUSTOM_OP.match(event.name))
 
 
-# torch 2.11 on the H200: eager kernels go through cudaLaunchKernel, cuBLAS also through
+# torch 2.11, CUDA 13: eager kernels go through cudaLaunchKernel, cuBLAS also through
 # cuLaunchKernel and cudaLaunchKernelExC, Inductor's Triton launcher through cuLaunchKernel.
 LAUNCH_CALLS = frozenset(
     {"cudaLaunchKernel", "cudaLaunchKernelExC", "cudaLaunchCooperativeKernel"}
@@ -113,7 +113,7 @@ Twin = Mapping[str, Sequence[TwinSite | None]]
 
 
 # A memset or memcpy recorded into a CUDA graph may replay as a kernel of the driver's own
-# (H200, CUDA 13: "memset32", "memcpy128", "memcpy32_post"), where the uncaptured run shows
+# (CUDA 13: "memset32", "memcpy128", "memcpy32_post"), where the uncaptured run shows
 # "Memset (Device)" / "Memcpy DtoD (Device -> Device)": they are joined as one class.
 _GRAPH_COPY = re.compile(r"^(?:(memset)\d+\w*|(memcpy)\d+\w*|(Memset) .*|(Memcpy) .*)$")
 

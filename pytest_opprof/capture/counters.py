@@ -1,4 +1,5 @@
-"""The counters pass (DESIGN §2.1): Nsight Compute over exactly one measured iteration.
+"""The counters pass (docs/how-it-works.md#nsight-compute): Nsight Compute over exactly one
+measured iteration.
 
 Why an NVTX range and not ``--launch-skip``: the number of kernels launched before the
 measured call (model set-up, Inductor compile and autotuning, warmup) changes from run to run
@@ -18,11 +19,12 @@ Replay ``unique`` (``--opprof-ncu-replay``; ``auto`` picks it above ``UNIQUE_ABO
 configuration only — GPT-2's twelve identical layers, an LSTM's 128 time steps — and the other
 launches of the same kernel with the same grid, block and shared memory carry its counters,
 marked ``counters_source="same_launch_config"`` (``measured`` for the replayed one). Each
-replay pass costs ~25 ms per kernel launch on the H200 (12 passes for this metric list), which
-is what made the full replay of gpt2 and the LSTM take over three minutes.
+replay pass costs every kernel launch tens of milliseconds (12 passes for this metric list),
+which took minutes for gpt2 and the LSTM replayed in full
+(docs/design-notes.md#nsight-computes-unique-replay).
 
 Kernel names: ncu prints names with ``--print-kernel-base demangled``, the torch profiler
-(CUPTI) its own demangled form, and on the H200 (ncu 2025.3.1, torch 2.11) the two differ in
+(CUPTI) its own demangled form, and with ncu 2025.3.1 and torch 2.11 the two differ in
 more than spacing: ncu drops inner namespaces (CUPTI's ``at::native::(anonymous
 namespace)::max_pool_forward_nchw<float, int>(int, float const*, ...)`` is ncu's
 ``at::<unnamed>::max_pool_forward_nchw<float, int>(T2, const T1 *, ...)``, and

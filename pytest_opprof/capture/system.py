@@ -11,7 +11,7 @@ from typing import Any
 
 
 def resolve_device(requested: str) -> str:
-    """``auto`` → ``cuda`` when a GPU is usable, else ``cpu`` (the fallback of DESIGN §1)."""
+    """``auto`` → ``cuda`` when a GPU is usable, else ``cpu`` (the fallback, docs/options.md)."""
     import torch
 
     if requested == "cpu":

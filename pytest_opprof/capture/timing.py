@@ -8,8 +8,9 @@ On CUDA, :func:`gpu_time` measures a second figure per callable: the GPU's own t
 with the host out of the way. Calls are enqueued behind a GPU sleep long enough for the host to
 get ahead, so their kernels run back to back and the events around them see the device alone.
 The timeline's kernel time per iteration should agree with it, short by the GPU's idle gap
-between two dependent kernels (0.3–1.3 µs each on an H200); the rounds above include the time
-the GPU waits on the host (a launch-bound call's latency).
+between two dependent kernels (about a microsecond each:
+docs/design-notes.md#kernel-time-and-the-gpu-time); the rounds above include the time the GPU
+waits on the host (a launch-bound call's latency).
 """
 
 from __future__ import annotations
@@ -40,8 +41,8 @@ ROUND_SECONDS = 0.05
 """How long one callable's round may last: a callable slow enough that ``calls_per_round`` calls
 would take longer gets fewer calls per round (never under ``MIN_CALLS``), as ``timeit``'s
 autorange sizes its loops the other way. Each callable is sized by its own first call, so in one
-round a 6 ms baseline makes 9 calls and a 0.6 ms CUDA-graph replay the full 30. On an H200 the
-examples' calls under 1.7 ms keep 30 calls; a 100 ms call on the CPU fallback gets 3."""
+round a 6 ms baseline makes 9 calls and a 0.6 ms CUDA-graph replay the full 30: a call under
+1.7 ms keeps all 30; a 100 ms call on the CPU fallback gets 3."""
 MIN_CALLS = 3
 
 
@@ -127,13 +128,11 @@ def time_interleaved(
     """Per-call milliseconds of each callable, one sample per round; fewer rounds where
     ``enough(samples)``, asked after each round, says the rounds so far settle the question.
 
-    Warmup runs at least ``warmup`` calls of each and at least ``warmup_seconds`` in all. It
-    was 0.5 s, against an idle GPU's low clock (an H200 reads 345 MHz idle); on an H200 the
-    clock was within 2% of its working 1,914 MHz 0.15 ms after work arrived, after idling 0.5
-    to 20 s (benchmarks/clock_ramp_probe.py, benchmarks/results/h200-2026-11-30i/probes, one
-    host), so 50 ms of calls is ample and the warmup calls are for the code's own first-call
-    costs. After it, one call of each is timed and each round makes :func:`calls_for` calls of
-    each callable.
+    Warmup runs at least ``warmup`` calls of each and at least ``warmup_seconds`` in all. An
+    idle GPU's clock reaches its working speed within a millisecond of work arriving
+    (docs/design-notes.md#warmup), so 50 ms of calls is ample and the warmup calls are for the
+    code's own first-call costs. After it, one call of each is timed and each round makes
+    :func:`calls_for` calls of each callable.
 
     On CUDA the launching thread times its rounds on the CPU that runs the host reference
     fastest (:class:`FastCpu`: of its own CPUs, or with ``any_cpu`` of the host's, for a
@@ -188,8 +187,8 @@ def time_interleaved(
 
 _CAN_PIN = hasattr(os, "sched_setaffinity")
 REFERENCE_CALLS = 32
-"""Calls of the host reference's tiny CPU ``torch.add`` per repetition: ~0.1 ms on the H200
-host's CPU."""
+"""Calls of the host reference's tiny CPU ``torch.add`` per repetition: a fraction of a
+millisecond per round in all (docs/design-notes.md#the-host-reference)."""
 
 
 @functools.cache
@@ -200,11 +199,11 @@ def _reference_tensors() -> tuple[torch.Tensor, torch.Tensor]:
 def host_reference_us(repetitions: int = 3) -> float:
     """Microseconds per call of a fixed piece of host work, the best of ``repetitions``: a tiny
     ``torch.add`` on CPU tensors, the Python, ATen dispatch and allocation a launch-bound call
-    spends its host time in, with no device work. On the lent H200 hosts the CPU's speed at
-    this work moved by up to 2x for seconds at a time while the timing thread held its CPU,
-    nothing stole it and the other CPUs idled (benchmarks/results/h200-2026-12-01): a
-    launch-bound baseline timed in such a stretch runs that much slower. Timed at the start of
-    every round, it says which rounds ran on a slowed host (``measure.slow_host_rounds``)."""
+    spends its host time in, with no device work. A CPU's speed at this work can drop for
+    seconds at a time while the timing thread holds it and nothing else runs
+    (docs/design-notes.md#the-host-reference): a launch-bound baseline timed in such a stretch
+    runs that much slower. Timed at the start of every round, it says which rounds ran on a
+    slowed host (``measure.slow_host_rounds``)."""
     a, b = _reference_tensors()
     best = math.inf
     with torch.no_grad():
@@ -219,11 +218,12 @@ def host_reference_us(repetitions: int = 3) -> float:
 class FastCpu:
     """Moves the calling thread to the CPU that runs :func:`host_reference_us` fastest now.
 
-    On the lent H200 hosts a vCPU ran the reference at ~1.2 µs a call, or for seconds at a time
-    at ~2.5 µs with the thread on it throughout and no steal reported (another tenant on the
-    same core, as far as the guest can tell); which vCPUs were slowed changed with time. The
-    candidates are this thread's CPUs, or with ``any_cpu`` every CPU of the host it may run on;
-    :meth:`restore` gives the thread its own CPUs back."""
+    On a shared host a vCPU can run the reference at half its speed for seconds at a time, with
+    the thread on it throughout and no steal reported (another tenant on the same core, as far
+    as the guest can tell), and which vCPUs are slowed changes with time
+    (docs/design-notes.md#the-host-reference). The candidates are this thread's CPUs, or with
+    ``any_cpu`` every CPU of the host it may run on; :meth:`restore` gives the thread its own
+    CPUs back."""
 
     def __init__(self, any_cpu: bool) -> None:
         self.home: set[int] = set(os.sched_getaffinity(0)) if _CAN_PIN else set()

@@ -3,15 +3,9 @@ the same call.
 
 For bf16 / fp16 attention on sm90, PyTorch's dispatcher prefers cuDNN's kernel. Inside a CUDA
 graph, each cuDNN attention is preceded by a ``Memset`` node that runs on the copy engine, and
-the GPU idles around it: a median 1.0 µs before and 3.5 µs after it on the H200, twelve times
-a gpt2 call (the kernel records of benchmarks/results/h200-2026-12-01b/counters-n7/gpt2/
-profile_optimized.json.gz). FlashAttention's kernel needs no memset. Which kernel is faster
-overall depends on the shape: on the H200
-(benchmarks/results/h200-2026-12-01c/probes/sdpa_probe.jsonl), twelve gpt2 attention blocks
-(4 x 12 heads x 128 tokens x 64, causal) in one CUDA graph took 0.232 ms on cuDNN and 0.219 ms
-on flash, while sdpa_attention's (8 x 8 x 512 x 64) took 0.476 ms on cuDNN and 0.513 ms on
-flash. Yet in sdpa_attention's whole call, one attention among few kernels, selection kept
-flash at 1.08–1.18× (h200-2026-12-01c): this pass is a measured choice, like every rung.
+the GPU idles around it; FlashAttention's kernel needs no memset. Which kernel is faster
+overall depends on the shape and on the call around it, so this pass is a measured choice, like
+every rung (docs/design-notes.md#the-attention-backend).
 
 Pattern (aten level, after AOT decomposition): ``_scaled_dot_product_cudnn_attention(q, k, v,
 attn_bias=None, compute_log_sumexp, dropout_p=0, is_causal, return_debug_mask=False, scale)``

@@ -57,7 +57,7 @@ class PassResult:
 
     def log_line(self) -> str:
         """``INFO [pass_<name>] Applied: …`` / ``WARNING [pass_<name>] Pattern not found`` /
-        ``WARNING [pass_<name>] Failed: <error>`` (DESIGN §2.3)."""
+        ``WARNING [pass_<name>] Failed: <error>`` (knowledge/validation-failures.md)."""
         return f"{logging.getLevelName(self.level)} {self.message}"
 
     def log(self) -> PassResult:

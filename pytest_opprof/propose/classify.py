@@ -100,7 +100,7 @@ _REDUCED = (
     ("fp8", re.compile(r"e4m3|e5m2|fp8", re.IGNORECASE)),
     ("tf32", re.compile(r"tf32", re.IGNORECASE)),
     # CUTLASS names float GEMMs on tensor cores by element and MMA shape: tensorop_s1688gemm
-    # (float in and out, m16n8k8) is TF32 — seen on the H200 for 1x1 convolutions and cuDNN RNNs.
+    # (float in and out, m16n8k8) is TF32 — seen on sm90 for 1x1 convolutions and cuDNN RNNs.
     ("tf32", re.compile(r"tensorop_s1688", re.IGNORECASE)),
 )
 _FP32 = re.compile(

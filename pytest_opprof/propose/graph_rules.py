@@ -325,7 +325,7 @@ GELU_CHAIN_OPS = frozenset({"aten::tanh", "aten::mul", "aten::add"})
 
 def _compiled_gelu_kernel(ctx: Context) -> tuple[str, str, list[str]] | None:
     """The first kernel of the torch.compile timeline whose Inductor provenance fuses a tanh
-    with the multiplies and adds around it (gpt2 on the H200:
+    with the multiplies and adds around it (gpt2's:
     ``triton_poi_fused_add_addmm_mul_pow_tanh_view_7``): its name, the evidence source of its
     fused ops, and those ops. None without a compiled timeline or such a kernel."""
     if ctx.compiled is None:

@@ -26,8 +26,8 @@ estimate may promise an operator faster than its kernel count times this."""
 
 PROFILER_HOST_SLOWDOWN = 3.0
 """Most the timeline pass's profiler (CPU + CUDA activities, record_shapes) slowed the host's
-iteration on the seven examples on an H200 (torch 2.11): 1.5-3.1x against the latency with no
-profiler. A profiled host time divided by it is a lower bound of the real one."""
+iteration of the examples (docs/design-notes.md#the-profilers-host-slowdown). A profiled host
+time divided by it is a lower bound of the real one."""
 
 
 def host_floor_us(summary: TimelineSummary, wall_us: float | None, device_us: float) -> float:
@@ -150,8 +150,8 @@ def roofline_scale(
 
     The roofline moves from the current one (FP32 on the CUDA cores, or TF32 on tensor cores;
     ``bytes``) to the target's (dense tensor-core peak, half the bytes): the ratio of the two
-    roofline times. A compute-bound FP32 GEMM gets the peak ratio (66.9 → 989.4 TFLOP/s on an
-    H200), a memory-bound kernel ½, and a GEMM that turns memory-bound at BF16 something between.
+    roofline times. A compute-bound FP32 GEMM gets the ratio of the two peaks in ``knowledge``'s
+    table, a memory-bound kernel ½, and a GEMM that turns memory-bound at BF16 something between.
     """
     if flops <= 0 and nbytes <= 0:
         return 1.0

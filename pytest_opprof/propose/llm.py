@@ -1,5 +1,5 @@
 """The optional strategist (``--opprof-llm``): the Anthropic API reviews and extends the rule
-engine's proposals (DESIGN §2.2).
+engine's proposals (knowledge/llm-strategist.md).
 
 It is never trusted and never required. The answer is asked for through tool use, with the
 tool's ``input_schema`` derived from the pydantic ``Proposal`` model, and validated with that

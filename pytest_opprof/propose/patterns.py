@@ -338,8 +338,8 @@ def find_output_gemms(view: GraphView) -> list[Match]:
 
 
 MIN_TUNED_GFLOP = 1.0
-"""2·M·N·K of the smallest GEMM ``gemm_algorithm`` tunes: under a microsecond and a half at
-the H200's bf16 peak, where the tile shape matters less than the launch."""
+"""2·M·N·K of the smallest GEMM ``gemm_algorithm`` tunes: about a microsecond at a Hopper
+GPU's dense bf16 peak (``knowledge``), where the tile shape matters less than the launch."""
 
 
 def find_tunable_gemms(view: GraphView, min_gflop: float = MIN_TUNED_GFLOP) -> list[Match]:

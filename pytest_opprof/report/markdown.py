@@ -481,7 +481,7 @@ def _host_bound(timing: Timing, name: str) -> tuple[float, float] | None:
 def _host_bound_note(timing: Timing) -> str:
     """Why the processes' ratios disagree, where the baseline's call is host-bound: its latency
     is the host CPU's speed in that process, and that speed differs between processes on a
-    shared host (benchmarks/launch_probe.py), while the GPU's does not."""
+    shared host (benchmarks/probes/launch_probe.py), while the GPU's does not."""
     parts = []
     for r in timing.speedups:
         if r.candidate != "optimized" or len(r.process_ratios) < 2 or min(r.process_ratios) <= 0:

@@ -66,7 +66,7 @@ def run(run: WorkloadRun) -> str:
     return f"kept {kept}; dropped {len(selection.dropped)}"
 
 
-def _captured_graph(out_dir: Path) -> FxGraphSummary | None:
+def captured_graph(out_dir: Path) -> FxGraphSummary | None:
     """The capture stage's FX graph summary (``graph.json``, validated on read), or None where
     capture wrote none."""
     from pytest_opprof.schema import FxGraphSummary, read_artifact
@@ -156,7 +156,7 @@ def task_select(spec: ChildSpec) -> None:
         )
     ]
     skip = set(spec.overrides.get("skip", []))
-    not_built, rungs = climbed(opt.proposals, device, skip, _captured_graph(out_dir))
+    not_built, rungs = climbed(opt.proposals, device, skip, captured_graph(out_dir))
     dropped = {
         pid: DroppedProposal(id=pid, type=kind, reason=reason)
         for pid, (kind, reason) in not_built.items()
@@ -309,9 +309,9 @@ def task_select(spec: ChildSpec) -> None:
 
 def pristine_copy(model: Any, reload: Callable[[], Any]) -> Any:
     """A copy of the untouched baseline for one variant to change (non-graph passes change
-    the model in place): a deep copy, on the device, instead of building the model again (1.2 s
-    each for GPT-2 on the H200 host, nine times in one selection); ``reload()`` under seed 0,
-    as the baseline was made, where the model cannot be deep-copied."""
+    the model in place): a deep copy, on the device, instead of building the model again, once
+    per variant (docs/design-notes.md#copying-the-baseline-per-variant); ``reload()`` under
+    seed 0, as the baseline was made, where the model cannot be deep-copied."""
     import copy
 
     import torch

@@ -105,10 +105,10 @@ def setup_torch() -> None:
 
     if _SHARES_CPUS:
         # Inductor starts a pool of compile workers at a process's first compile, each
-        # importing torch: seconds of CPU on the slice, outside any lock. Beside a sibling
-        # timing process that measures meanwhile, its launch-bound calls ran 1.4-2.5x slower
-        # (benchmarks/results/h200-2026-11-30j). The siblings compile what selection already
+        # importing torch: seconds of CPU on the slice, outside any lock, which slows a sibling
+        # timing process that measures meanwhile. The siblings compile what selection already
         # compiled (the caches answer): in this process, without the pool.
+        # (docs/design-notes.md#compiling-beside-a-sibling-timing-process)
         torch._inductor.config.compile_threads = 1
     phase("torch imported")
 

@@ -131,9 +131,9 @@ def validated_digest(run: WorkloadRun, report: ValidationReport) -> str:
 
 
 TIMING_PROCESSES_GPU = 3
-"""Timing processes on a GPU when the option says auto: on the lent H200 host the same eager
-call ran at 0.28 ms in some fresh processes and 0.36-0.54 ms in others, steady within each
-(benchmarks/affinity_probe.py), so one process's interval does not cover the next run."""
+"""Timing processes on a GPU when the option says auto: a launch-bound call's speed differs
+from one fresh process to the next, steady within each, so one process's interval does not
+cover the next run (docs/design-notes.md#timing-processes)."""
 
 
 def timing_processes(run: WorkloadRun, device_type: str) -> int:
@@ -177,24 +177,16 @@ def _retime_one(
     Forked processes come from the session's fork server, or with ``--opprof-timing-servers
     N`` from server ``i % N`` (``forkserver.slot_of``; the recapture from server 0, which
     every stage shares). Processes forked from one server share what it fixed at its start
-    (its address layout, hash seed, the memory its imports were loaded into), and on the H200
-    host a launch-bound call's speed went with the server: conv_block's torch.compile call,
-    three children forked from each of four servers (benchmarks/layout_probe.py,
-    benchmarks/results/h200-2026-12-02d/probes), took 0.2396, 0.2407 and 0.2412 ms from one
-    and 0.2535-0.2576 from another; the servers' means spread 2.9% where their children's
-    spread alone predicts 1.6%. Servers started with one layout and seed (``setarch -R``,
-    ``PYTHONHASHSEED=0``) still differed by 3%. Processes of one server repeat its offset,
-    which their interval cannot show; processes of several draw one each, so their spread
-    and the interval include it. Not the default: in the pipeline that offset was lost in
-    larger noise. With three servers (benchmarks/results/h200-2026-12-02e) the launch-bound
-    baselines' ratios spread over a workload's processes by a median 2.8% (sd / mean, 16
-    timings), against 3.3% with one server (151 timings, h200-2026-12-01 to -02d); the same
-    backends timed again a minute later still moved by 8-12%, with the host, and the captures
-    took 5-20 s longer beside the servers' imports.
+    (its address layout, hash seed, the memory its imports were loaded into), and a
+    launch-bound call's speed goes with the server, even with one layout and seed for all.
+    Processes of one server repeat its offset, which their interval cannot show; processes of
+    several draw one each, so their spread and the interval include it. Not the default: in
+    the pipeline that offset was lost in larger noise, and the servers' imports slowed the
+    captures (docs/design-notes.md#timing-servers).
 
     ``fresh`` (``--opprof-fresh-timing``): a new interpreter instead, a draw of its own, at a
-    torch import on the stage's own time: with them the seven examples at ``-n 7`` took
-    309 s and over 265 s on the H200 host against 203 s forked (h200-2026-12-02d)."""
+    torch import on the stage's own time, which made a run much slower
+    (docs/design-notes.md#fresh-timing-processes)."""
     result = folder / f"retime{i}.json"
     try:
         run.run_child(

@@ -1,7 +1,8 @@
-"""Stage 3, validate: the six steps of DESIGN §2.4 on the generated file. Steps 2 to 5 run in
-a child that imports the file (``task_validate``) and saves its outputs; step 6 judges them
-in a child that never imports it (``task_validate_numerics``), with the checks of
-``pytest_opprof.numerics``. The report records the sha256 of the file it validated.
+"""Stage 3, validate: the six steps of docs/how-it-works.md#the-validator on the generated
+file. Steps 2 to 5 run in a child that imports the file (``task_validate``) and saves its
+outputs; step 6 judges them in a child that never imports it (``task_validate_numerics``), with
+the checks of ``pytest_opprof.numerics``. The report records the sha256 of the file it
+validated.
 """
 
 from __future__ import annotations
@@ -40,9 +41,10 @@ NAME = "validate"
 
 
 def validate_file(run: WorkloadRun, generated: Path) -> ValidationReport:
-    """The six steps of DESIGN §2.4, in order; the first failure blocks the rest. Steps 2 to
-    5 run in a child that imports the file and saves its outputs; step 6 judges them in
-    another child that never imports it (``runner.task_validate_numerics``)."""
+    """The six validation steps, in order (docs/how-it-works.md#the-validator); the first
+    failure blocks the rest. Steps 2 to 5 run in a child that imports the file and saves its
+    outputs; step 6 judges them in another child that never imports it
+    (``runner.task_validate_numerics``)."""
     steps: dict[str, StepResult] = {}
     extra: dict[str, Any] = {}
     digest = file_sha256(generated)
@@ -171,8 +173,8 @@ def edited_since_validation(run: WorkloadRun) -> bool:
 
 
 def task_validate(spec: ChildSpec) -> None:
-    """Validation steps 2 to 6 in one process, so torch is imported once (~8 s on the H200
-    host, where three processes spent ~25 s on it): the generated file imports and registers
+    """Validation steps 2 to 6 in one process, so torch is imported once, not three times
+    (docs/design-notes.md#importing-torch-once): the generated file imports and registers
     its backend, its generated tests pass (run here by ``pytest.main``), a smoke run, then the
     numerics and anti-cheating checks. The first failure ends the task; the parent marks the
     later steps as blocked."""

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
@@ -112,9 +112,15 @@ def test_validate_a_generated_backend_and_its_edits(tmp_path: Path) -> None:
     assert "BLOCKED — fix step 1 (syntax)" in broken.stdout
 
 
-def test_propose_from_a_real_h200_profile(tmp_path: Path) -> None:
+def _h200_conv_block(folder: Path) -> None:
+    """conv_block's profile and Dynamo graph from the H200 (tests/data/h200/conv_block)."""
     for name in ("profile.json", "graph.json"):
-        shutil.copy(ROOT / "examples" / "conv_block" / "h200" / name, tmp_path / name)
+        packed = ROOT / "tests" / "data" / "h200" / "conv_block" / f"{name}.gz"
+        (folder / name).write_bytes(gzip.decompress(packed.read_bytes()))
+
+
+def test_propose_from_a_real_h200_profile(tmp_path: Path) -> None:
+    _h200_conv_block(tmp_path)
     result = _opprof("propose", str(tmp_path / "profile.json"), cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     proposals = json.loads((tmp_path / "optimizations.json").read_text())["proposals"]
@@ -138,8 +144,7 @@ def test_preflight_reports_the_cpu_fallback(tmp_path: Path) -> None:
 
 
 def test_propose_llm_without_a_key_keeps_the_rules(tmp_path: Path) -> None:
-    for name in ("profile.json", "graph.json"):
-        shutil.copy(ROOT / "examples" / "conv_block" / "h200" / name, tmp_path / name)
+    _h200_conv_block(tmp_path)
     plain = _opprof("propose", str(tmp_path / "profile.json"), cwd=tmp_path)
     rules = (tmp_path / "optimizations.json").read_text()
     env_free = subprocess.run(

@@ -256,7 +256,7 @@ def test_what_task_select_climbs_with_the_captured_graph(
     import shutil
 
     from pytest_opprof.backend.selection import climbed
-    from pytest_opprof.runner import _captured_graph
+    from pytest_opprof.stages.backend import captured_graph
 
     graphs = Path(__file__).resolve().parents[1] / "data" / "graphs"
     proposals = [
@@ -267,8 +267,8 @@ def test_what_task_select_climbs_with_the_captured_graph(
             params={"compiled_already": "triton_poi_fused_add_mul_pow_tanh_view_2"},
         ),
     ]
-    assert _captured_graph(tmp_path) is None  # capture wrote none: build the rung and see
-    aside, rungs = climbed(proposals, "cuda", set(), _captured_graph(tmp_path))
+    assert captured_graph(tmp_path) is None  # capture wrote none: build the rung and see
+    aside, rungs = climbed(proposals, "cuda", set(), captured_graph(tmp_path))
     assert set(aside) == {"activation_substitution-1"}
     assert [r.name for r in rungs] == [
         "cuda_graphs_model",
@@ -278,7 +278,7 @@ def test_what_task_select_climbs_with_the_captured_graph(
         "gemm_algorithm",
     ]
     shutil.copy(graphs / "gpt2.graph.json", tmp_path / "graph.json")
-    _, rungs = climbed(proposals, "cuda", set(), _captured_graph(tmp_path))
+    _, rungs = climbed(proposals, "cuda", set(), captured_graph(tmp_path))
     assert "gemm_out_dtype" not in [r.name for r in rungs]
 
 
@@ -326,7 +326,8 @@ def test_which_dropped_rungs_get_a_second_pass() -> None:
 def test_only_rungs_dropped_before_the_last_kept_one_get_a_second_pass() -> None:
     """They were timed against a plan that has changed since. With no rung kept the plan never
     changed: no second pass, where one used to retime every rung but the last against the same
-    plan (bn_fold and memory_layout, 31 s of the README's conv_block run on a CPU)."""
+    plan (bn_fold and memory_layout, 31 s of the quick start's conv_block run on a CPU:
+    docs/results.md)."""
     from pytest_opprof.backend.selection import second_pass
 
     assert second_pass([False, False, False, False]) == []
@@ -363,7 +364,7 @@ def _gain(ratio: float, low: float, high: float) -> Any:
 
 def test_a_dropped_rung_says_how_it_fared() -> None:
     """The first words of a dropped rung's reason, which decide its second pass: bf16 on this
-    CPU ran 0.29x (README's conv_block run), gpt2's GELU rewrite 1.003x on the H200."""
+    CPU ran 0.29x (the quick start's conv_block run), gpt2's GELU rewrite 1.003x on the H200."""
     from pytest_opprof.backend.selection import SLOWER, SMALL_GAIN, verdict
 
     assert verdict(_gain(0.292, 0.285, 0.301)) == SLOWER
@@ -400,7 +401,7 @@ def test_gemm_algorithm_runs_after_the_other_aten_passes(make_proposal: Any) -> 
 
 
 def test_notes_say_which_figures_are_measured_and_which_chained() -> None:
-    """gpt2's first rung (examples/gpt2/h200): 2.875 ms in its pair, 1.53x over torch.compile
+    """gpt2's first rung (tests/data/h200/gpt2): 2.875 ms in its pair, 1.53x over torch.compile
     at 4.401 ms in the same rounds, the reference having timed 3.297 ms in its own run."""
     from pytest_opprof.backend.codegen import render_notes
     from pytest_opprof.backend.selection import timed_rung

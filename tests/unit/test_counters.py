@@ -688,6 +688,8 @@ def test_one_replay_serves_timelines_with_the_same_kernels(
 
 
 H200_NCU = sorted((DATA / "h200").glob("*.log"))
+H200_RUN = ROOT / "tests" / "data" / "h200"
+"""The profiles of the run those logs were captured in (h200-2026-12-02c/counters-n7)."""
 PER_LABEL = DATA / "h200-per-label"
 """An earlier H200 run's logs, one ncu process per timeline (depthwise_separable_conv): the
 raw rows the one-process tests below rebuild into ranges."""
@@ -704,7 +706,7 @@ def _label_logs() -> list[tuple[str, str, Path]]:
         if label:
             out.append((name, label, log))
             continue
-        profile = read_artifact(ROOT / "examples" / name / "h200" / "profile.json", Profile)
+        profile = read_artifact(H200_RUN / name / "profile.json.gz", Profile)
         out += [(name, t.label, log) for t in profile.timelines if t.label != "optimized"]
     return out
 
@@ -713,13 +715,13 @@ def _label_logs() -> list[tuple[str, str, Path]]:
     ("name", "label", "log"), _label_logs(), ids=[f"{n}-{x}" for n, x, _ in _label_logs()]
 )
 def test_real_h200_ncu_output_joins_every_kernel(name: str, label: str, log: Path) -> None:
-    """ncu 2025.3.1 on the H200 against the timeline of the same run (examples/<name>/h200/):
+    """ncu 2025.3.1 on the H200 against the timeline of the same run (tests/data/h200/<name>/):
     every kernel of the iteration paired, by function name + ordinal + launch geometry (and,
     where the run replayed each launch configuration once, by configuration), though ncu names
     kernels with fewer namespaces than the profiler does."""
     from pytest_opprof.schema import Profile, read_artifact
 
-    profile = read_artifact(ROOT / "examples" / name / "h200" / "profile.json", Profile)
+    profile = read_artifact(H200_RUN / name / "profile.json.gz", Profile)
     timeline = next(t for t in profile.timelines if t.label == label)
     counters = profile.counters or {}
     entry = counters.get(label) or {}
@@ -751,7 +753,7 @@ def test_real_unique_replay_of_gpt2_and_the_lstm() -> None:
     from pytest_opprof.schema import Profile, read_artifact
 
     for name, replayed in (("gpt2", 17), ("lstm_sequence_encoder", 10)):
-        profile = read_artifact(ROOT / "examples" / name / "h200" / "profile.json", Profile)
+        profile = read_artifact(H200_RUN / name / "profile.json.gz", Profile)
         assert profile.counters is not None and profile.counters["replay"] == "unique"
         eager = next(t for t in profile.timelines if t.label == "eager")
         kernels = c.timeline_kernels(eager)
@@ -856,7 +858,7 @@ def test_real_h200_ncu_row_with_another_geometry_is_left_out() -> None:
     from pytest_opprof.schema import Profile, read_artifact
 
     name = "depthwise_separable_conv"
-    profile = read_artifact(ROOT / "examples" / name / "h200" / "profile.json", Profile)
+    profile = read_artifact(H200_RUN / name / "profile.json.gz", Profile)
     kernels = c.timeline_kernels(profile.timelines[0])
     first = kernels[0].model_copy(update={"grid": [9999, 1, 1]})
     log = (DATA / "h200" / f"{name}.log").read_text(encoding="utf-8")

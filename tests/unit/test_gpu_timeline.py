@@ -81,7 +81,7 @@ def test_the_h200_run_of_2026_12_03b_on_one_clock(capsys: pytest.CaptureFixture[
     validate, and the recapture's three timing processes, for seven workloads); the GPU was held
     alone for a third of the run, and gpt2, the last to end, waited 80 s for it."""
     tl = _timeline()
-    assert tl.main(ROOT / "benchmarks" / "results" / "h200-2026-12-03b" / "plain-n7") == 0
+    assert tl.main(ROOT / "tests" / "data" / "results" / "h200-2026-12-03b" / "plain-n7") == 0
     out = capsys.readouterr().out
     assert "42 stage processes over 209 s; the GPU held alone (measuring) for 71 s" in out
     assert "| gpt2 | 209 | 80.1 | 47.4 | 5.7 | 26.9 |" in out

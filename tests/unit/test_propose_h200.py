@@ -1,9 +1,9 @@
 """Issue 5's "Done when" on the real H200 profiles of the seven examples.
 
-Each committed ``examples/<example>/h200/profile.json`` (the README's H200 run) with its
-``graph.json`` (else the CPU-captured ``tests/data/graphs/<example>.graph.json``: Dynamo's graph
-does not depend on the device) must give the proposals a performance engineer names first, and
-every evidence value must be found in the artifacts.
+Each ``tests/data/h200/<example>/profile.json.gz`` (the H200 run h200-2026-12-02c/counters-n7)
+with its ``graph.json.gz`` (else the CPU-captured ``tests/data/graphs/<example>.graph.json``:
+Dynamo's graph does not depend on the device) must give the proposals a performance engineer
+names first, and every evidence value must be found in the artifacts.
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from pytest_opprof.propose import evidence_matches, propose
 from pytest_opprof.schema import FxGraphSummary, Optimizations, Profile, read_artifact
 
 DATA = Path(__file__).resolve().parents[1] / "data"
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-FOUND = sorted(p.parent.parent.name for p in EXAMPLES.glob("*/h200/profile.json"))
+H200 = DATA / "h200"
+FOUND = sorted(p.parent.name for p in H200.glob("*/profile.json.gz"))
 SMALL = ("conv_block", "mlp_activations", "sdpa_attention", "depthwise_separable_conv")
 
 # What a performance engineer names first for each example (EXAMPLES.md, issue 5).
@@ -32,13 +32,13 @@ EXPECTED: dict[str, set[str]] = {
 }
 
 needs_profiles = pytest.mark.skipif(
-    not FOUND, reason="no H200 profiles under examples/<example>/h200/profile.json yet"
+    not FOUND, reason="no H200 profiles under tests/data/h200/<example>/profile.json.gz"
 )
 
 
 def load(name: str) -> tuple[Profile, FxGraphSummary | None]:
-    profile = read_artifact(EXAMPLES / name / "h200" / "profile.json", Profile)
-    for path in (EXAMPLES / name / "h200" / "graph.json", DATA / "graphs" / f"{name}.graph.json"):
+    profile = read_artifact(H200 / name / "profile.json.gz", Profile)
+    for path in (H200 / name / "graph.json.gz", DATA / "graphs" / f"{name}.graph.json"):
         if path.exists():
             return profile, read_artifact(path, FxGraphSummary)
     return profile, None

@@ -22,7 +22,7 @@ from pytest_opprof.errors import StageError
 from pytest_opprof.schema import Profile, ValidationReport, read_artifact, write_artifact
 from pytest_opprof.stages import recapture
 
-H200 = Path(__file__).parents[2] / "examples" / "conv_block" / "h200"
+H200 = Path(__file__).parents[1] / "data" / "h200" / "conv_block"
 GIB = 1 << 30
 
 
@@ -55,7 +55,8 @@ class StandIn:
         self._guard = threading.Lock()
         # the generated file the validation report vouches for (the recapture checks its hash)
         self.generated.write_text("# generated\n")
-        report = read_artifact(H200 / "validation_report.json", ValidationReport)
+        validated = H200 / "profiler_output" / "validation_report.json"
+        report = read_artifact(validated, ValidationReport)
         report.sha256 = hashlib.sha256(self.generated.read_bytes()).hexdigest()
         write_artifact(self.profiler_output / "validation_report.json", report)
 
@@ -85,7 +86,7 @@ class StandIn:
             time.sleep(0.1)  # before the others end
             raise StageError("the recapture process failed (exit 1)")
         time.sleep(0.5)
-        optimized = read_artifact(H200 / "profile_optimized.json", Profile)
+        optimized = read_artifact(H200 / "profile_optimized.json.gz", Profile)
         if task == "recapture":
             write_artifact(self.out_dir / "profile_optimized.json", optimized)
         elif self.fail_retime:
@@ -98,7 +99,7 @@ class StandIn:
 
 
 def _baseline(run: StandIn, peak: int | None) -> None:
-    base = read_artifact(H200 / "profile.json", Profile)
+    base = read_artifact(H200 / "profile.json.gz", Profile)
     meta = base.capture_metadata.model_copy(
         update={"peak_memory_bytes": peak, "device_memory_bytes": 140 * GIB}
     )
@@ -134,7 +135,7 @@ def test_under_a_gpu_lock_the_timing_processes_start_together(
     # --opprof-timing-servers
     assert not any(run.fresh.values())
     assert run.server == {"recapture": 0, "retime1": 0, "retime2": 0}
-    before = read_artifact(H200 / "profile_optimized.json", Profile).timing.variants["optimized"]
+    before = read_artifact(H200 / "profile_optimized.json.gz", Profile).timing.variants["optimized"]
     pooled = read_artifact(run.out_dir / "profile_optimized.json", Profile)
     assert pooled.timing.variants["optimized"].processes == before.processes + 2
 
@@ -319,7 +320,7 @@ def test_the_timing_processes_servers_start_beforehand(
         fresh_timing=fresh_timing,
         timing_servers=servers,
     )
-    base = read_artifact(H200 / "profile.json", Profile)
+    base = read_artifact(H200 / "profile.json.gz", Profile)
     meta = base.capture_metadata.model_copy(update={"device_type": device})
     write_artifact(run.out_dir / "profile.json", base.model_copy(update={"capture_metadata": meta}))
     calls: list[tuple[list[int], Any]] = []

@@ -1,9 +1,10 @@
 """benchmarks/refresh_artifacts.py re-derives a run's timelines and counters from its raw files:
-here the committed H200 run of conv_block (traces in tests/data/h200, ncu logs in
-tests/data/ncu/h200), which must come back exactly as committed."""
+here the H200 run of conv_block (its profiles in tests/data/h200/conv_block, traces in
+tests/data/h200, ncu logs in tests/data/ncu/h200), which must come back exactly as written."""
 
 from __future__ import annotations
 
+import gzip
 import importlib.util
 import shutil
 from pathlib import Path
@@ -48,7 +49,7 @@ def test_refresh_reproduces_the_committed_profiles(tmp_path: Path) -> None:
     out = folder / "profiler_output"
     (out / "ncu").mkdir(parents=True)
     for f in ("profile.json", "profile_optimized.json"):
-        shutil.copy(ROOT / "examples" / name / "h200" / f, folder / f)
+        (folder / f).write_bytes(gzip.decompress((H200 / name / f"{f}.gz").read_bytes()))
     for trace in H200.glob(f"{name}*.trace.json.gz"):  # read by content: gzip is fine
         shutil.copy(trace, out / trace.name.removesuffix(".gz"))
     for prov in H200.glob(f"{name}.*.provenance.json"):
@@ -59,7 +60,7 @@ def test_refresh_reproduces_the_committed_profiles(tmp_path: Path) -> None:
     for f in ("profile.json", "profile_optimized.json"):
         assert tool.refresh_profile(folder / f, name)  # type: ignore[attr-defined]
         got = read_artifact(folder / f, Profile)
-        want = read_artifact(ROOT / "examples" / name / "h200" / f, Profile)
+        want = read_artifact(H200 / name / f"{f}.gz", Profile)
         # Python 3.12 (the GPU machine) sums floats with compensation, 3.11 does not: the
         # duration-weighted means agree to ~1e-16, not bit for bit.
         dumped = [[t.model_dump() for t in p.timelines] for p in (got, want)]

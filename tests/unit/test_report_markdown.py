@@ -295,7 +295,7 @@ def _stats(median_ms: float) -> LatencyStats:
 
 
 def _gpt2_like() -> BackendSelection:
-    """gpt2's selection on the H200 (examples/gpt2/h200), trimmed: the reference timed at
+    """gpt2's selection on the H200 (tests/data/h200/gpt2), trimmed: the reference timed at
     3.297 ms in its run with eager; its first rung at 2.875 ms in its own pair, 1.53x over the
     reference timed at 4.401 ms in those rounds; then bf16 at 0.624 ms, 4.61x over 2.874 ms;
     then a rung that made nothing faster."""
@@ -795,7 +795,7 @@ def test_caveats_say_which_counters_were_carried_over(full: WorkloadArtifacts) -
     time ncu measured directly and how to replay every launch."""
     from pytest_opprof.schema import Profile
 
-    gpt2 = read_artifact(Path(__file__).parents[2] / "examples/gpt2/h200/profile.json", Profile)
+    gpt2 = read_artifact(Path(__file__).parents[1] / "data/h200/gpt2/profile.json.gz", Profile)
     assert gpt2.counters is not None
     full.profile = full.profile.model_copy(update={"counters": gpt2.counters})  # type: ignore[union-attr]
     text = _section(render_workload_report(full, plots=False), "## Caveats")
@@ -874,8 +874,9 @@ def test_hardware_names_the_gpu_the_process_saw(full: WorkloadArtifacts) -> None
 
 
 def test_session_report_names_the_gpu_each_workload_was_measured_on(tmp_path: Path) -> None:
-    """From the -n 2 run on two H200s: each worker's profiles name its own GPU."""
-    run = Path(__file__).resolve().parents[2] / "benchmarks/results/h200x2-2026-11-30e/two-gpus"
+    """From the -n 2 run on two H200s (h200x2-2026-11-30e/two-gpus): each worker's profiles
+    name its own GPU."""
+    run = Path(__file__).resolve().parents[1] / "data/report/two-gpus"
     session = read_artifact(run / "session.json", SessionSummary)
     text = render_session_report(session.workloads, device=session.device, out_dir=run)
     line = next(line for line in text.splitlines() if line.startswith("Measured on"))

@@ -24,7 +24,7 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "report"
 
 
 def _gpt2_first_rung() -> dict[str, list[float]]:
-    """Shaped like gpt2's first rung on the H200 (examples/gpt2/h200): the whole-model CUDA graph
+    """Shaped like gpt2's first rung on the H200 (tests/data/h200/gpt2): the whole-model CUDA graph
     at about 2.875 ms per call, torch.compile at about 4.401 ms in the same rounds, though the
     reference had timed 3.297 ms in its run with eager; the last round on a slowed host."""
     return {

@@ -114,7 +114,7 @@ def test_the_rounds_stop_once_enough_says_they_settle_it() -> None:
 
 
 def test_the_warmup_lasts_tens_of_milliseconds_not_half_a_second() -> None:
-    """The GPU's clock is up within a millisecond of work (benchmarks/clock_ramp_probe.py):
+    """The GPU's clock is up within a millisecond of work (benchmarks/probes/clock_ramp_probe.py):
     past its warmup calls, the warmup stops after 50 ms, where it ran 0.5 s before."""
     made = [0]
 
