@@ -1,13 +1,18 @@
 """Create or update the one pull-request comment that carries the pytest-opprof report.
 
-The comment is found by a hidden marker (``<!-- pytest-opprof -->``) at the start of its body,
-across every page of the pull request's comments, and edited in place, so a pull request gets
-one report that follows its latest run instead of one comment per push.
+The comment is found by a hidden marker (``<!-- pytest-opprof -->``, or the action's
+``comment-marker``) on the first line of its body, across every page of the pull request's
+comments, and edited in place, so a pull request gets one report that follows its latest run
+instead of one comment per push; two matrix jobs with two markers keep two comments. Anyone can
+write the marker, so only a comment by the bot that posts (``--author``, default
+``github-actions[bot]``, the login of the job's ``GITHUB_TOKEN``) is ever edited: a marked
+comment by anyone else is left alone and a new one created.
 
 Standard library only: the action runs this on self-hosted runners whose Python we do not
 control. The token is read from ``GITHUB_TOKEN`` and is never printed, not even in errors.
 
-    python ci/post_comment.py opprof-results/comment.md [--pr N] [--dry-run]
+    python ci/post_comment.py opprof-results/comment.md [--pr N] [--marker M] [--author LOGIN]
+        [--dry-run]
 """
 
 from __future__ import annotations
@@ -26,6 +31,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 MARKER = "<!-- pytest-opprof -->"
+BOT = "github-actions[bot]"
+"""The login of the comments a job's ``GITHUB_TOKEN`` writes."""
+_MARKER_FORM = re.compile(r"<!-- [\w .:/@+=-]{1,100} -->")
 # GitHub rejects a comment body over 65536 characters ("Body is too long").
 MAX_BODY_CHARS = 65536
 DEFAULT_API_URL = "https://api.github.com"
@@ -222,13 +230,28 @@ def iter_comments(client: GitHubClient, target: Target) -> Iterator[dict[str, An
         url = match.group(1) if match else None
 
 
-def find_marked(client: GitHubClient, target: Target, marker: str) -> int | None:
-    """Id of the first comment whose body starts with the marker.
+def check_marker(marker: str) -> str:
+    """A marker is one hidden HTML comment: ``<!-- words -->``."""
+    if not _MARKER_FORM.fullmatch(marker):
+        raise CommentError(
+            f"comment marker {marker!r} is not one hidden HTML comment like "
+            "'<!-- pytest-opprof a100 -->' (letters, digits, spaces and . : / @ + = - _ inside)"
+        )
+    return marker
 
-    "Starts with", not "contains": someone quoting our comment must not have theirs rewritten.
-    """
+
+def is_marked(body: str, marker: str) -> bool:
+    """The body's first line is the marker ("starts with", not "contains": someone quoting our
+    comment must not have theirs rewritten; the whole line: one marker is not another's
+    prefix)."""
+    return body.lstrip().split("\n", 1)[0].rstrip() == marker
+
+
+def find_marked(client: GitHubClient, target: Target, marker: str, author: str = BOT) -> int | None:
+    """Id of the first comment by ``author`` whose first line is the marker."""
     for comment in iter_comments(client, target):
-        if str(comment.get("body") or "").lstrip().startswith(marker):
+        login = (comment.get("user") or {}).get("login")
+        if login == author and is_marked(str(comment.get("body") or ""), marker):
             return int(comment["id"])
     return None
 
@@ -251,7 +274,7 @@ def truncate(body: str, limit: int, artifacts_url: str | None) -> str:
 
 
 def with_marker(body: str, marker: str) -> str:
-    return body if body.lstrip().startswith(marker) else f"{marker}\n{body}"
+    return body if is_marked(body, marker) else f"{marker}\n{body}"
 
 
 def pr_number(explicit: int | None, event_path: str | None) -> int:
@@ -283,9 +306,11 @@ def artifacts_url(env: dict[str, str]) -> str | None:
     return f"{server}/{repo}/actions/runs/{run_id}" if repo and run_id else None
 
 
-def upsert(client: GitHubClient, target: Target, body: str, marker: str) -> tuple[str, int]:
+def upsert(
+    client: GitHubClient, target: Target, body: str, marker: str, author: str = BOT
+) -> tuple[str, int]:
     """Update the marked comment or create it; returns ("updated" | "created", comment id)."""
-    existing = find_marked(client, target, marker)
+    existing = find_marked(client, target, marker, author)
     if existing is not None:
         resp = client.request("PATCH", target.comment_url(existing), {"body": body})
         action = "updated"
@@ -302,6 +327,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("body_file", help="Markdown file with the comment body")
     parser.add_argument("--pr", type=int, help="pull request number (default: from the event)")
     parser.add_argument("--marker", default=MARKER, help=f"hidden marker (default: {MARKER})")
+    parser.add_argument(
+        "--author",
+        default=BOT,
+        help=f"login whose marked comment may be edited (default: {BOT}, GITHUB_TOKEN's)",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print what would be done; no HTTP")
     return parser.parse_args(argv)
 
@@ -309,6 +339,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def run(
     args: argparse.Namespace, env: dict[str, str], client_factory: Callable[..., GitHubClient]
 ) -> str:
+    check_marker(args.marker)
     repo = env.get("GITHUB_REPOSITORY", "")
     if not re.fullmatch(r"[\w.-]+/[\w.-]+", repo):
         raise CommentError(f"GITHUB_REPOSITORY must be 'owner/name', got {repo!r}")
@@ -336,7 +367,7 @@ def run(
     if not token:
         raise CommentError("GITHUB_TOKEN is empty: pass the action's github-token input")
     client = client_factory(api_url=target.api_url, token=Secret(token))
-    action, comment_id = upsert(client, target, body, args.marker)
+    action, comment_id = upsert(client, target, body, args.marker, args.author or BOT)
     return f"{action} comment {comment_id} on {target.repo}#{target.pr}{cut}"
 
 

@@ -7,6 +7,9 @@
     opprof validate out/conv_block/conv_block_optimized.py
     opprof report workload.py
     opprof merge shard-1/ shard-2/ --out merged/
+    opprof runs [--storage DIR]
+    opprof trend [--storage DIR] [--out DIR] [--last N]
+    opprof export [RUN] [--storage DIR] [--out DIR]
     opprof preflight
 
 Exit status: 0 when every gate passed, 1 when one failed, 2 on a usage error.
@@ -58,6 +61,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("dirs", nargs="+", type=Path)
     add_cli_arguments(p)
     sub.add_parser("preflight", help="check Python, torch, CUDA, the GPU, ncu and permissions")
+    p = sub.add_parser("runs", help="list the stored runs (--opprof-save)")
+    add_cli_arguments(p, only=("storage",))
+    p = sub.add_parser("trend", help="each workload's latencies and speedup over stored runs")
+    p.add_argument("--last", type=int, default=0, metavar="N", help="the latest N runs only")
+    p.add_argument("--no-plots", action="store_true", help="tables only, no PNG")
+    add_cli_arguments(p, only=("storage", "out"))
+    p = sub.add_parser(
+        "export", help="a stored run as github-action-benchmark's custom JSON (two files)"
+    )
+    p.add_argument("run", nargs="?", default="last", help="last, NUMBER, NAME or PATH")
+    add_cli_arguments(p, only=("storage", "out"))
     return parser
 
 
@@ -290,7 +304,70 @@ def cmd_merge(ns: argparse.Namespace, options: OpprofOptions) -> int:
     return 0 if merged.gate_passed else 1
 
 
+def cmd_runs(ns: argparse.Namespace, options: OpprofOptions) -> int:
+    from pytest_opprof.history import list_runs
+
+    entries = list_runs(options.storage)
+    if not entries:
+        print(f"no stored run in {options.storage} (save one with --opprof-save)")
+        return 0
+    for e in entries:
+        if e.run is None:
+            print(f"#{e.number:<4} unreadable: {e.error}")
+            continue
+        r = e.run
+        passed = sum(w.status == "passed" for w in r.workloads)
+        print(
+            f"#{r.number:<4} {r.name or '-':<16} {r.created:<25} {r.branch or '-':<16} "
+            f"{(r.commit or '-')[:7]:<8}{'+' if r.dirty else ' '} {r.device}  "
+            f"{passed}/{len(r.workloads)} passed  {e.path}"
+        )
+    return 0
+
+
+def cmd_trend(ns: argparse.Namespace, options: OpprofOptions) -> int:
+    from pytest_opprof.history import list_runs
+    from pytest_opprof.report.trend import trend_page
+    from pytest_opprof.schema import write_text_atomic
+
+    runs = [e.run for e in list_runs(options.storage) if e.run is not None]
+    if ns.last > 0:
+        runs = runs[-ns.last :]
+    if not runs:
+        raise OpprofError(f"no stored run in {options.storage}: save one with --opprof-save")
+    page = options.out / "trend.md"
+    write_text_atomic(page, trend_page(runs, options.out, plots=not ns.no_plots))
+    for run in runs:
+        figures = [
+            f"{w.name} {w.variants['optimized'].median_ms:.4g} ms"
+            + (f" {s.ratio:.2f}×" if (s := w.speedup(w.gate_baseline or "")) else "")
+            for w in run.workloads
+            if "optimized" in w.variants
+        ]
+        print(f"{run.label:<28} " + "; ".join(figures))
+    print(f"trend of {len(runs)} run(s): {page}")
+    return 0
+
+
+def cmd_export(ns: argparse.Namespace, options: OpprofOptions) -> int:
+    from pytest_opprof.history import load_for_cli
+    from pytest_opprof.report.trend import EXPORT_FILES, benchmark_action_entries, write_json
+
+    run = load_for_cli(ns.run, options.storage)
+    entries = dict(zip(EXPORT_FILES, benchmark_action_entries(run), strict=True))
+    if not any(entries.values()):
+        raise OpprofError(f"run {run.label} holds no timed workload: nothing to export")
+    for kind, data in entries.items():
+        path = options.out / EXPORT_FILES[kind]
+        write_json(path, data)
+        print(f"{path} ({len(data)} {kind} entries of run {run.label})")
+    return 0
+
+
 COMMANDS = {
+    "runs": cmd_runs,
+    "trend": cmd_trend,
+    "export": cmd_export,
     "merge": cmd_merge,
     "optimize": cmd_optimize,
     "capture": cmd_capture,

@@ -392,6 +392,91 @@ def pooled_timing(timing: Timing, replicas: Sequence[Replica]) -> Timing:
     )
 
 
+@dataclass(frozen=True)
+class RunRounds:
+    """One run's rounds of one figure, for a comparison between runs: one series (a latency:
+    its median) or two timed interleaved (a speedup: the first's median over the second's),
+    with the rounds of each timing process (``groups``) and the rounds set aside."""
+
+    series: tuple[Sequence[float], ...]
+    groups: Sequence[int] | None = None
+    set_aside: Sequence[int] = ()
+
+    def kept(self) -> tuple[list[list[float]], list[int] | None]:
+        n = len(self.series[0])
+        if not n or any(len(s) != n for s in self.series):
+            raise ValueError("a run's series need the same, non-zero number of rounds")
+        aside = self.set_aside if len(set(self.set_aside)) < n else ()
+        parts = [_kept(s, self.groups, aside) for s in self.series]
+        return [p[0] for p in parts], parts[0][1]
+
+
+def _figure_of(series: Sequence[Sequence[float]], idx: Sequence[int] | None = None) -> float:
+    picked = [s if idx is None else [s[i] for i in idx] for s in series]
+    value = statistics.median(picked[0])
+    return value if len(picked) == 1 else value / statistics.median(picked[1])
+
+
+def _welch_log_interval(
+    estimate: float, before: Sequence[float], after: Sequence[float]
+) -> tuple[float, float]:
+    """The 95% interval of ``after / before`` that the processes' own figures of each run
+    give: Welch's t over their logarithms, centred on ``estimate``."""
+    lb = [math.log(x) for x in before if x > 0]
+    la = [math.log(x) for x in after if x > 0]
+    if len(lb) < 2 or len(la) < 2 or estimate <= 0:
+        return estimate, estimate
+    vb, va = statistics.variance(lb) / len(lb), statistics.variance(la) / len(la)
+    if vb + va == 0:
+        return estimate, estimate
+    df = (vb + va) ** 2 / (vb**2 / (len(lb) - 1) + va**2 / (len(la) - 1))
+    half = _t_975(max(1, int(df))) * math.sqrt(vb + va)
+    return estimate * math.exp(-half), estimate * math.exp(half)
+
+
+def between_runs(
+    before: RunRounds,
+    after: RunRounds,
+    *,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = 0,
+) -> tuple[float, float, float]:
+    """``after``'s figure over ``before``'s (two runs, say two commits), with a 95% bootstrap
+    interval: ``(ratio, ci_low, ci_high)``.
+
+    Unpaired: a round of one run has no partner in the other (they ran at different times, on
+    a machine in a different state), so each run is resampled on its own, by processes then
+    rounds as in :func:`speedup`; within a run the two series of a speedup keep their pairs.
+    With several timing processes in both runs the interval reaches at least as far as the
+    processes' own figures allow (Welch's t over their logarithms). Between-run drift that no
+    run's rounds show (another driver state, a warmer machine) is not in the interval: a
+    threshold on the ratio is what allows for it."""
+    b_series, b_groups = before.kept()
+    a_series, a_groups = after.kept()
+    ratio = _figure_of(a_series) / _figure_of(b_series)
+    rng = random.Random(seed)
+    b_blocks = _blocks(b_groups, len(b_series[0]))
+    a_blocks = _blocks(a_groups, len(a_series[0]))
+    ratios = sorted(
+        _figure_of(a_series, _resample_indices(rng, a_blocks))
+        / _figure_of(b_series, _resample_indices(rng, b_blocks))
+        for _ in range(resamples)
+    )
+    alpha = (1 - CONFIDENCE) / 2
+    lo, hi = _percentile(ratios, alpha), _percentile(ratios, 1 - alpha)
+    if b_groups and a_groups and len(b_groups) > 1 and len(a_groups) > 1:
+
+        def per_process(series: list[list[float]], groups: list[int]) -> list[float]:
+            parts = [split_processes(s, groups) for s in series]
+            return [_figure_of([p[i] for p in parts]) for i in range(len(groups))]
+
+        low, high = _welch_log_interval(
+            ratio, per_process(b_series, b_groups), per_process(a_series, a_groups)
+        )
+        lo, hi = min(lo, low), max(hi, high)
+    return ratio, lo, hi
+
+
 def geometric_mean(values: Sequence[float]) -> float:
     if not values:
         raise ValueError("no values")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,6 +130,92 @@ def parse_junit(value: str) -> Path | None:
     return Path(value) if str(value).strip() else None
 
 
+RUN_NAME_CHARS = "letters, digits, '.', '_' and '-'"
+
+
+def parse_save(value: str) -> str:
+    """``auto`` (named after the git branch) or a run's NAME: letters, digits, ``.``, ``_``,
+    ``-``, not all digits (a number names a run by its number)."""
+    text = str(value).strip()
+    if text == "auto":
+        return text
+    if Path(text).exists() or "/" in text or os.sep in text:
+        raise pytest.UsageError(
+            f"--opprof-save: {value!r} is a path, not a run name: a bare --opprof-save takes "
+            "the next word as its NAME, so write --opprof-save=NAME (or =auto) before paths"
+        )
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}", text) or text.isdigit():
+        raise pytest.UsageError(
+            f"--opprof-save: {value!r} is not a run name: up to 64 {RUN_NAME_CHARS}, starting "
+            "with a letter or digit, not all digits; or auto"
+        )
+    return text
+
+
+def parse_compare(value: str) -> str:
+    """The stored run to compare with: ``last``, a run's number, a run's name (or the branch
+    it was saved on), or the path of a stored run's file (or of a storage folder: its last
+    run). Checked when the run is loaded (``history.find_run``)."""
+    text = str(value).strip()
+    if not text:
+        raise pytest.UsageError(
+            "--opprof-compare: empty; give last, a run's NUMBER, NAME or branch, or a PATH"
+        )
+    return text
+
+
+@dataclass(frozen=True)
+class CompareRule:
+    """One term of ``--opprof-compare-fail``: ``metric:N%``."""
+
+    metric: str
+    threshold: float
+    """A fraction: 0.05 for 5%."""
+
+    def __str__(self) -> str:
+        return f"{self.metric}:{self.threshold * 100:g}%"
+
+
+COMPARE_METRICS: tuple[str, ...] = ("latency", "eager", "compile", "optimized", "speedup")
+"""latency: every variant timed in both runs; eager, compile, optimized: that variant's
+latency; speedup: the optimized backend's speedup against the gate's baseline."""
+
+
+def parse_compare_fail(value: str) -> tuple[CompareRule, ...]:
+    """``METRIC:N%[,METRIC:N%…]``, e.g. ``latency:5%,speedup:10%``: fail where a figure
+    regressed past N% with certainty (its CI wholly past it)."""
+    form = (
+        f"METRIC:N% with METRIC one of {', '.join(COMPARE_METRICS)} (comma-separated, e.g. "
+        "latency:5%,speedup:10%)"
+    )
+    rules: list[CompareRule] = []
+    for term in str(value).split(","):
+        metric, sep, amount = term.strip().partition(":")
+        metric, amount = metric.strip().lower(), amount.strip()
+        if not sep or metric not in COMPARE_METRICS or not amount.endswith("%"):
+            raise pytest.UsageError(f"--opprof-compare-fail: {term.strip()!r} is not {form}")
+        try:
+            percent = float(amount[:-1])
+        except ValueError:
+            raise pytest.UsageError(
+                f"--opprof-compare-fail: {amount!r} is not a percentage (N%)"
+            ) from None
+        top = 100.0 if metric == "speedup" else float("inf")
+        if not 0 < percent < top:
+            bound = "between 0% and 100%" if metric == "speedup" else "above 0%"
+            raise pytest.UsageError(
+                f"--opprof-compare-fail: {term.strip()!r}: the threshold must be {bound}"
+            )
+        rules.append(CompareRule(metric, percent / 100))
+    return tuple(rules)
+
+
+def parse_storage(value: str) -> Path:
+    if not str(value).strip():
+        raise pytest.UsageError("--opprof-storage: the folder of stored runs must not be empty")
+    return Path(value)
+
+
 def parse_shard(value: str) -> tuple[int, int] | None:
     """``K/N`` (1 ≤ K ≤ N): run the K-th of N deterministic shards of the workloads."""
     text = str(value).strip()
@@ -147,6 +235,9 @@ class OptionSpec:
     help: str
     metavar: str | None = None
     flag: bool = False
+    const: str | None = None
+    """The value of the bare flag, for an option whose value is optional (``--opprof-save``,
+    ``--opprof-save=NAME``): it takes the next word unless that starts with ``-``."""
 
     @property
     def dest(self) -> str:
@@ -155,6 +246,16 @@ class OptionSpec:
     @property
     def field(self) -> str:
         return self.noun.replace("-", "_")
+
+    @property
+    def argparse_help(self) -> str:
+        """The help text as argparse reads it (``%`` escaped: it formats help strings)."""
+        return self.help.replace("%", "%%")
+
+    @property
+    def optional_value(self) -> dict[str, Any]:
+        """argparse's keywords for a value that may be left out (``nargs="?"``)."""
+        return {} if self.const is None else {"nargs": "?", "const": self.const}
 
 
 def _opt(noun: str, parse: Callable[[Any], Any], default: Any, help: str, **kw: Any) -> OptionSpec:
@@ -328,6 +429,41 @@ OPTIONS: tuple[OptionSpec, ...] = (
     ),
     _opt("junit", parse_junit, "", "write a stage-level JUnit XML file here", metavar="PATH"),
     _opt("shard", parse_shard, "", "run shard K of N of the workloads", metavar="K/N"),
+    _opt(
+        "save",
+        parse_save,
+        None,
+        "store this run (latencies with their rounds, speedups, plan, machine, commit) in "
+        "--opprof-storage, numbered, as NAME (bare: auto, named after the git branch); write "
+        "--opprof-save=NAME before paths",
+        metavar="NAME",
+        const="auto",
+    ),
+    _opt(
+        "compare",
+        parse_compare,
+        None,
+        "compare each workload with the same workload in a stored run: last (bare), its "
+        "NUMBER, its NAME or branch, or the PATH of its file",
+        metavar="RUN",
+        const="last",
+    ),
+    _opt(
+        "compare-fail",
+        parse_compare_fail,
+        (),
+        "with --opprof-compare, fail a workload whose figure regressed past N% with "
+        "certainty (its CI wholly past it): METRIC:N%[,…], METRIC one of "
+        + ", ".join(COMPARE_METRICS),
+        metavar="EXPR",
+    ),
+    _opt(
+        "storage",
+        parse_storage,
+        Path(".opprof-runs"),
+        "folder of the stored runs (default .opprof-runs)",
+        metavar="DIR",
+    ),
 )
 
 BY_FIELD: dict[str, OptionSpec] = {spec.field: spec for spec in OPTIONS}
@@ -362,7 +498,18 @@ class OpprofOptions:
     llm: bool = False
     junit: Path | None = None
     shard: tuple[int, int] | None = None
+    save: str | None = None
+    compare: str | None = None
+    compare_fail: tuple[CompareRule, ...] = ()
+    storage: Path = Path(".opprof-runs")
     extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.compare_fail and self.compare is None:
+            raise pytest.UsageError(
+                "--opprof-compare-fail needs --opprof-compare: the stored run to compare with "
+                "(e.g. --opprof-compare=last)"
+            )
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any]) -> OpprofOptions:
@@ -386,6 +533,8 @@ class OpprofOptions:
         data["out"] = str(self.out)
         data["junit"] = str(self.junit) if self.junit else None
         data["extra"] = dict(self.extra)
+        for parent_only in PARENT_ONLY:  # history is read and written by the parent only
+            data.pop(parent_only)
         return data
 
     @classmethod
@@ -400,6 +549,10 @@ class OpprofOptions:
         if self.stage:
             return (self.stage,)
         return STAGES
+
+
+PARENT_ONLY: tuple[str, ...] = ("save", "compare", "compare_fail", "storage")
+"""Options no stage process needs: ``to_child`` leaves them out."""
 
 
 WORKLOAD_KEYS: dict[str, Callable[[Any], Any]] = {
@@ -443,16 +596,19 @@ def parse_workload_overrides(raw: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
-    """The same options for the ``opprof`` command, without the ``opprof-`` prefix."""
+def add_cli_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
+    """The same options for the ``opprof`` command, without the ``opprof-`` prefix (``only``:
+    these fields alone)."""
     for spec in OPTIONS:
+        if only is not None and spec.field not in only:
+            continue
         if spec.flag:
             parser.add_argument(
                 f"--{spec.noun}",
                 dest=spec.field,
                 action="store_true",
                 default=spec.default,
-                help=spec.help,
+                help=spec.argparse_help,
             )
         else:
             parser.add_argument(
@@ -460,5 +616,6 @@ def add_cli_arguments(parser: argparse.ArgumentParser) -> None:
                 dest=spec.field,
                 default=spec.default,
                 metavar=spec.metavar,
-                help=spec.help,
+                help=spec.argparse_help,
+                **spec.optional_value,
             )

@@ -47,10 +47,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     for spec in OPTIONS:
         flag = f"--opprof-{spec.noun}"
         if spec.flag:
-            group.addoption(flag, action="store_true", dest=spec.dest, default=None, help=spec.help)
+            group.addoption(
+                flag, action="store_true", dest=spec.dest, default=None, help=spec.argparse_help
+            )
         else:
             group.addoption(
-                flag, dest=spec.dest, default=None, metavar=spec.metavar, help=spec.help
+                flag,
+                dest=spec.dest,
+                default=None,
+                metavar=spec.metavar,
+                help=spec.argparse_help,
+                **spec.optional_value,
             )
         parser.addini(spec.dest, help=spec.help, default=None)
 
@@ -116,12 +123,19 @@ def pytest_report_header(config: pytest.Config) -> list[str] | None:
         torch_version = "absent"
     ncu = shutil.which("ncu")
     gpu = _gpu_name()
-    opts = config.stash[SESSION_KEY].options
-    return [
+    opprof = config.stash[SESSION_KEY]
+    opts = opprof.options
+    lines = [
         f"opprof: out={opts.out} device={opts.device} ({gpu}) torch {torch_version}",
         f"opprof: ncu {'found at ' + ncu if ncu else 'not found (no hardware counters)'}; "
         f"min speedup {opts.min_speedup} against {opts.baseline}",
     ]
+    if opprof.compare_with is not None:
+        rules = ",".join(map(str, opts.compare_fail)) or "none (figures shown, never failed)"
+        lines.append(
+            f"opprof: comparing with stored run {opprof.compare_with.label}; fail: {rules}"
+        )
+    return lines
 
 
 def _gpu_name() -> str:
@@ -276,6 +290,10 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     for line in terminal_summary_lines(summary.workloads):
         terminalreporter.write_line(line)
     terminalreporter.write_line(f"session report: {path}")
+    if summary.compared_with:
+        terminalreporter.write_line(f"compared with stored run {summary.compared_with}")
+    if summary.saved_as:
+        terminalreporter.write_line(f"run saved as {summary.saved_as}")
     if not summary.gate_passed:
         failed = [w.name for w in summary.workloads if w.status != "passed"]
         terminalreporter.write_line(

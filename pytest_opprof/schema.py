@@ -569,6 +569,52 @@ class ValidationReport(Artifact):
 # --------------------------------------------------------------------------------- session
 
 
+class Change(Model):
+    """One figure of a workload against a stored run (``--opprof-compare``): ``ratio`` is this
+    run's over the stored run's, with a 95% CI from both runs' rounds, resampled apart
+    (``measure.between_runs``)."""
+
+    metric: Literal["latency", "speedup"]
+    name: str = Field(
+        description="latency: the variant timed (eager, compile, optimized, …); speedup: the "
+        "baseline the optimized backend is measured against"
+    )
+    before: float = Field(description="the stored run's figure (ms, or ×)")
+    after: float = Field(description="this run's figure")
+    ratio: float
+    ci_low: float
+    ci_high: float
+    verdict: Literal["regressed", "improved", "unchanged"] = Field(
+        description="regressed / improved: the CI lies wholly on that side of 1 (a latency "
+        "higher, a speedup lower); unchanged: it holds 1"
+    )
+    gate: bool = Field(default=False, description="the speedup the gate holds (its baseline)")
+    limit: float | None = Field(
+        default=None,
+        description="the ratio past which --opprof-compare-fail fails this figure: 1 + the "
+        "threshold for a latency, 1 - the threshold for a speedup",
+    )
+    rule: str | None = Field(default=None, description="the --opprof-compare-fail rule")
+    failed: bool = Field(default=False, description="the CI lies wholly past limit")
+
+
+class Comparison(Model):
+    """A workload of this run against the same workload in a stored run."""
+
+    run: int = Field(description="the stored run's number")
+    label: str = Field(description="how reports name the stored run: '#3 main @ abc1234'")
+    commit: str | None = None
+    branch: str | None = None
+    gated: bool = Field(
+        default=True,
+        description="false where the stored run measured on another device: the changes are "
+        "shown, never failed",
+    )
+    changes: list[Change] = Field(default_factory=list)
+    warnings: list[str] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+
+
 class WorkloadSummary(Model):
     name: str
     path: str
@@ -594,6 +640,14 @@ class WorkloadSummary(Model):
         "measured but not gated, and every report says 'CPU fallback: gate not enforced' "
         "instead of a verdict",
     )
+    speedups: list[Speedup] = Field(
+        default_factory=list,
+        description="every interleaved speedup of the recapture (profile_optimized.json), with "
+        "its CI: against each baseline, with the dtype change and without it",
+    )
+    comparison: Comparison | None = Field(
+        default=None, description="against the stored run of --opprof-compare (history.py)"
+    )
 
 
 CPU_NOT_ENFORCED = "CPU fallback: gate not enforced"
@@ -602,8 +656,10 @@ a verdict where the gate was not enforced."""
 
 
 class SessionSummary(Artifact):
-    # 1.1: gate_enforced, and each workload's enforced (the CPU fallback's gate)
-    SCHEMA_VERSION: ClassVar[str] = "1.1"
+    # 1.1: gate_enforced, and each workload's enforced (the CPU fallback's gate); 1.2: the
+    # measured commit, the stored runs compared with and saved, workloads' speedups and
+    # comparison (issue 40)
+    SCHEMA_VERSION: ClassVar[str] = "1.2"
 
     device: str
     workloads: list[WorkloadSummary]
@@ -612,6 +668,15 @@ class SessionSummary(Artifact):
         default=True,
         description="false when some workload's gate was not enforced (the CPU fallback): "
         "gate_passed then says no stage failed, not that a speedup was proven",
+    )
+    commit: str | None = Field(default=None, description="the git commit measured (HEAD)")
+    branch: str | None = None
+    dirty: bool | None = Field(default=None, description="tracked files differed from commit")
+    compared_with: str | None = Field(
+        default=None, description="the stored run of --opprof-compare, as reports name it"
+    )
+    saved_as: str | None = Field(
+        default=None, description="the stored run --opprof-save wrote: its file"
     )
 
 

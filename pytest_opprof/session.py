@@ -10,7 +10,7 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pytest_opprof import STAGES
 from pytest_opprof.errors import ArtifactError, OpprofError, StageError
@@ -33,6 +33,9 @@ from pytest_opprof.schema import (
 from pytest_opprof.stages import run_stage
 from pytest_opprof.workload import WorkloadSpec
 
+if TYPE_CHECKING:
+    from pytest_opprof.history import StoredRun
+
 SUMMARY_FILE = "workload_summary.json"
 
 
@@ -42,6 +45,15 @@ class OpprofSession:
     runs: dict[Path, WorkloadRun] = field(default_factory=dict)
     summaries: dict[str, WorkloadSummary] = field(default_factory=dict)
     started: float = field(default_factory=time.time)
+    compare_with: StoredRun | None = None
+    """The stored run of ``--opprof-compare``, read when the session starts (a bad name is a
+    usage error then, not at the first workload's report)."""
+
+    def __post_init__(self) -> None:
+        if self.options.compare is not None and self.compare_with is None:
+            from pytest_opprof.history import find_run
+
+            self.compare_with = find_run(self.options.compare, self.options.storage)[1]
 
     def workload(self, spec: WorkloadSpec, hook: Any = None) -> WorkloadRun:
         """The run of ``spec``; ``hook``: the ``pytest_opprof_*`` hooks that apply to it
@@ -161,6 +173,7 @@ class OpprofSession:
         vs_compile = _find(t.speedups, "compile", "optimized")
         summary.speedup_vs_eager = vs_eager.ratio if vs_eager else None
         summary.speedup_vs_compile = vs_compile.ratio if vs_compile else None
+        summary.speedups = list(t.speedups)
         if ratio is None:
             summary.status, summary.message = "error", "no interleaved speedup was measured"
             return summary
@@ -176,6 +189,10 @@ class OpprofSession:
             summary.message = f"{why}; see {summary.report}"
         else:
             summary.message = why
+        if self.compare_with is not None:  # across commits: may fail it (history.judge)
+            from pytest_opprof.history import judge
+
+            judge(summary, out, self.compare_with, self.options.compare_fail, optimized)
         return summary
 
     def write_report(self, wr: WorkloadRun, summary: WorkloadSummary) -> None:
@@ -212,6 +229,10 @@ class OpprofSession:
                     f"pytest_opprof_report_sections returned {section!r}; each section is a "
                     "(title, markdown) pair of strings"
                 )
+        if summary.comparison is not None:
+            from pytest_opprof.report.trend import comparison_section
+
+            sections.append(comparison_section(summary))
         out.mkdir(parents=True, exist_ok=True)
         write_text_atomic(
             out / "report.md", render_workload_report(artifacts, extra_sections=sections)
@@ -240,13 +261,17 @@ class OpprofSession:
         self, summaries: list[WorkloadSummary], device: str
     ) -> tuple[Path, SessionSummary]:
         """``session.json`` and the session ``report.md``: the report's path and the verdict."""
+        from pytest_opprof.history import record_session
         from pytest_opprof.report import render_session_report
 
         out = self.options.out
         verdict = session_summary(summaries, device)
+        # the commit measured; with --opprof-save the stored run; the section across runs
+        across = record_session(self.options, self.compare_with, verdict, summaries)
         write_artifact(out / "session.json", verdict)
         path = out / "report.md"
-        write_text_atomic(path, render_session_report(summaries, device=device, out_dir=out))
+        report = render_session_report(summaries, device=device, out_dir=out)
+        write_text_atomic(path, report + across)
         return path, verdict
 
 

@@ -248,3 +248,64 @@ def roofline(
     ax.set_ylabel("achieved TFLOP/s")
     ax.legend(fontsize=8)
     return _save(fig, path)
+
+
+@dataclass(frozen=True)
+class TrendPoint:
+    """One stored run of a workload: latencies and the gate's speedup, each with its CI."""
+
+    label: str
+    latencies: Mapping[str, tuple[float, float, float]]
+    """variant → (median, CI low, CI high), ms."""
+    speedup: tuple[float, float, float] | None = None
+    """The optimized backend against the gate's baseline: (ratio, CI low, CI high)."""
+
+
+def trend(path: Path, title: str, points: Sequence[TrendPoint]) -> Path:
+    """A workload over stored runs, oldest first: each variant's latency (top) and the gate's
+    speedup (bottom), each point with its 95% CI as an error bar."""
+    if not points:
+        raise ValueError("no run to plot")
+    fig = _figure(1.8 + 0.55 * len(points), 5.6)
+    top, bottom = fig.subplots(2, 1, sharex=True)
+    xs = list(range(len(points)))
+    names = sorted({n for p in points for n in p.latencies}, key=variant_rank)
+    for name in names:
+        at = [
+            (x, p.latencies[name]) for x, p in zip(xs, points, strict=True) if name in p.latencies
+        ]
+        top.errorbar(
+            [x for x, _ in at],
+            [m for _, (m, _, _) in at],
+            yerr=[[m - lo for _, (m, lo, _) in at], [hi - m for _, (m, _, hi) in at]],
+            marker="o",
+            ms=4,
+            capsize=3,
+            label=name,
+        )
+    top.set_ylabel("latency per call (ms)")
+    top.set_ylim(bottom=0)
+    top.legend(fontsize=8, loc="best")
+    top.set_title(f"{_short(title)} across stored runs (95% CI)", fontsize=10)
+    at_s = [(x, p.speedup) for x, p in zip(xs, points, strict=True) if p.speedup is not None]
+    if at_s:
+        bottom.errorbar(
+            [x for x, _ in at_s],
+            [s[0] for _, s in at_s],
+            yerr=[[s[0] - s[1] for _, s in at_s], [s[2] - s[0] for _, s in at_s]],
+            marker="o",
+            ms=4,
+            capsize=3,
+            color="#2ca02c",
+        )
+    bottom.axhline(1.0, color="#9e9e9e", lw=0.8, ls="--")
+    bottom.set_ylabel("speedup (gate) ×")
+    bottom.set_xticks(
+        xs, [_short(p.label, 18) for p in points], rotation=30, ha="right", fontsize=7
+    )
+    return _save(fig, path)
+
+
+def variant_rank(name: str) -> tuple[int, str]:
+    order = ("eager", "compile", "stock", "optimized", "optimized_baseline_dtype")
+    return (order.index(name) if name in order else len(order), name)

@@ -26,15 +26,26 @@ yaml = pytest.importorskip("yaml", reason="PyYAML reads action.yml: pip install 
 
 ACTION = ROOT / "action.yml"
 WORKFLOW = ROOT / "ci" / "workflows" / "opprof.yml"
+BASE_WORKFLOW = ROOT / "ci" / "workflows" / "opprof-base.yml"  # stores the base branch's runs
 SESSION = DATA / "session"
 CPU_SESSION = DATA / "cpu_session"  # the CPU fallback: measured, gate not enforced
 NOT_ENFORCED = "⚪ CPU fallback: gate not enforced"
 MARKER = "<!-- pytest-opprof -->"
-TABLE_HEADER = "| Workload | Status | Speedup (95% CI) | Baseline ms | Optimized ms | Passes |"
+COMPARED = DATA / "compared_session"  # against a stored run of main: one workload regressed
+RUNS = DATA / "runs"  # stored runs of main (#1, #3), of feature-x (#2), and one of schema 9
+TABLE_HEADER = "| Workload | Verdict | vs eager | vs torch.compile | dtype | Δ vs base |"
 TABLE_ROWS = (
-    "| conv_block | ✅ passed | 1.62× (1.55–1.70) | 4.213 | 2.594 | bn_fold, memory_layout |",
-    "| attention | ❌ failed | 0.97× (0.93–0.99) | 1.250 | 1.291 | sdpa_replacement |",
+    "| conv_block | ✅ passed | 1.62× (1.55–1.70); 1.10× at the baseline dtype "
+    "| **1.21×** (1.15–1.28); 0.98× at the baseline dtype | → bf16 | — |",
+    "| attention | ❌ failed | **0.97×** (0.93–0.99) | 0.91× | same | — |",
     "| mlp\\|wide | ⚠️ error | — | — | — | — |",
+)
+COMPARED_ROWS = (
+    "| conv_block | ✅ passed | 1.62× | **1.21×** (1.15–1.28) | same "
+    "| eager +0.4% [−0.9%, +1.8%] · speedup −1.2% [−3.8%, +1.3%] |",
+    "| mlp | ❌ regressed | **1.31×** (1.27–1.35) | 1.02× | same "
+    "| eager +12.0% [+8.0%, +16.0%] ❌ · speedup −1.5% [−5.0%, +2.0%] |",
+    "| new_model | ✅ passed | **1.05×** (1.01–1.09) | — | same | not in the stored run |",
 )
 EXPRESSION = re.compile(r"\$\{\{\s*(.+?)\s*\}\}")
 PINNED = re.compile(r"^[\w.-]+/[\w./-]+@[0-9a-f]{40}$")
@@ -66,8 +77,12 @@ def all_steps(doc: dict[Any, Any]) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize(
     ("path", "schema"),
-    [(ACTION, "vendor.github-actions"), (WORKFLOW, "vendor.github-workflows")],
-    ids=["action", "workflow"],
+    [
+        (ACTION, "vendor.github-actions"),
+        (WORKFLOW, "vendor.github-workflows"),
+        (BASE_WORKFLOW, "vendor.github-workflows"),
+    ],
+    ids=["action", "workflow", "base-workflow"],
 )
 def test_validates_against_the_github_schema(path: Path, schema: str, tmp_path: Path) -> None:
     exe = tool("check-jsonschema")
@@ -97,7 +112,7 @@ def zizmor(*paths: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_zizmor_finds_nothing() -> None:
-    result = zizmor(ACTION, WORKFLOW)
+    result = zizmor(ACTION, WORKFLOW, BASE_WORKFLOW)
 
     assert result.returncode == 0, result.stdout + result.stderr
     assert "No findings to report" in result.stdout
@@ -119,7 +134,9 @@ def test_zizmor_would_catch_an_input_interpolated_into_run(tmp_path: Path) -> No
 # --- structure -------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("path", [ACTION, WORKFLOW], ids=["action", "workflow"])
+@pytest.mark.parametrize(
+    "path", [ACTION, WORKFLOW, BASE_WORKFLOW], ids=["action", "workflow", "base-workflow"]
+)
 def test_every_action_used_is_pinned_to_a_full_commit(path: Path) -> None:
     uses = [step["uses"] for step in all_steps(load(path)) if "uses" in step]
 
@@ -159,6 +176,41 @@ def test_the_workflow_gives_each_job_least_privilege() -> None:
             assert not any("checkout" in s.get("uses", "") or "run" in s for s in steps), name
     comment_jobs = [j for j in workflow["jobs"].values() if j["permissions"].get("pull-requests")]
     assert len(comment_jobs) == 1
+
+
+def test_pull_requests_restore_the_runs_the_base_branch_stores_and_never_save_any() -> None:
+    """A pull request's GPU job runs its code: it may read the base branch's stored runs, and
+    nothing of it may become a cache the base branch later reads."""
+    base = load(BASE_WORKFLOW)
+    [record] = base["jobs"].values()
+    uses = [s.get("uses", "") for s in record["steps"]]
+    saves = [s for s in record["steps"] if s.get("uses", "").startswith("actions/cache/save@")]
+    pr_steps = [s for job in load(WORKFLOW)["jobs"].values() for s in job.get("steps", [])]
+    restores = [s for s in pr_steps if s.get("uses", "").startswith("actions/cache/restore@")]
+
+    assert base[True] == {"push": {"branches": ["main"]}, "workflow_dispatch": None}
+    assert record["permissions"] == {"contents": "read"}
+    assert [u.split("@")[0] for u in uses] == [
+        "actions/checkout",
+        "actions/cache/restore",
+        "OWNER/pytest-opprof",
+        "actions/cache/save",
+    ]
+    [save] = saves
+    assert save["if"] == "${{ !cancelled() }}"  # a failed gate's run is stored too
+    assert save["with"] == {
+        "path": ".opprof-runs",
+        "key": "opprof-runs-${{ github.ref_name }}-${{ github.sha }}",
+    }
+    assert len(restores) == 2  # perf and perf-sharded
+    for step in restores:
+        assert step["with"]["path"] == ".opprof-runs"
+        assert step["with"]["restore-keys"] == (
+            "opprof-runs-${{ github.event.pull_request.base.ref }}-"
+        )
+    assert not any(
+        "cache@" in s.get("uses", "") or "cache/save@" in s.get("uses", "") for s in pr_steps
+    )
 
 
 def test_the_shard_matrix_and_the_merge_are_shown() -> None:
@@ -257,7 +309,14 @@ def fake_python(tmp_path: Path) -> Path:
 def pr_env(github: FakeGitHub, tmp_path: Path) -> dict[str, str]:
     event = tmp_path / "event.json"
     event.write_text(json.dumps({"pull_request": {"number": PR}}))
-    return {**github_env(github), "GITHUB_EVENT_PATH": str(event), "NO_PROXY": "127.0.0.1"}
+    return {
+        **github_env(github),
+        "GITHUB_EVENT_PATH": str(event),
+        "GITHUB_EVENT_NAME": "pull_request",
+        "GITHUB_BASE_REF": "main",
+        "GITHUB_REF_NAME": f"{PR}/merge",
+        "NO_PROXY": "127.0.0.1",
+    }
 
 
 def session_with(tmp_path: Path, source: Path = SESSION, **changes: Any) -> Path:
@@ -305,6 +364,7 @@ def test_dry_run_posts_the_table_and_fails_the_job_after_the_comment(
         "--opprof-device=cuda",
         "--junitxml=opprof-results/junit.xml",
         "--opprof-junit=opprof-results/opprof-junit.xml",
+        "--opprof-storage=.opprof-runs",
         "-n",
         "2",
         "-k",
@@ -321,6 +381,7 @@ def test_dry_run_posts_the_table_and_fails_the_job_after_the_comment(
         "comment-body": str(out / "comment.md"),
         "passed": "false",
         "gate-enforced": "true",
+        "saved-run": "",
     }
     job_summary = action.summary.read_text()
     comment_body = (out / "comment.md").read_text()
@@ -330,12 +391,14 @@ def test_dry_run_posts_the_table_and_fails_the_job_after_the_comment(
     assert table in comment_body
     assert job_summary.startswith(
         "### pytest-opprof: ❌ speedup gate failed\n\n3 workloads; minimum speedup 1.2×, "
-        "baseline `compile`; pytest exited with status 1.\n"
+        "baseline `compile`, commit `4f2a9c1e7b3d` on `faster-convs`; pytest exited with "
+        "status 1.\n"
     )
     assert (
         "artifact `opprof-results` of [run 42](https://github.com/octo/widgets/actions/runs/42)"
-        in (job_summary)
-    )
+        "; open a trace (`<workload>/profiler_output/*.trace.json`) in "
+        "[Perfetto](https://ui.perfetto.dev)"
+    ) in job_summary
     assert "<details><summary>Session report" in job_summary
     assert comment_body == f"{MARKER}\n{job_summary}"
 
@@ -413,7 +476,7 @@ def test_dry_run_of_a_cpu_fallback_is_neutral_not_green(
 
     job_summary = action.summary.read_text()
     [posted] = github.bodies()
-    row = f"| tiny | {NOT_ENFORCED} | 1.05× (0.98–1.12) | 0.412 | 0.392 | bn_fold |"
+    row = f"| tiny | {NOT_ENFORCED} | — | **1.05×** (0.98–1.12) | same | — |"
     assert job_summary.startswith(f"### pytest-opprof: {NOT_ENFORCED}\n\n1 workload; ")
     assert row in job_summary.splitlines()
     assert posted == f"{MARKER}\n{job_summary}"
@@ -470,7 +533,10 @@ def test_comment_only_reads_a_downloaded_out_dir(github: FakeGitHub, tmp_path: P
 
     assert action.outputs["summary"]["passed"] == "false"  # from session.json's gate_passed
     [posted] = github.bodies()
-    assert posted.startswith(f"{MARKER}\n### pytest-opprof: ❌ speedup gate failed\n\n3 workloads.")
+    assert posted.startswith(
+        f"{MARKER}\n### pytest-opprof: ❌ speedup gate failed\n\n3 workloads; commit "
+        "`4f2a9c1e7b3d` on `faster-convs`."
+    )
     assert TABLE_ROWS[0] in posted
 
 
@@ -547,8 +613,226 @@ def test_the_action_steps_with_the_real_plugin_on_the_cpu(
     assert summary_step.returncode == 0, summary_step.stderr
     assert comment_step.returncode == 0, comment_step.stderr
     assert "**No results:**" not in action.summary.read_text(), pytest_step.stdout
+    assert "Δ vs base: no stored run of `main` to compare with" not in action.summary.read_text()
     for text in (action.summary.read_text(), github.bodies()[0]):
         assert TABLE_HEADER in text
         assert re.search(rf"^\| tiny\S* \| {NOT_ENFORCED} \|", text, re.MULTILINE), text
         assert "✅" not in text
     assert action.outputs["summary"]["gate-enforced"] == "false"
+
+
+# --- across commits: the base branch's stored run, and the comment's marker --------------------
+
+
+def history_run(
+    github: FakeGitHub,
+    tmp_path: Path,
+    fake_python: Path,
+    *,
+    storage: Path | None,
+    results: Path = COMPARED,
+    env: dict[str, str] | None = None,
+    **inputs: str,
+) -> tuple[ActionRun, list[str]]:
+    """The action's steps up to the comment, with ``storage`` (a copy of a folder of stored
+    runs, or none) in the workspace; returns the run and the arguments pytest got."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    log = tmp_path / "pytest-args.json"
+    full_env = {
+        **pr_env(github, tmp_path),
+        "FAKE_PYTEST_LOG": str(log),
+        "FAKE_PYTEST_RESULTS": str(results),
+        "FAKE_PYTEST_STATUS": "1",
+        **(env or {}),
+    }
+    action = ActionRun(tmp_path, full_env, python=str(fake_python), **inputs)
+    if storage is not None:
+        shutil.copytree(storage, action.workspace / ".opprof-runs")
+    for step in (
+        "Find the base branch's stored run",
+        "Run pytest --opprof",
+        "Write the job summary and outputs",
+        "Comment on the pull request",
+    ):
+        done = action.run(step)
+        assert done.returncode == 0, (step, done.stdout, done.stderr)
+    return action, json.loads(log.read_text())
+
+
+def test_a_pull_request_is_compared_with_its_base_branchs_last_stored_run(
+    github: FakeGitHub, tmp_path: Path, fake_python: Path
+) -> None:
+    action, args = history_run(
+        github, tmp_path, fake_python, storage=RUNS, **{"compare-fail": "latency:5%"}
+    )
+
+    assert action.outputs["base"] == {"run": ".opprof-runs/0003_main.json", "branch": "main"}
+    assert args[-3:] == [
+        "--opprof-storage=.opprof-runs",
+        "--opprof-compare=.opprof-runs/0003_main.json",
+        "--opprof-compare-fail=latency:5%",
+    ]
+    assert not any(a.startswith("--opprof-save") for a in args)  # a pull request saves nothing
+    [posted] = github.bodies()
+    lines = posted.splitlines()
+    assert lines[0] == MARKER
+    assert lines[1] == "### pytest-opprof: ❌ speedup gate failed"
+    assert "commit `9e8d7c6b5a4f` on `wider-mlp`" in lines[3]
+    assert [line for line in lines if line.startswith("| ")][1:] == list(COMPARED_ROWS)
+    assert (
+        "Δ vs base: this run over stored run `#3 main @ 0a1b2c3`, with 95% CIs; ❌ marks a "
+        "change past `--opprof-compare-fail` with certainty."
+    ) in lines
+    assert (
+        "> ⚠️ mlp: the software differs from run #3 main @ 0a1b2c3 (torch 2.11.0+cu128 → "
+        "2.12.0+cu128): a change may come from the stack as well as from the code"
+    ) in lines
+
+
+def test_without_a_stored_run_of_the_base_branch_nothing_is_compared(
+    github: FakeGitHub, tmp_path: Path, fake_python: Path
+) -> None:
+    only_feature = tmp_path / "only-feature"
+    only_feature.mkdir()
+    shutil.copy(RUNS / "0002_feature-x.json", only_feature)
+
+    for storage, name in ((None, "absent"), (only_feature, "other-branch")):
+        github.comments[PR] = []
+        action, args = history_run(
+            github,
+            tmp_path / name,
+            fake_python,
+            storage=storage,
+            results=SESSION,
+            **{"compare-fail": "latency:5%"},
+        )
+        assert action.outputs["base"] == {"run": "", "branch": "main"}, name
+        assert [a for a in args if "compare" in a] == [], name  # no --opprof-compare-fail alone
+        [posted] = github.bodies()
+        assert (
+            "Δ vs base: no stored run of `main` to compare with (restore the base branch's "
+            "stored runs into the action's `storage` folder: docs/regressions.md)."
+        ) in posted.splitlines(), name
+        assert all(row in posted.splitlines() for row in TABLE_ROWS), name  # Δ: —
+
+
+def test_a_push_saves_its_run_and_compares_with_the_branchs_previous_one(
+    tmp_path: Path, fake_python: Path
+) -> None:
+    env = {
+        "FAKE_PYTEST_LOG": str(tmp_path / "pytest-args.json"),
+        "FAKE_PYTEST_RESULTS": str(SESSION),
+        "FAKE_PYTEST_STATUS": "0",
+        "GITHUB_EVENT_NAME": "push",
+        "GITHUB_REF_NAME": "main",
+    }
+    action = ActionRun(tmp_path, env, python=str(fake_python), comment="false")
+    shutil.copytree(RUNS, action.workspace / ".opprof-runs")
+
+    assert action.run("Find the base branch's stored run").returncode == 0
+    assert action.run("Run pytest --opprof").returncode == 0
+
+    args = json.loads((tmp_path / "pytest-args.json").read_text())
+    assert args[-3:] == [
+        "--opprof-storage=.opprof-runs",
+        "--opprof-save=auto",
+        "--opprof-compare=.opprof-runs/0003_main.json",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("inputs", "expected"),
+    [
+        ({"save-run": "false", "compare-with": "none"}, []),
+        ({"save-run": "true"}, ["--opprof-save=auto"]),
+        (
+            {"save-run": "nightly", "compare-with": "7"},
+            ["--opprof-save=nightly", "--opprof-compare=7"],
+        ),
+    ],
+    ids=["off", "always", "named"],
+)
+def test_the_history_inputs_reach_pytest(
+    tmp_path: Path, fake_python: Path, inputs: dict[str, str], expected: list[str]
+) -> None:
+    log = tmp_path / "pytest-args.json"
+    env = {
+        "FAKE_PYTEST_LOG": str(log),
+        "FAKE_PYTEST_RESULTS": str(SESSION),
+        "FAKE_PYTEST_STATUS": "0",
+        "GITHUB_EVENT_NAME": "pull_request",
+    }
+    action = ActionRun(tmp_path, env, python=str(fake_python), storage="perf runs", **inputs)
+
+    assert action.run("Run pytest --opprof").returncode == 0
+
+    args = json.loads(log.read_text())
+    assert args[args.index("--opprof-storage=perf runs") + 1 :] == expected
+
+
+def comment_only(github: FakeGitHub, tmp_path: Path, **inputs: str) -> ActionRun:
+    """The comment job of a workflow: it reads a downloaded out-dir (a copy of COMPARED)."""
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    downloaded = session_with(tmp_path, COMPARED)
+    action = ActionRun(
+        tmp_path,
+        pr_env(github, tmp_path),
+        python=sys.executable,
+        **{"comment-only": "true", "out-dir": str(downloaded), **inputs},
+    )
+    for step in ("Write the job summary and outputs", "Comment on the pull request"):
+        done = action.run(step)
+        assert done.returncode == 0, (step, done.stdout, done.stderr)
+    return action
+
+
+def test_two_markers_keep_two_comments(github: FakeGitHub, tmp_path: Path) -> None:
+    a100, h200 = "<!-- pytest-opprof a100 -->", "<!-- pytest-opprof h200 -->"
+    for i, marker in enumerate((a100, h200, a100, h200)):
+        comment_only(github, tmp_path / f"job{i}", **{"comment-marker": marker})
+
+    bodies = github.bodies()
+    assert [b.splitlines()[0] for b in bodies] == [a100, h200]
+    assert [m for m, _ in github.requests].count("POST") == 2
+    assert [m for m, _ in github.requests].count("PATCH") == 2
+    assert all("| mlp | ❌ regressed |" in b for b in bodies)
+
+
+def test_a_marked_comment_by_someone_else_is_left_alone(github: FakeGitHub, tmp_path: Path) -> None:
+    forged = f"{MARKER}\n### pytest-opprof: ✅ speedup gate passed (trust me)"
+    github.add_comment(PR, forged, login="mallory")
+
+    comment_only(github, tmp_path / "first")
+    comment_only(github, tmp_path / "second")
+
+    bodies = github.bodies()
+    assert bodies[0] == forged  # never edited
+    assert len(bodies) == 2 and bodies[1].startswith(f"{MARKER}\n### pytest-opprof: ❌")
+    assert [m for m, _ in github.requests if m != "GET"] == ["POST", "PATCH"]
+    assert github.comments[PR][1]["user"]["login"] == "github-actions[bot]"
+
+
+def test_a_marker_that_is_not_one_html_comment_is_refused(tmp_path: Path) -> None:
+    out = session_with(tmp_path)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "ci" / "summary.py"), str(out), "--marker=<!-- a --> b -->"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "is not one hidden HTML comment" in result.stderr
+
+
+def test_the_base_run_script_finds_a_run_the_plugin_stored(tmp_path: Path) -> None:
+    history = pytest.importorskip("pytest_opprof.history", reason="the plugin is not installed")
+    import stored_runs
+
+    older = history.StoredRun(number=0, created="2026-12-01", device="cpu", branch="main")
+    newer = history.StoredRun(number=0, created="2026-12-02", device="cpu", branch="main")
+    other = history.StoredRun(number=0, created="2026-12-03", device="cpu", branch="dev")
+    paths = [history.save_run(tmp_path, run) for run in (older, newer, other)]
+
+    assert stored_runs.last_run_of(tmp_path, "main") == paths[1]
+    assert stored_runs.last_run_of(tmp_path, "release") is None
+    assert stored_runs.last_run_of(RUNS, "main") == RUNS / "0003_main.json"  # 0004: schema 9

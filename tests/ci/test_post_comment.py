@@ -328,3 +328,51 @@ def test_a_missing_token_or_body_file_is_a_clear_error(github: FakeGitHub, tmp_p
     assert no_token.stderr == "error: GITHUB_TOKEN is empty: pass the action's github-token input\n"
     assert no_body.stderr.startswith("error: cannot read the comment body ")
     assert github.requests == []
+
+
+def test_only_a_marked_comment_by_the_bot_is_edited(github: FakeGitHub, tmp_path: Path) -> None:
+    """Anyone can write the marker: a marked comment by someone else is never edited."""
+    forged = github.add_comment(PR, f"{MARKER}\nall green, merge it", login="mallory")
+    body = str(body_file(tmp_path, "report"))
+
+    assert call(github, body, f"--pr={PR}") == 0
+    assert call(github, body, f"--pr={PR}") == 0
+
+    assert github.bodies() == [f"{MARKER}\nall green, merge it", f"{MARKER}\nreport"]
+    assert ("PATCH", f"/repos/{REPO}/issues/comments/{forged}") not in github.requests
+    assert [m for m, _ in github.requests if m != "GET"] == ["POST", "PATCH"]
+
+
+def test_a_token_of_another_login_edits_its_own_comment(github: FakeGitHub, tmp_path: Path) -> None:
+    ours = github.add_comment(PR, f"{MARKER}\nold", login="perf-bot[bot]")
+
+    code = call(github, str(body_file(tmp_path, "new")), f"--pr={PR}", "--author=perf-bot[bot]")
+
+    assert code == 0
+    assert ("PATCH", f"/repos/{REPO}/issues/comments/{ours}") in github.requests
+    assert github.bodies() == [f"{MARKER}\nnew"]
+
+
+def test_two_markers_are_two_comments_even_where_one_is_the_others_prefix(
+    github: FakeGitHub, tmp_path: Path
+) -> None:
+    a100 = "<!-- pytest-opprof a100 -->"
+    body = str(body_file(tmp_path, "report"))
+
+    assert call(github, body, f"--pr={PR}", f"--marker={a100}") == 0
+    assert call(github, body, f"--pr={PR}") == 0  # the default marker: not a100's comment
+    assert call(github, body, f"--pr={PR}", f"--marker={a100}") == 0
+
+    assert github.bodies() == [f"{a100}\nreport", f"{MARKER}\nreport"]
+    assert post_comment.is_marked(f"{MARKER} extra\nx", MARKER) is False
+
+
+@pytest.mark.parametrize("marker", ["pytest-opprof", "<!-- a --> <b>", "<!--x-->", "<!-- -->"])
+def test_a_marker_must_be_one_hidden_comment(
+    github: FakeGitHub, tmp_path: Path, marker: str
+) -> None:
+    result = run_script(github, str(body_file(tmp_path, "r")), f"--pr={PR}", f"--marker={marker}")
+
+    assert result.returncode == 1
+    assert "is not one hidden HTML comment" in result.stderr
+    assert github.requests == []

@@ -7,6 +7,7 @@ import pytest
 
 from pytest_opprof.options import (
     OPTIONS,
+    CompareRule,
     OpprofOptions,
     parse_shard,
     parse_workload_overrides,
@@ -41,6 +42,11 @@ def test_defaults_parse() -> None:
         ("strict_gate", "true", True),
         ("fresh_timing", "true", True),
         ("timing_servers", "3", 3),
+        ("save", "auto", "auto"),
+        ("save", "nightly-2026.12", "nightly-2026.12"),
+        ("compare", "last", "last"),
+        ("compare", "3", "3"),
+        ("storage", "perf/runs", Path("perf/runs")),
     ],
 )
 def test_accepted_values(field: str, value: str, expected: object) -> None:
@@ -81,12 +87,39 @@ def test_accepted_values(field: str, value: str, expected: object) -> None:
         ("timing_processes", "0", "≥ 1"),
         ("timing_processes", "17", "≤ 16"),
         ("timing_processes", "several", "integer"),
+        ("save", "examples/", "is a path, not a run name"),
+        ("save", "1234", "not all digits"),
+        ("save", "a b", "not a run name"),
+        ("compare", "  ", "empty; give last"),
+        ("compare_fail", "latency:5", "METRIC:N%"),
+        ("compare_fail", "memory:5%", "latency, eager, compile, optimized, speedup"),
+        ("compare_fail", "speedup:100%", "between 0% and 100%"),
+        ("compare_fail", "latency:-5%", "above 0%"),
+        ("compare_fail", "latency:five%", "not a percentage"),
+        ("storage", " ", "must not be empty"),
     ],
 )
 @pytest.mark.reliability
 def test_rejected_values_name_the_accepted_form(field: str, value: str, accepted: str) -> None:
     with pytest.raises(pytest.UsageError, match=accepted):
         OpprofOptions.from_values({field: value})
+
+
+def test_compare_fail_takes_rules_and_needs_a_run_to_compare_with() -> None:
+    opts = OpprofOptions.from_values(
+        {"compare": "last", "compare_fail": "latency:5%, Speedup:12.5%"}
+    )
+    assert opts.compare_fail == (CompareRule("latency", 0.05), CompareRule("speedup", 0.125))
+    assert [str(r) for r in opts.compare_fail] == ["latency:5%", "speedup:12.5%"]
+    with pytest.raises(pytest.UsageError, match="needs --opprof-compare"):
+        OpprofOptions.from_values({"compare_fail": "latency:5%"})
+
+
+def test_history_options_stay_with_the_parent() -> None:
+    opts = OpprofOptions.from_values({"save": "auto", "compare": "2", "compare_fail": "eager:5%"})
+    child = opts.to_child()
+    assert not {"save", "compare", "compare_fail", "storage"} & set(child)
+    assert OpprofOptions.from_child(child).compare is None
 
 
 def test_timing_processes_auto_or_a_count() -> None:
