@@ -262,7 +262,7 @@ def test_a_cublaslt_that_cannot_start_leaves_the_gemms_to_torch(
 def test_the_stage_log_names_each_tuned_shape_once(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from pytest_opprof.runner import note_tuned_gemms
+    from pytest_opprof.stages.common import note_tuned_gemms
 
     tuner = cublaslt._Tuner(torch.device("cuda", 0))
     monkeypatch.setattr(cublaslt, "_TUNERS", {0: tuner})
