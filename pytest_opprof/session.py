@@ -10,15 +10,13 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 from pytest_opprof import STAGES
-from pytest_opprof.errors import ArtifactError, OpprofError, StageError
-from pytest_opprof.measure import gate_verdict
+from pytest_opprof.errors import ArtifactError, OpprofError
 from pytest_opprof.options import OpprofOptions
-from pytest_opprof.pipeline import StageOutcome, WorkloadRun
+from pytest_opprof.pipeline import StageOutcome, WorkloadRun, rel_path
 from pytest_opprof.schema import (
-    CPU_NOT_ENFORCED,
     BackendSelection,
     Optimizations,
     Profile,
@@ -30,13 +28,13 @@ from pytest_opprof.schema import (
     write_artifact,
     write_text_atomic,
 )
+from pytest_opprof.stages import report as report_stage
 from pytest_opprof.stages import run_stage
+from pytest_opprof.stages.report import SUMMARY_FILE, find_speedup, maybe_artifact
 from pytest_opprof.workload import WorkloadSpec
 
 if TYPE_CHECKING:
     from pytest_opprof.history import StoredRun
-
-SUMMARY_FILE = "workload_summary.json"
 
 
 @dataclass
@@ -83,162 +81,12 @@ class OpprofSession:
     # --------------------------------------------------------------------------- report
 
     def report(self, wr: WorkloadRun) -> StageOutcome:
-        """Stage 5: the report and the gate's verdict (raised as ``GateFailed``)."""
-        start = time.perf_counter()
-        try:
-            summary = self.summarize(wr)
-            self.write_report(wr, summary)
-        except OSError as exc:
-            outcome = StageOutcome("report", "error", f"cannot write the report: {exc}")
-            wr.outcomes["report"] = outcome
-            return outcome
-        except OpprofError as exc:  # a hook's answer that does not check out
-            outcome = StageOutcome("report", "error", str(exc))
-            wr.outcomes["report"] = outcome
-            return outcome
-        # Fail closed: a workload that did not reach a measured speedup fails its gate item
-        # (never skips it), so `-k speedup` or a node id alone cannot turn a broken stage
-        # into a green run.
-        if summary.status == "passed":
-            outcome = StageOutcome("report", "passed", summary.message)
-        else:
-            outcome = StageOutcome("report", "failed", f"gate not passed: {summary.message}")
-        blocked = any(o.status != "passed" for s, o in wr.outcomes.items() if s != "report")
-        outcome.seconds = time.perf_counter() - start
-        wr.outcomes["report"] = outcome
-        if not blocked:
-            wr.hooks.pytest_opprof_gate_decided(
-                workload=wr, summary=summary, passed=summary.status == "passed"
-            )
-        return outcome
-
-    def gate_baseline(self, wr: WorkloadRun, optimized: Profile) -> str:
-        """``pytest_opprof_select_baseline``: eager or compile, measured in ``optimized``."""
-        timing = optimized.timing
-        choice = wr.hooks.pytest_opprof_select_baseline(workload=wr, timing=timing)
-        usable = sorted(
-            s.baseline for s in timing.speedups if s.candidate == "optimized" and s.baseline
-        )
-        if choice not in usable:
-            raise StageError(
-                f"pytest_opprof_select_baseline returned {choice!r}; the baselines measured "
-                f"against the optimized model are {', '.join(usable) or 'none'}"
-            )
-        return str(choice)
+        """Stage 5 for ``wr`` (``stages.report``)."""
+        return report_stage.run(self, wr)
 
     def summarize(self, wr: WorkloadRun) -> WorkloadSummary:
-        out = wr.out_dir
-        status: Literal["passed", "failed", "error"] = "passed"
-        message, stage_reached = "", "capture"
-        for s in STAGES[:-1]:
-            o = wr.outcomes.get(s)
-            if o is None:
-                continue
-            stage_reached = s
-            if o.status != "passed":
-                # the first stage that did not pass is the cause; later ones were blocked by it
-                status = "error" if o.status == "error" else "failed"
-                message = f"{s}: {o.message}"
-                break
-        summary = WorkloadSummary(
-            name=wr.name,
-            path=_display(wr.spec.path),
-            status=status,
-            stage=stage_reached,
-            message=message,
-            report=_display(out / "report.md"),
-        )
-        selection = _maybe(wr.profiler_output / "backend_selection.json", BackendSelection)
-        if selection is not None:
-            summary.passes = list(selection.plan.proposals)
-            summary.dtype = selection.plan.dtype or None
-        if status != "passed":
-            return summary
-        try:
-            optimized = read_artifact(out / "profile_optimized.json", Profile)
-        except ArtifactError as exc:
-            # a passed recapture without its profile is no speedup: never a green gate
-            summary.status, summary.stage = "error", "recapture"
-            summary.message = f"recapture: {exc}"
-            return summary
-        t = optimized.timing
-        baseline = self.gate_baseline(wr, optimized)
-        ratio = _find(t.speedups, baseline, "optimized")
-        summary.baseline = baseline
-        summary.baseline_ms = t.variants[baseline].median_ms
-        summary.optimized_ms = t.variants["optimized"].median_ms
-        summary.eager_ms = t.variants["eager"].median_ms
-        summary.compile_ms = t.variants["compile"].median_ms
-        vs_eager = _find(t.speedups, "eager", "optimized")
-        vs_compile = _find(t.speedups, "compile", "optimized")
-        summary.speedup_vs_eager = vs_eager.ratio if vs_eager else None
-        summary.speedup_vs_compile = vs_compile.ratio if vs_compile else None
-        summary.speedups = list(t.speedups)
-        if ratio is None:
-            summary.status, summary.message = "error", "no interleaved speedup was measured"
-            return summary
-        summary.speedup, summary.ci_low, summary.ci_high = ratio.ratio, ratio.ci_low, ratio.ci_high
-        min_speedup = float(wr.setting("min_speedup"))
-        ok, why = gate_verdict(ratio, min_speedup, strict=self.options.strict_gate)
-        on_cpu = optimized.capture_metadata.device_type == "cpu"
-        if on_cpu and not self.options.gate_on_cpu:
-            summary.enforced = False
-            summary.message = f"{CPU_NOT_ENFORCED} ({why}; --opprof-gate-on-cpu enforces it)"
-        elif not ok:
-            summary.status = "failed"
-            summary.message = f"{why}; see {summary.report}"
-        else:
-            summary.message = why
-        if self.compare_with is not None:  # across commits: may fail it (history.judge)
-            from pytest_opprof.history import judge
-
-            judge(summary, out, self.compare_with, self.options.compare_fail, optimized)
-        return summary
-
-    def write_report(self, wr: WorkloadRun, summary: WorkloadSummary) -> None:
-        from pytest_opprof.report import WorkloadArtifacts, render_workload_report
-
-        out = wr.out_dir
-        notes = wr.profiler_output / "implementation_notes.md"
-        artifacts = WorkloadArtifacts(
-            name=wr.name,
-            path=_display(wr.spec.path),
-            out_dir=out,
-            profile=_classified(_maybe(out / "profile.json", Profile)),
-            optimizations=_maybe(out / "optimizations.json", Optimizations),
-            selection=_maybe(wr.profiler_output / "backend_selection.json", BackendSelection),
-            validation=_maybe(wr.profiler_output / "validation_report.json", ValidationReport),
-            optimized=_classified(_maybe(out / "profile_optimized.json", Profile)),
-            summary=summary,
-            implementation_notes=notes.read_text(encoding="utf-8") if notes.exists() else None,
-            stage_errors={s: o.message for s, o in wr.outcomes.items() if o.status != "passed"},
-            min_speedup=float(wr.setting("min_speedup")),
-            gate_baseline=summary.baseline or str(wr.setting("baseline")),
-            strict_gate=self.options.strict_gate,
-            gate_on_cpu=self.options.gate_on_cpu,
-        )
-        found = wr.hooks.pytest_opprof_report_sections(artifacts=artifacts)
-        sections = [section for batch in found for section in batch or ()]
-        for section in sections:
-            if not (
-                isinstance(section, tuple)
-                and len(section) == 2
-                and all(isinstance(x, str) for x in section)
-            ):
-                raise StageError(
-                    f"pytest_opprof_report_sections returned {section!r}; each section is a "
-                    "(title, markdown) pair of strings"
-                )
-        if summary.comparison is not None:
-            from pytest_opprof.report.trend import comparison_section
-
-            sections.append(comparison_section(summary))
-        out.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(
-            out / "report.md", render_workload_report(artifacts, extra_sections=sections)
-        )
-        self.summaries[wr.name] = summary
-        write_artifact(out / SUMMARY_FILE, summary)
+        """The gate's verdict for ``wr`` without writing the report (``stages.report``)."""
+        return report_stage.summarize(self, wr)
 
     # -------------------------------------------------------------------------- session
 
@@ -341,21 +189,25 @@ class Optimizer:
             report = wr.outcomes["report"]
             summary = WorkloadSummary(
                 name=wr.name,
-                path=_display(spec.path),
+                path=rel_path(spec.path),
                 status="error",
                 stage="report",
                 message=report.message,
             )
-        optimized = _maybe(out / "profile_optimized.json", Profile)
+        optimized = maybe_artifact(out / "profile_optimized.json", Profile)
         result = Result(
             name=wr.name,
             summary=summary,
-            profile=_maybe(out / "profile.json", Profile),
-            optimizations=_maybe(out / "optimizations.json", Optimizations),
-            selection=_maybe(wr.profiler_output / "backend_selection.json", BackendSelection),
-            validation=_maybe(wr.profiler_output / "validation_report.json", ValidationReport),
+            profile=maybe_artifact(out / "profile.json", Profile),
+            optimizations=maybe_artifact(out / "optimizations.json", Optimizations),
+            selection=maybe_artifact(
+                wr.profiler_output / "backend_selection.json", BackendSelection
+            ),
+            validation=maybe_artifact(
+                wr.profiler_output / "validation_report.json", ValidationReport
+            ),
             optimized=optimized,
-            speedup=_find(optimized.timing.speedups, summary.baseline, "optimized")
+            speedup=find_speedup(optimized.timing.speedups, summary.baseline, "optimized")
             if optimized is not None and summary.baseline
             else None,
             report=out / "report.md",
@@ -400,7 +252,7 @@ def session_device(summaries: Iterable[WorkloadSummary], out: Path, device: str)
     stopped before its capture finished), the device this session would have measured on,
     named the way a profile names it."""
     for s in summaries:
-        prof = _maybe(out / s.name / "profile.json", Profile)
+        prof = maybe_artifact(out / s.name / "profile.json", Profile)
         if prof is not None:
             return prof.capture_metadata.device_name
     from pytest_opprof.capture.system import environment, resolve_device
@@ -425,34 +277,6 @@ def session_summary(summaries: list[WorkloadSummary], device: str) -> SessionSum
         gate_passed=all(s.status == "passed" for s in summaries),
         gate_enforced=all(s.enforced for s in summaries),
     )
-
-
-def _find(speedups: list[Speedup], baseline: str, candidate: str) -> Speedup | None:
-    return next((s for s in speedups if s.baseline == baseline and s.candidate == candidate), None)
-
-
-def _classified(profile: Profile | None) -> Profile | None:
-    """The profile with each operator's bottleneck class (the propose stage's classifier), so
-    the report's operator tables show it; profile.json itself stays as captured."""
-    if profile is None:
-        return None
-    from pytest_opprof.propose.classify import classify
-
-    return classify(profile)
-
-
-def _maybe(path: Path, model: Any) -> Any:
-    try:
-        return read_artifact(path, model) if path.exists() else None
-    except ArtifactError:
-        return None
-
-
-def _display(path: Path) -> str:
-    try:
-        return str(Path(path).resolve().relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return str(path)
 
 
 def merge_sessions(dirs: list[Path], out: Path) -> SessionSummary:
@@ -486,7 +310,7 @@ def merge_sessions(dirs: list[Path], out: Path) -> SessionSummary:
                 shutil.copytree(src, dst, dirs_exist_ok=True)
             if w.report and (dst / "report.md").exists():
                 # the shard's paths become the merged folder's, in the message too
-                report = _display(dst / "report.md")
+                report = rel_path(dst / "report.md")
                 message = w.message.replace(w.report, report) if w.message else w.message
                 w = w.model_copy(update={"report": report, "message": message})
             found[w.name] = w
