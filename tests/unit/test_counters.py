@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from pytest_opprof.capture import counters as c
+from pytest_opprof.capture import ncu_metrics as nm
 from pytest_opprof.schema import (
     ChildSpec,
     KernelRecord,
@@ -48,7 +49,7 @@ def _timeline(names: list[str] | None = None) -> list[KernelRecord]:
     ]
 
 
-def _result(name: str = "synthetic_base_units.csv") -> c.CountersResult:
+def _result(name: str = "synthetic_base_units.csv") -> nm.CountersResult:
     log = (DATA / name).read_text(encoding="utf-8")
     return c.parse_run(0, log, "", _timeline())
 
@@ -226,12 +227,12 @@ def test_requested_metrics_filters_by_chip() -> None:
     ],
 )
 def test_to_base(value: str, unit: str, expected: float | None) -> None:
-    got = c.to_base(value, unit)
+    got = nm.to_base(value, unit)
     assert got == (pytest.approx(expected) if expected is not None else None)
 
 
 def test_parse_skips_prof_lines_and_reads_units() -> None:
-    rows, header = c.parse_raw_csv((DATA / "synthetic_base_units.csv").read_text())
+    rows, header = nm.parse_raw_csv((DATA / "synthetic_base_units.csv").read_text())
     assert [r.id for r in rows] == [0, 1, 2, 3, 4]
     assert rows[1].name == "triton_poi_fused_add_10"
     assert rows[0].values["gpu__time_duration.sum"] == 2000.0
@@ -239,8 +240,8 @@ def test_parse_skips_prof_lines_and_reads_units() -> None:
 
 
 def test_other_units_parse_to_the_same_base_values() -> None:
-    base, _ = c.parse_raw_csv((DATA / "synthetic_base_units.csv").read_text())
-    auto, _ = c.parse_raw_csv((DATA / "synthetic_auto_units.csv").read_text())
+    base, _ = nm.parse_raw_csv((DATA / "synthetic_base_units.csv").read_text())
+    auto, _ = nm.parse_raw_csv((DATA / "synthetic_auto_units.csv").read_text())
     for a, b in zip(auto, base, strict=True):
         for metric, value in b.values.items():
             assert a.values[metric] == pytest.approx(value), metric
@@ -280,7 +281,7 @@ def test_missing_metric_is_none_and_fallback_is_used() -> None:
     ],
 )  # fmt: skip
 def test_kernel_key(name: str, key: str) -> None:
-    assert c.kernel_key(name) == key
+    assert nm.kernel_key(name) == key
 
 
 def test_join_is_exact_for_prefix_names() -> None:
@@ -430,9 +431,9 @@ def test_run_counters_timeout_is_a_note(tmp_path: Path, monkeypatch: pytest.Monk
 
 
 def test_aggregation_sum_weighted_mean_max() -> None:
-    kernels = c.attach(_timeline(), _result(), None, "float32")
+    kernels = nm.attach(_timeline(), _result(), None, "float32")
     op = kernels[:3]  # add_1 (2000 ns, 60 %), add_10 (1500 ns, 40 %), aten (1000 ns, 20 %)
-    agg = c.aggregate(op)
+    agg = nm.aggregate(op)
     assert agg["counter_coverage"] == pytest.approx(1.0)
     assert agg["gpu_time_ns"] == 4500.0
     assert agg["dram_bytes_read"] == 4_194_304 + 2_097_152 + 1_048_576
@@ -445,11 +446,11 @@ def test_aggregation_sum_weighted_mean_max() -> None:
 
 def test_aggregation_leaves_out_uncovered_kernels() -> None:
     log = (DATA / "synthetic_mismatch.csv").read_text()
-    kernels = c.attach(_timeline(), c.parse_run(0, log, "", _timeline()), None, "float32")
-    agg = c.aggregate(kernels[:2])  # add_10 has no counters
+    kernels = nm.attach(_timeline(), c.parse_run(0, log, "", _timeline()), None, "float32")
+    agg = nm.aggregate(kernels[:2])  # add_10 has no counters
     assert agg["gpu_time_ns"] == 2000.0
     assert agg["counter_coverage"] == pytest.approx(2.1 / (2.1 + 1.6))
-    assert c.aggregate(kernels[1:2]) == {"counter_coverage": 0.0}
+    assert nm.aggregate(kernels[1:2]) == {"counter_coverage": 0.0}
 
 
 def test_roofline_per_kernel_and_operator() -> None:
@@ -459,7 +460,7 @@ def test_roofline_per_kernel_and_operator() -> None:
     assert match is not None
     spec = match.spec
     result = _result()
-    kernels = c.attach(_timeline(), result, spec, "bfloat16")
+    kernels = nm.attach(_timeline(), result, spec, "bfloat16")
     gemm = kernels[4].metrics
     seconds = 50_000e-9
     assert gemm["achieved_bytes_per_s"] == pytest.approx(125_000_000 / seconds)
@@ -470,9 +471,9 @@ def test_roofline_per_kernel_and_operator() -> None:
     assert add["pct_of_peak_bw"] == pytest.approx(
         100 * (4_194_304 + 2_097_152) / 2000e-9 / spec.memory_bandwidth_bytes_per_s
     )
-    agg = c.aggregate(kernels[:3])
+    agg = nm.aggregate(kernels[:3])
     assert "achieved_bytes_per_s" not in agg  # rates are recomputed, never averaged
-    c.add_roofline(agg, spec, "float32")
+    nm.add_roofline(agg, spec, "float32")
     nbytes = agg["dram_bytes"]
     assert nbytes is not None
     assert agg["achieved_bytes_per_s"] == pytest.approx(nbytes / 4500e-9)
@@ -524,13 +525,13 @@ def test_apply_to_timeline() -> None:
     from pytest_opprof.knowledge import lookup_gpu
 
     timeline = _full_timeline()
-    kernels = c.timeline_kernels(timeline)
+    kernels = nm.timeline_kernels(timeline)
     assert [k.start_us for k in kernels] == [0.0, 10.0, 20.0, 30.0, 40.0]  # no memcpy
     log = (DATA / "synthetic_base_units.csv").read_text()
     result = c.parse_run(0, log, "", kernels)
     match = lookup_gpu("NVIDIA H200", 132, (9, 0))
     assert match is not None
-    out = c.apply_to_timeline(timeline, result, match.spec, "float32")
+    out = nm.apply_to_timeline(timeline, result, match.spec, "float32")
     assert timeline.operators[0].kernels[0].metrics == {}  # the input is left alone
     assert out.unattributed_kernels[0].metrics["gpu_time_ns"] == 1500.0
     assert out.operators[0].kernels[1].metrics == {}  # memcpy has no counters
@@ -727,7 +728,7 @@ def test_real_h200_ncu_output_joins_every_kernel(name: str, label: str, log: Pat
     entry = counters.get(label) or {}
     source = entry.get("reused_from") or label
     unique = counters.get("replay") == "unique"
-    kernels = c.timeline_kernels(timeline)
+    kernels = nm.timeline_kernels(timeline)
     text = log.read_text(encoding="utf-8")
     combined = "." not in log.stem
     result = c.parse_run(0, text, "", kernels, label=source if combined else None, unique=unique)
@@ -741,7 +742,7 @@ def test_real_h200_ncu_output_joins_every_kernel(name: str, label: str, log: Pat
         j.metrics["gpu_time_ns"] for j in result.metrics
     ]
     if combined:
-        rows, _ = c.parse_raw_csv(text)
+        rows, _ = nm.parse_raw_csv(text)
         replayed = [k for k in result.metrics if k.source == "measured"]
         assert len(replayed) == len([r for r in rows if r.label == source])
 
@@ -756,12 +757,14 @@ def test_real_unique_replay_of_gpt2_and_the_lstm() -> None:
         profile = read_artifact(H200_RUN / name / "profile.json.gz", Profile)
         assert profile.counters is not None and profile.counters["replay"] == "unique"
         eager = next(t for t in profile.timelines if t.label == "eager")
-        kernels = c.timeline_kernels(eager)
+        kernels = nm.timeline_kernels(eager)
         sources = [k.counters_source for k in kernels]
         assert sources.count("measured") == replayed
         assert sources.count("same_launch_config") == len(kernels) - replayed
-        rows, _ = c.parse_raw_csv((DATA / "h200" / f"{name}.log").read_text(encoding="utf-8"))
-        configs = {(c.kernel_key(r.name), str(r.grid), str(r.block), r.shared_memory) for r in rows}
+        rows, _ = nm.parse_raw_csv((DATA / "h200" / f"{name}.log").read_text(encoding="utf-8"))
+        configs = {
+            (nm.kernel_key(r.name), str(r.grid), str(r.block), r.shared_memory) for r in rows
+        }
         assert len(configs) == len(rows)
 
 
@@ -841,16 +844,16 @@ def test_errors_beside_profiled_kernels_are_warnings() -> None:
 
 
 def test_tensor_kernel_without_tensor_op_count_has_no_flops() -> None:
-    rows, header = c.parse_raw_csv((DATA / "synthetic_base_units.csv").read_text())
-    resolved = c.resolve(header) | {"tensor_ops": None}
-    gemm = c.logical_metrics(rows[4], resolved)  # tensor pipe 80 % busy
+    rows, header = nm.parse_raw_csv((DATA / "synthetic_base_units.csv").read_text())
+    resolved = nm.resolve(header) | {"tensor_ops": None}
+    gemm = nm.logical_metrics(rows[4], resolved)  # tensor pipe 80 % busy
     assert gemm["flops"] is None
-    add = c.logical_metrics(rows[0], resolved)  # tensor pipe 60 % in the fixture too
+    add = nm.logical_metrics(rows[0], resolved)  # tensor pipe 60 % in the fixture too
     assert add["flops"] is None
     idle = rows[0].model_copy(deep=True)
     metric = "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
     idle.values[metric] = 0.0
-    assert c.logical_metrics(idle, resolved)["flops"] == 524288.0
+    assert nm.logical_metrics(idle, resolved)["flops"] == 524288.0
 
 
 def test_real_h200_ncu_row_with_another_geometry_is_left_out() -> None:
@@ -859,15 +862,15 @@ def test_real_h200_ncu_row_with_another_geometry_is_left_out() -> None:
 
     name = "depthwise_separable_conv"
     profile = read_artifact(H200_RUN / name / "profile.json.gz", Profile)
-    kernels = c.timeline_kernels(profile.timelines[0])
+    kernels = nm.timeline_kernels(profile.timelines[0])
     first = kernels[0].model_copy(update={"grid": [9999, 1, 1]})
     log = (DATA / "h200" / f"{name}.log").read_text(encoding="utf-8")
     unique = (profile.counters or {}).get("replay") == "unique"
     result = c.parse_run(0, log, "", [first, *kernels[1:]], label="eager", unique=unique)
-    key = c.kernel_key(first.name)
+    key = nm.kernel_key(first.name)
     assert any(f"kernel {key!r} launched with grid [9999, 1, 1]" in w for w in result.warnings)
     paired = {k.index for k in result.metrics}
-    same_key = [i for i, k in enumerate(kernels) if c.kernel_key(k.name) == key]
+    same_key = [i for i, k in enumerate(kernels) if nm.kernel_key(k.name) == key]
     assert not paired & set(same_key) and len(paired) == len(kernels) - len(same_key)
 
 
@@ -913,7 +916,7 @@ def _h200_kernels(name: str, label: str) -> list[KernelRecord]:
     from pytest_opprof.schema import Profile, read_artifact
 
     profile = read_artifact(PER_LABEL / f"{name}.profile.json", Profile)
-    return c.timeline_kernels(next(t for t in profile.timelines if t.label == label))
+    return nm.timeline_kernels(next(t for t in profile.timelines if t.label == label))
 
 
 def test_one_log_with_two_ranges_joins_each_label_to_its_own_rows() -> None:
@@ -924,7 +927,7 @@ def test_one_log_with_two_ranges_joins_each_label_to_its_own_rows() -> None:
     log = _write_log(
         head, _renamed(eager_rows, head, "eager") + _renamed(compiled_rows, head, "compiled")
     )
-    rows, _ = c.parse_raw_csv(log)
+    rows, _ = nm.parse_raw_csv(log)
     assert [r.label for r in rows] == ["eager"] * len(eager_rows) + ["compiled"] * len(
         compiled_rows
     )
@@ -944,11 +947,11 @@ def test_one_log_with_two_ranges_joins_each_label_to_its_own_rows() -> None:
 
 def test_range_label_and_shared_memory_from_the_csv() -> None:
     head, rows = _log_rows("depthwise_separable_conv.eager.log")
-    parsed, _ = c.parse_raw_csv(_write_log(head, _renamed(rows, head, "compiled")))
+    parsed, _ = nm.parse_raw_csv(_write_log(head, _renamed(rows, head, "compiled")))
     assert {r.label for r in parsed} == {"compiled"}
     gemm = next(r for r in parsed if "s1688gemm_64x64" in r.name)
     assert gemm.shared_memory == 49152  # static 0 + dynamic 49,152: the profiler's value
-    legacy, _ = c.parse_raw_csv(_write_log(head, rows))
+    legacy, _ = nm.parse_raw_csv(_write_log(head, rows))
     assert {r.label for r in legacy} == {None}
 
 
@@ -994,7 +997,7 @@ def test_unique_replay_fills_repeated_launches_from_the_replayed_one() -> None:
         assert k.metrics == by_index[k.index].metrics
     copied = [k for k in result.metrics if k.source == "same_launch_config"]
     assert copied and all(kernels[k.index].name in {x.name for x in measured} for k in copied)
-    filled = c.attach(kernels, result, None, "float32")
+    filled = nm.attach(kernels, result, None, "float32")
     assert {k.counters_source for k in filled} == {"measured", "same_launch_config"}
 
 
@@ -1017,12 +1020,12 @@ def test_unique_replay_never_guesses_which_launch_a_later_row_was() -> None:
     first row, the others copy it, and a warning says so — no ordinal pairing by guess."""
     head, rows = _log_rows("depthwise_separable_conv.eager.log")
     kernels = _h200_kernels("depthwise_separable_conv", "eager")
-    key = c.kernel_key(kernels[0].name)
+    key = nm.kernel_key(kernels[0].name)
     same = [k.model_copy(update={"start_us": float(i)}) for i, k in enumerate([kernels[0]] * 3)]
     import csv
 
     name_col = next(csv.reader([head[0]])).index("Kernel Name")
-    first = [r for r in rows if c.kernel_key(r[name_col]) == key]
+    first = [r for r in rows if nm.kernel_key(r[name_col]) == key]
     assert first
     log = _write_log(head, _renamed([first[0], first[0]], head, "eager"))
     result = c.parse_run(0, log, "", same, label="eager", unique=True)
