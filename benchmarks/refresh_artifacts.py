@@ -17,14 +17,9 @@ import argparse
 import json
 from pathlib import Path
 
-from pytest_opprof.capture.attribution import (
-    build_timeline,
-    load_trace,
-    provenance_file,
-    replay_twin,
-    trace_file,
-)
+from pytest_opprof.capture.attribution import build_timeline, replay_twin
 from pytest_opprof.capture.counters import rejoin
+from pytest_opprof.capture.trace import load_trace, provenance_file, trace_file
 from pytest_opprof.schema import Profile, Timeline, read_artifact, write_artifact
 
 NOTE = "timelines and counters re-derived from the saved traces and ncu output by {tool}"

@@ -14,8 +14,9 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
-from pytest_opprof.capture.attribution import ITERATION_MARK, Twin, build_timeline, load_trace
+from pytest_opprof.capture.attribution import Twin, build_timeline
 from pytest_opprof.capture.timing import synchronize
+from pytest_opprof.capture.trace import ITERATION_MARK, load_trace
 from pytest_opprof.schema import EdgeCaseFlag, Timeline
 
 

@@ -92,9 +92,10 @@ def draw_timelines(
 ) -> tuple[list[Any], list[Any]]:
     """Profile each call; a label in ``twins`` (a CUDA-graph variant) is first profiled as its
     uncaptured twin, whose trace places the replayed kernels (``attribution.replay_twin``)."""
-    from pytest_opprof.capture.attribution import provenance_file, replay_twin, trace_file
+    from pytest_opprof.capture.attribution import replay_twin
     from pytest_opprof.capture.provenance import collect_inductor_provenance
     from pytest_opprof.capture.timeline import capture_timeline
+    from pytest_opprof.capture.trace import provenance_file, trace_file
 
     stem = Path(spec.workload).stem
     folder = out_dir / "profiler_output"

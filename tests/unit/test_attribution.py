@@ -29,14 +29,8 @@ from typing import Any
 
 import pytest
 
-from pytest_opprof.capture.attribution import (
-    COMPILED_GRAPH_OPERATOR,
-    ITERATION_MARK,
-    TwinSite,
-    build_timeline,
-    load_trace,
-    replay_twin,
-)
+from pytest_opprof.capture.attribution import TwinSite, build_timeline, replay_twin
+from pytest_opprof.capture.trace import COMPILED_GRAPH_OPERATOR, ITERATION_MARK, load_trace
 from pytest_opprof.errors import ArtifactError
 from pytest_opprof.schema import EdgeCaseFlag, OperatorRecord, Timeline
 

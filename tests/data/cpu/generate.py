@@ -38,8 +38,8 @@ def _capture(variant: str) -> None:
     import torch._inductor.config as inductor_config
     from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
-    from pytest_opprof.capture.attribution import ITERATION_MARK
     from pytest_opprof.capture.provenance import collect_inductor_provenance
+    from pytest_opprof.capture.trace import ITERATION_MARK
 
     class ConvMlp(torch.nn.Module):
         def __init__(self) -> None:
