@@ -15,12 +15,11 @@ from pydantic import BaseModel
 
 from pytest_opprof.errors import ArtifactError
 from pytest_opprof.report.junit import StageResultRecord, user_properties, write_stage_junit
-from pytest_opprof.report.markdown import (
+from pytest_opprof.report.markdown import render_workload_report, write_workload_report
+from pytest_opprof.report.session import (
     COMMENT_MARKER,
     render_comment_body,
     render_session_report,
-    render_workload_report,
-    write_workload_report,
 )
 from pytest_opprof.report.terminal import terminal_summary_lines
 from pytest_opprof.schema import (

@@ -1,5 +1,5 @@
 """PNG plots beside ``report.md``: per-operator before/after bars, the per-pass waterfall, and a
-roofline of the kernels that carry counters.
+roofline of the kernels that carry counters under the device's roofs from the hardware table.
 
 matplotlib is the optional ``plots`` extra. It is imported inside each drawing function, and
 only its object-oriented API is used (``Figure`` + Agg canvas): no pyplot, so no global state,
@@ -11,13 +11,15 @@ from __future__ import annotations
 import importlib.util
 import io
 import os
+import re
 import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pytest_opprof.schema import KernelRecord, Timeline
+from pytest_opprof.knowledge import lookup_gpu
+from pytest_opprof.schema import CaptureMetadata, KernelRecord, Timeline
 
 PLOTS_MISSING = "plots need `pip install pytest-opprof[plots]`"
 MAX_BARS = 12
@@ -30,8 +32,6 @@ BYTE_PAIRS: tuple[tuple[str, str], ...] = (
     ("dram_bytes_read", "dram_bytes_written"),
 )
 """DRAM traffic of one launch, in bytes: one total key, or read + written."""
-PEAK_FLOPS_KEYS: tuple[str, ...] = ("peak_flops_per_s", "peak_flops")
-PEAK_BW_KEYS: tuple[str, ...] = ("peak_dram_bytes_per_s", "peak_bandwidth_bytes_per_s")
 
 
 def have_matplotlib() -> bool:
@@ -77,19 +77,52 @@ def roofline_points(timelines: Sequence[Timeline]) -> list[RooflinePoint]:
     return points
 
 
-def roofline_peaks(counters: Mapping[str, Any] | None) -> tuple[float | None, float | None]:
-    """Peak FLOP/s and DRAM bytes/s the counters pass recorded for this GPU, if any."""
-    if not counters:
-        return None, None
+@dataclass(frozen=True)
+class Roof:
+    """One compute roof: a peak rate the device's hardware table gives."""
 
-    def pick(keys: tuple[str, ...]) -> float | None:
-        for key in keys:
-            value = counters.get(key)
-            if isinstance(value, int | float) and value > 0:
-                return float(value)
+    label: str
+    flops_per_s: float
+
+
+@dataclass(frozen=True)
+class DeviceRoofs:
+    """The roofs of one device: its DRAM bandwidth and its compute peaks (dense, FLOP/s)."""
+
+    device: str
+    bandwidth_bytes_per_s: float
+    compute: tuple[Roof, ...]
+    note: str = ""
+    """Why the figures are approximate (a GPU matched by architecture); empty when exact."""
+
+    def ridge(self, roof: Roof) -> float:
+        """Arithmetic intensity (FLOP per DRAM byte) where ``roof`` meets the bandwidth roof."""
+        return roof.flops_per_s / self.bandwidth_bytes_per_s
+
+
+def device_roofs(meta: CaptureMetadata) -> DeviceRoofs | None:
+    """The roofs of the profiled device from the hardware table (``knowledge.lookup_gpu`` by
+    its name, SM count and compute capability): DRAM bandwidth, the bf16/fp16 tensor-core
+    peaks (one roof where they are equal) and fp32 on the CUDA cores. None on the CPU."""
+    if meta.device_type != "cuda":
         return None
-
-    return pick(PEAK_FLOPS_KEYS), pick(PEAK_BW_KEYS)
+    found = re.findall(r"\d+", meta.compute_capability or "")
+    cc = (int(found[0]), int(found[1])) if len(found) >= 2 else None
+    match = lookup_gpu(meta.device_name, meta.sm_count, cc)
+    if match is None:
+        return None
+    spec, pf = match.spec, match.spec.peak_flops
+    tensor = (
+        [Roof("bf16/fp16 tensor", pf.bf16)]
+        if pf.bf16 == pf.fp16
+        else [Roof("bf16 tensor", pf.bf16), Roof("fp16 tensor", pf.fp16)]
+    )
+    return DeviceRoofs(
+        device=spec.name,
+        bandwidth_bytes_per_s=spec.memory_bandwidth_bytes_per_s,
+        compute=(*tensor, Roof("fp32 CUDA cores", pf.fp32)),
+        note=match.note,
+    )
 
 
 def _figure(width: float, height: float) -> Any:
@@ -199,14 +232,12 @@ def waterfall(path: Path, steps: Sequence[WaterfallBar]) -> Path:
     return _save(fig, path)
 
 
-def roofline(
-    path: Path,
-    series: Mapping[str, Sequence[RooflinePoint]],
-    peak_flops: float | None = None,
-    peak_bw: float | None = None,
-) -> Path:
-    """Kernels placed by measured arithmetic intensity and achieved FLOP/s (log-log), one colour
-    per profile, under the GPU's roof when the counters pass recorded its peaks."""
+def roofline_figure(
+    series: Mapping[str, Sequence[RooflinePoint]], roofs: DeviceRoofs | None
+) -> Any:
+    """The roofline as a matplotlib ``Figure``: kernels placed by measured arithmetic intensity
+    and achieved FLOP/s (log-log), one colour per profile, under the device's roofs — DRAM
+    bandwidth, then each compute peak flat from its ridge point, the ridge marked."""
     from matplotlib.ticker import FuncFormatter, NullFormatter
 
     points = [p for pts in series.values() for p in pts]
@@ -226,28 +257,60 @@ def roofline(
             )
     ax.set_xscale("log")
     ax.set_yscale("log")
-    xs = [p.intensity for p in points]
-    if peak_flops and peak_bw:
-        ridge = peak_flops / peak_bw
-        lo, hi = min(min(xs) / 4, ridge / 8), max(max(xs) * 4, ridge * 8)
-        grid = [lo * (hi / lo) ** (i / 100) for i in range(101)]
-        ax.plot(
-            grid,
-            [min(peak_flops, peak_bw * x) / 1e12 for x in grid],
-            color="#d62728",
-            label=f"roof: {peak_flops / 1e12:g} TFLOP/s, {peak_bw / 1e12:g} TB/s",
-        )
-        ax.set_title("Roofline of the measured kernels")
+    if roofs is not None:
+        _draw_roofs(ax, roofs, [p.intensity for p in points])
+        title = f"Roofline on {roofs.device} (peaks: hardware table)"
+        ax.set_title(title + ("\napproximate: " + _short(roofs.note, 90) if roofs.note else ""))
     else:
-        ax.set_title("Roofline (peaks not recorded: kernels only)", fontsize=9)
+        ax.set_title("Roofline (device not in the hardware table: kernels only)", fontsize=9)
     plain = FuncFormatter(lambda v, _pos: f"{v:g}")
     for axis in (ax.xaxis, ax.yaxis):
         axis.set_major_formatter(plain)
         axis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("arithmetic intensity (FLOP / DRAM byte)")
     ax.set_ylabel("achieved TFLOP/s")
-    ax.legend(fontsize=8)
-    return _save(fig, path)
+    ax.legend(fontsize=7, loc="lower right")
+    return fig
+
+
+def _draw_roofs(ax: Any, roofs: DeviceRoofs, intensities: Sequence[float]) -> None:
+    """The bandwidth roof up to the highest ridge, each compute roof from its own ridge on."""
+    ridges = [roofs.ridge(r) for r in roofs.compute]
+    lo = min(min(intensities) / 4, min(ridges) / 8)
+    hi = max(max(intensities) * 4, max(ridges) * 8)
+    bw = roofs.bandwidth_bytes_per_s
+    ax.plot(
+        [lo, max(ridges)],
+        [bw * lo / 1e12, bw * max(ridges) / 1e12],
+        color="#d62728",
+        label=f"DRAM {bw / 1e12:.3g} TB/s",
+    )
+    colors = ("#9467bd", "#8c564b", "#e377c2", "#7f7f7f")
+    for roof, ridge, color in zip(roofs.compute, ridges, colors, strict=False):
+        peak = roof.flops_per_s / 1e12
+        ax.plot(
+            [ridge, hi],
+            [peak, peak],
+            color=color,
+            label=f"{roof.label} {peak:.4g} TFLOP/s (ridge {ridge:.3g} FLOP/B)",
+        )
+        # "_" keeps the marker out of the legend; the roof's own label names the ridge
+        ax.plot([ridge], [peak], marker="o", color=color, label=f"_ridge {roof.label}")
+        ax.annotate(
+            f"ridge {ridge:.3g}",
+            (ridge, peak),
+            textcoords="offset points",
+            xytext=(-4, 5),
+            ha="right",
+            fontsize=7,
+        )
+
+
+def roofline(
+    path: Path, series: Mapping[str, Sequence[RooflinePoint]], roofs: DeviceRoofs | None
+) -> Path:
+    """:func:`roofline_figure`, written to ``path``."""
+    return _save(roofline_figure(series, roofs), path)
 
 
 @dataclass(frozen=True)

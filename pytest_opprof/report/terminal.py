@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from tabulate import tabulate
 
 from pytest_opprof import ITEM_NAMES
-from pytest_opprof.report.markdown import BASELINE_LABELS, DASH, fmt_ms, fmt_speedup, verdict
+from pytest_opprof.report.format import BASELINE_LABELS, DASH, fmt_ms, fmt_speedup, verdict
 from pytest_opprof.schema import WorkloadSummary
 
 HEADERS = (

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_opprof.report import plots as _plots
-from pytest_opprof.report.markdown import DASH, code, fmt_ms, fmt_speedup, table
+from pytest_opprof.report.format import DASH, code, fmt_ms, fmt_speedup, table
 from pytest_opprof.schema import Change, Comparison, WorkloadSummary, write_text_atomic
 
 if TYPE_CHECKING:
