@@ -2,7 +2,7 @@
 
     opprof optimize examples/conv_block/conv_block.py [more.py …] [--out DIR] [--from STAGE]
     opprof capture workload.py [--profile-name=optimized]
-    opprof propose out/conv_block/profile.json
+    opprof propose out/conv_block/profile.json [--out PATH]
     opprof backend workload.py out/conv_block/optimizations.json
     opprof validate out/conv_block/conv_block_optimized.py
     opprof report workload.py
@@ -12,7 +12,11 @@
     opprof export [RUN] [--storage DIR] [--out DIR]
     opprof preflight
 
-Exit status: 0 when every gate passed, 1 when one failed, 2 on a usage error.
+Each subcommand takes the options that change what it does (``opprof COMMAND --help`` lists
+them with their defaults and accepted values).
+
+Exit status: 0 when every gate passed, 1 when one failed or an input could not be used (a file
+not found, not a workload, not valid), 2 on a usage error.
 """
 
 from __future__ import annotations
@@ -24,55 +28,177 @@ import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from pytest_opprof import STAGES
+from pytest_opprof import STAGES, __version__
 from pytest_opprof.errors import OpprofError
-from pytest_opprof.options import OPTIONS, OpprofOptions, add_cli_arguments
+from pytest_opprof.options import OPTIONS, OpprofOptions, add_cli_arguments, cli_spelling
+
+if TYPE_CHECKING:
+    from pytest_opprof.session import OpprofSession
+    from pytest_opprof.workload import WorkloadSpec
+
+# The options each stage reads (by field); a subcommand offers those of the stages it runs.
+RUN = ("out", "device", "timeout")
+TIMING = ("warmup_iters", "measure_iters", "rounds")
+NCU = ("ncu", "ncu_sudo", "ncu_clock_control", "ncu_replay")
+STAGE_OPTIONS: dict[str, tuple[str, ...]] = {
+    "capture": ("compile_backend", *TIMING, *NCU),
+    "propose": ("min_confidence", "max_opts", "llm"),
+    "backend": ("compile_backend", *TIMING),
+    "validate": (),
+    "recapture": ("compile_backend", *TIMING, "timing_processes", "fresh_timing", "timing_servers"),
+    "report": (
+        "min_speedup",
+        "baseline",
+        "strict_gate",
+        "gate_on_cpu",
+        "save",
+        "compare",
+        "compare_fail",
+        "storage",
+    ),
+}
+
+
+def _of(*stages: str) -> tuple[str, ...]:
+    """The options of these stages, each once, in the order of ``OPTIONS``."""
+    wanted = {name for stage in stages for name in STAGE_OPTIONS[stage]}
+    return tuple(spec.field for spec in OPTIONS if spec.field in wanted)
+
+
+def _command(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    name: str,
+    help_text: str,
+    options: Sequence[str],
+    inputs: Sequence[str] = (),
+) -> argparse.ArgumentParser:
+    """A subcommand with these options; ``inputs``: its arguments that name files or folders,
+    which must exist."""
+    p = sub.add_parser(name, help=help_text, description=help_text)
+    p.set_defaults(inputs=tuple(inputs))
+    add_cli_arguments(p, [spec.field for spec in OPTIONS if spec.field in options])
+    return p
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="opprof", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    for name, help_text in (
-        ("optimize", "all six stages"),
-        ("capture", "stage 0: profile the workload"),
-        ("report", "stage 5: write report.md from the artifacts on disk"),
-    ):
-        p = sub.add_parser(name, help=help_text)
-        p.add_argument("workloads", nargs="+", type=Path)
-        if name == "capture":
-            p.add_argument(
-                "--profile-name", default="", help="'optimized' writes profile_optimized.json"
-            )
-        add_cli_arguments(p)
-    p = sub.add_parser("propose", help="stage 1 from a profile.json")
+    parser = argparse.ArgumentParser(
+        prog="opprof",
+        description="The pytest-opprof pipeline without pytest: profile a PyTorch workload, "
+        "generate and validate a torch.compile backend, and gate on its measured speedup.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = _command(
+        sub,
+        "optimize",
+        "all six stages",
+        (*RUN, "from", "stage", *_of(*STAGES)),
+        inputs=["workloads"],
+    )
+    p.add_argument("workloads", nargs="+", type=Path, metavar="WORKLOAD")
+    p = _command(
+        sub,
+        "capture",
+        "stage 0: profile the workload (with --profile-name=optimized: its optimized backend)",
+        (*RUN, *_of("capture", "recapture")),
+        inputs=["workloads"],
+    )
+    p.add_argument("workloads", nargs="+", type=Path, metavar="WORKLOAD")
+    p.add_argument(
+        "--profile-name",
+        choices=("optimized",),
+        default=None,
+        metavar="NAME",
+        help="'optimized' writes profile_optimized.json, the recapture "
+        "(default: profile.json, the baseline's; one of: optimized)",
+    )
+    p = _command(
+        sub,
+        "report",
+        "stage 5: write report.md from the artifacts on disk",
+        (*RUN, *_of("report")),
+        inputs=["workloads"],
+    )
+    p.add_argument("workloads", nargs="+", type=Path, metavar="WORKLOAD")
+    p = _command(sub, "propose", "stage 1 from a profile.json", _of("propose"), inputs=["profile"])
     p.add_argument("profile", type=Path)
-    add_cli_arguments(p)
-    p = sub.add_parser("backend", help="stage 2 from a workload and its optimizations.json")
+    p.add_argument(
+        "--out",
+        dest="destination",
+        default=None,
+        metavar="PATH",
+        help="where to write the proposals "
+        "(default: optimizations.json beside the profile; a file, or a folder to write "
+        "optimizations.json into)",
+    )
+    p = _command(
+        sub,
+        "backend",
+        "stage 2 from a workload and its optimizations.json (artifacts beside the latter)",
+        ("device", "timeout", *_of("backend")),
+        inputs=["workload", "optimizations"],
+    )
     p.add_argument("workload", type=Path)
     p.add_argument("optimizations", type=Path)
-    add_cli_arguments(p)
-    p = sub.add_parser("validate", help="stage 3 on any backend file, generated or edited")
-    p.add_argument("file", type=Path)
-    add_cli_arguments(p)
-    p = sub.add_parser("merge", help="combine the --opprof-out folders of shards into one report")
-    p.add_argument("dirs", nargs="+", type=Path)
-    add_cli_arguments(p)
-    sub.add_parser("preflight", help="check Python, torch, CUDA, the GPU, ncu and permissions")
-    p = sub.add_parser("runs", help="list the stored runs (--opprof-save)")
-    add_cli_arguments(p, only=("storage",))
-    p = sub.add_parser("trend", help="each workload's latencies and speedup over stored runs")
-    p.add_argument("--last", type=int, default=0, metavar="N", help="the latest N runs only")
-    p.add_argument("--no-plots", action="store_true", help="tables only, no PNG")
-    add_cli_arguments(p, only=("storage", "out"))
-    p = sub.add_parser(
-        "export", help="a stored run as github-action-benchmark's custom JSON (two files)"
+    p = _command(
+        sub,
+        "validate",
+        "stage 3 on any backend file, generated or edited",
+        ("device", "timeout"),
+        inputs=["file"],
     )
-    p.add_argument("run", nargs="?", default="last", help="last, NUMBER, NAME or PATH")
-    add_cli_arguments(p, only=("storage", "out"))
+    p.add_argument("file", type=Path)
+    p = _command(
+        sub,
+        "merge",
+        "combine the --opprof-out folders of shards into one report in --out",
+        ("out",),
+        inputs=["dirs"],
+    )
+    p.add_argument("dirs", nargs="+", type=Path, metavar="DIR")
+    _command(sub, "preflight", "check Python, torch, CUDA, the GPU, ncu and permissions", ())
+    _command(sub, "runs", "list the stored runs (optimize --save)", ("storage",))
+    p = _command(
+        sub,
+        "trend",
+        "each workload's latencies and speedup over stored runs, in --out",
+        ("storage", "out"),
+    )
+    p.add_argument(
+        "--last",
+        type=_positive,
+        default=None,
+        metavar="N",
+        help="the latest N runs only (default: all; an integer ≥ 1)",
+    )
+    p.add_argument("--no-plots", action="store_true", help="tables only, no PNG (default: off)")
+    p = _command(
+        sub,
+        "export",
+        "a stored run as github-action-benchmark's custom JSON (two files in --out)",
+        ("storage", "out"),
+    )
+    p.add_argument(
+        "run",
+        nargs="?",
+        default="last",
+        help="the run (default: last; last, NUMBER, NAME or PATH)",
+    )
     return parser
+
+
+def _positive(text: str) -> int:
+    try:
+        number = int(text)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer ≥ 1")
+    return number
 
 
 def _options(ns: argparse.Namespace) -> OpprofOptions:
@@ -80,22 +206,32 @@ def _options(ns: argparse.Namespace) -> OpprofOptions:
     return OpprofOptions.from_values(values)
 
 
+def _check_inputs(ns: argparse.Namespace) -> None:
+    """Every file or folder the command line names exists, before anything runs."""
+    for dest in ns.inputs:
+        value = getattr(ns, dest)
+        for path in value if isinstance(value, list) else [value]:
+            if not path.exists():
+                raise OpprofError(f"{path}: not found")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ns = _parser().parse_args(argv)
     try:
         if ns.command == "preflight":
             return preflight()
-        options = _options(ns)
+        options = _options(ns)  # a usage error first, as argparse's own
+        _check_inputs(ns)
         return COMMANDS[ns.command](ns, options)
     except pytest.UsageError as exc:
-        print(f"opprof: error: {exc}", file=sys.stderr)
+        print(f"opprof: error: {cli_spelling(str(exc))}", file=sys.stderr)
         return 2
     except OpprofError as exc:
-        print(f"opprof: {exc}", file=sys.stderr)
+        print(f"opprof: {cli_spelling(str(exc))}", file=sys.stderr)
         return 1
 
 
-def _session(options: OpprofOptions):  # type: ignore[no-untyped-def]
+def _session(options: OpprofOptions) -> OpprofSession:
     from pytest_opprof.gpus import assign
     from pytest_opprof.session import OpprofSession
 
@@ -103,10 +239,10 @@ def _session(options: OpprofOptions):  # type: ignore[no-untyped-def]
     return OpprofSession(options=options)
 
 
-def _spec(path: Path):  # type: ignore[no-untyped-def]
+def _spec(path: Path) -> WorkloadSpec:
     from pytest_opprof.workload import discover
 
-    spec = discover(path) if path.exists() else None
+    spec = discover(path)
     if spec is None:
         raise OpprofError(f"{path}: not a workload (no top-level def get_model_and_input)")
     return spec
@@ -114,7 +250,7 @@ def _spec(path: Path):  # type: ignore[no-untyped-def]
 
 def _print(name: str, stage: str, status: str, message: str) -> None:
     mark = {"passed": "ok", "skipped": "skip", "failed": "FAIL", "error": "ERROR"}[status]
-    first, *rest = (message or "").splitlines() or [""]
+    first, *rest = cli_spelling(message or "").splitlines() or [""]
     print(f"[{name}] {stage:<9} {mark:<5} {first}", flush=True)
     for line in rest:
         print(f"    {line}")
@@ -138,7 +274,7 @@ def _run_stages(ns: argparse.Namespace, options: OpprofOptions, stages: Sequence
         summaries = session.collect_summaries()
         device = session_device(summaries, options.out, options.device)
         report, verdict = session.write_session(summaries, device)
-        print("\n".join(terminal_summary_lines(summaries)))
+        print(cli_spelling("\n".join(terminal_summary_lines(summaries))))
         print(f"session report: {report}")
         failed |= not verdict.gate_passed
     return 1 if failed else 0
@@ -149,8 +285,6 @@ def cmd_optimize(ns: argparse.Namespace, options: OpprofOptions) -> int:
 
 
 def cmd_capture(ns: argparse.Namespace, options: OpprofOptions) -> int:
-    if ns.profile_name and ns.profile_name != "optimized":
-        raise pytest.UsageError("--profile-name: only 'optimized' is accepted")
     stage = "recapture" if ns.profile_name == "optimized" else "capture"
     return _run_stages(ns, options, [stage])
 
@@ -171,19 +305,28 @@ def cmd_propose(ns: argparse.Namespace, options: OpprofOptions) -> int:
     result = propose(
         profile, graph, min_confidence=options.min_confidence, max_opts=options.max_opts
     )
+    out = _destination(ns.destination, ns.profile)
     if options.llm:
         from pytest_opprof.propose.llm import strategize
 
-        result, note = strategize(profile, graph, result, options)
+        result, note = strategize(profile, graph, result, options, workload_dir=out.parent)
         if note:
-            print(note)
-
-    out = ns.profile.with_name("optimizations.json")
+            print(cli_spelling(note))
     write_artifact(out, result)
     for p in result.proposals:
         print(f"{p.id:<28} {p.type:<24} {p.confidence:<6} ~{p.impact.estimated_saving_us:.1f} µs")
     print(f"wrote {out}")
     return 0
+
+
+def _destination(target: str | None, profile: Path) -> Path:
+    """Where ``propose --out`` says: a file, or ``optimizations.json`` in a folder (one that
+    exists, or a path ending in ``/``); beside the profile without it."""
+    if not target:
+        return profile.with_name("optimizations.json")
+    if Path(target).is_dir() or target.endswith(("/", os.sep)):
+        return Path(target) / "optimizations.json"
+    return Path(target)
 
 
 def cmd_backend(ns: argparse.Namespace, options: OpprofOptions) -> int:
@@ -206,8 +349,6 @@ def cmd_validate(ns: argparse.Namespace, options: OpprofOptions) -> int:
     from pytest_opprof.workload import WorkloadSpec
 
     file = ns.file.resolve()
-    if not file.exists():
-        raise OpprofError(f"{ns.file}: no such file")
     stem = file.name.removesuffix("_optimized.py")
     run = WorkloadRun(
         spec=WorkloadSpec(path=_baseline_of(file) or file),
@@ -273,7 +414,7 @@ def preflight() -> int:
         line(
             not restricted or root,
             "GPU counters readable by this user",
-            "run with --opprof-ncu-sudo=true, or set the driver option "
+            "run with --ncu-sudo=true (pytest: --opprof-ncu-sudo=true), or set the driver option "
             "NVreg_RestrictProfilingToAdminUsers=0",
         )
     if has_torch and torch.cuda.is_available():
@@ -299,7 +440,7 @@ def cmd_merge(ns: argparse.Namespace, options: OpprofOptions) -> int:
     from pytest_opprof.session import merge_sessions
 
     merged = merge_sessions(list(ns.dirs), options.out)
-    print("\n".join(terminal_summary_lines(merged.workloads)))
+    print(cli_spelling("\n".join(terminal_summary_lines(merged.workloads))))
     print(f"merged {len(ns.dirs)} shard(s) into {options.out / 'report.md'}")
     return 0 if merged.gate_passed else 1
 
@@ -309,7 +450,10 @@ def cmd_runs(ns: argparse.Namespace, options: OpprofOptions) -> int:
 
     entries = list_runs(options.storage)
     if not entries:
-        print(f"no stored run in {options.storage} (save one with --opprof-save)")
+        print(
+            f"no stored run in {options.storage} "
+            "(save one with opprof optimize --save, or pytest --opprof --opprof-save)"
+        )
         return 0
     for e in entries:
         if e.run is None:
@@ -331,10 +475,13 @@ def cmd_trend(ns: argparse.Namespace, options: OpprofOptions) -> int:
     from pytest_opprof.schema import write_text_atomic
 
     runs = [e.run for e in list_runs(options.storage) if e.run is not None]
-    if ns.last > 0:
+    if ns.last is not None:
         runs = runs[-ns.last :]
     if not runs:
-        raise OpprofError(f"no stored run in {options.storage}: save one with --opprof-save")
+        raise OpprofError(
+            f"no stored run in {options.storage}: save one with opprof optimize --save, or "
+            "pytest --opprof --opprof-save"
+        )
     page = options.out / "trend.md"
     write_text_atomic(page, trend_page(runs, options.out, plots=not ns.no_plots))
     for run in runs:

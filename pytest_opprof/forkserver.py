@@ -328,13 +328,15 @@ def _started_to_last() -> ForkServer:
     *thread*), and the caller may be a thread that ends first (``warm``'s, the recapture's
     pool)."""
     done = threading.Event()
-    result: dict[str, Any] = {}
+    started: list[ForkServer] = []
+    failed: list[OSError] = []
 
     def keep() -> None:
         try:
-            result["server"] = server = ForkServer()
+            server = ForkServer()
+            started.append(server)
         except OSError as exc:
-            result["error"] = exc
+            failed.append(exc)
             return
         finally:
             done.set()
@@ -342,9 +344,9 @@ def _started_to_last() -> ForkServer:
 
     threading.Thread(target=keep, name="opprof-forkserver-keeper", daemon=True).start()
     done.wait()
-    if "error" in result:
-        raise result["error"]
-    return result["server"]  # type: ignore[no-any-return]
+    if failed:
+        raise failed[0]
+    return started[0]
 
 
 def warm(slots: Iterable[int], hold: Callable[[], AbstractContextManager[object]]) -> None:

@@ -282,7 +282,7 @@ def find_run(spec: str, storage: Path) -> tuple[Path, StoredRun]:
             except ArtifactError as exc:
                 raise pytest.UsageError(f"--opprof-compare: {exc}") from None
         if not where.is_dir():
-            raise pytest.UsageError(f"--opprof-compare: {spec}: no such file or folder")
+            raise pytest.UsageError(f"--opprof-compare: {spec}: not found")
         storage, spec = where, "last"
     entries = list_runs(storage)
     runs = [e for e in entries if e.run is not None]

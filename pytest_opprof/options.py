@@ -1,8 +1,9 @@
 """The options of the plugin and the CLI: one table, parsed by named functions.
 
 Each option is ``--opprof-<noun>`` in pytest (with an ini key ``opprof_<noun>``) and ``--<noun>``
-in the ``opprof`` command. Every value is checked at start-up; a bad one is a
-``pytest.UsageError`` naming the accepted values.
+in the subcommands of ``opprof`` that it affects. Every value is checked at start-up; a bad one
+is a ``pytest.UsageError`` naming the accepted values and the pytest flag, which the command
+respells as its own (``cli_spelling``).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import argparse
 import dataclasses
 import os
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,7 @@ def parse_timing_servers(value: str | int) -> int:
 
 
 def parse_stage(name: str) -> Callable[[str], str]:
-    accepted = (*STAGES, "speedup")
+    accepted = (*STAGES, "speedup")  # speedup: the report's old name
 
     def parse(value: str) -> str:
         text = str(value).strip().lower()
@@ -238,6 +239,10 @@ class OptionSpec:
     const: str | None = None
     """The value of the bare flag, for an option whose value is optional (``--opprof-save``,
     ``--opprof-save=NAME``): it takes the next word unless that starts with ``-``."""
+    accepted: str = ""
+    """The accepted values in words, as ``--help`` shows them (``one of: eager, compile``)."""
+    default_text: str = ""
+    """The default in words, where ``str(default)`` says nothing (None, an empty tuple)."""
 
     @property
     def dest(self) -> str:
@@ -248,9 +253,16 @@ class OptionSpec:
         return self.noun.replace("-", "_")
 
     @property
+    def values(self) -> str:
+        """``(default: X; one of: a, b)``: what ``--help`` shows after the help text."""
+        default = self.default_text or ("off" if self.flag else str(self.default))
+        return f"(default: {default}" + (f"; {self.accepted}" if self.accepted else "") + ")"
+
+    @property
     def argparse_help(self) -> str:
-        """The help text as argparse reads it (``%`` escaped: it formats help strings)."""
-        return self.help.replace("%", "%%")
+        """The help text with its default and accepted values, as argparse reads it (``%``
+        escaped: it formats help strings)."""
+        return f"{self.help} {self.values}".replace("%", "%%")
 
     @property
     def optional_value(self) -> dict[str, Any]:
@@ -262,83 +274,106 @@ def _opt(noun: str, parse: Callable[[Any], Any], default: Any, help: str, **kw: 
     return OptionSpec(noun, parse, default, help, **kw)
 
 
+def _one_of(noun: str, accepted: tuple[str, ...], default: str, help: str, **kw: Any) -> OptionSpec:
+    """An option whose value is one of ``accepted``."""
+    parse = _choice(f"--opprof-{noun}", accepted)
+    return OptionSpec(noun, parse, default, help, accepted="one of: " + ", ".join(accepted), **kw)
+
+
+STAGE_NAMES = "one of: " + ", ".join(STAGES)
+COUNT = "an integer ≥ 1"
+
+
 OPTIONS: tuple[OptionSpec, ...] = (
-    _opt("out", parse_path, "opprof-results", "folder for artifacts and reports", metavar="DIR"),
+    _opt(
+        "out",
+        parse_path,
+        "opprof-results",
+        "folder for artifacts and reports",
+        metavar="DIR",
+        accepted="a folder",
+    ),
     _opt(
         "from",
         parse_stage("--opprof-from"),
         None,
-        "reuse artifacts on disk up to this stage and recompute from it",
+        "recompute this stage and the later ones, reusing the artifacts on disk before it "
+        "(without it, a stage is reused while its inputs are unchanged)",
         metavar="STAGE",
+        accepted=STAGE_NAMES,
+        default_text="none",
     ),
     _opt(
         "stage",
         parse_stage("--opprof-stage"),
         None,
-        "run only this stage (earlier ones must be on disk)",
+        "run only this stage; the earlier ones must be on disk",
         metavar="STAGE",
+        accepted=STAGE_NAMES,
+        default_text="every stage",
     ),
     _opt(
         "min-speedup",
         parse_positive_float("--opprof-min-speedup"),
         1.0,
-        "speedup the gate demands (default 1.0)",
+        "speedup the gate demands",
         metavar="X",
+        accepted="a number > 0",
     ),
-    _opt(
+    _one_of(
         "baseline",
-        _choice("--opprof-baseline", ("eager", "compile", "best")),
+        ("eager", "compile", "best"),
         "best",
-        "baseline the gate compares against: eager, compile or best (the faster)",
+        "baseline the gate compares against; best is the faster of eager and compile",
         metavar="NAME",
     ),
-    _opt(
+    _one_of(
         "compile-backend",
-        _choice("--opprof-compile-backend", ("inductor",)),
+        ("inductor",),
         "inductor",
         "torch.compile backend of the compiled baseline",
         metavar="NAME",
     ),
-    _opt(
+    _one_of(
         "device",
-        _choice("--opprof-device", ("auto", "cuda", "cpu")),
+        ("auto", "cuda", "cpu"),
         "auto",
-        "auto (CUDA when present, else the CPU fallback), cuda or cpu",
+        "device to run on; auto is CUDA when present, else the CPU fallback",
         metavar="DEV",
     ),
-    _opt(
+    _one_of(
         "ncu",
-        _choice("--opprof-ncu", ("auto", "on", "off")),
+        ("auto", "on", "off"),
         "auto",
         "Nsight Compute counters: auto (when ncu is found), on (required), off",
         metavar="MODE",
     ),
-    _opt(
+    _one_of(
         "ncu-sudo",
-        _choice("--opprof-ncu-sudo", ("auto", "true", "false")),
+        ("auto", "true", "false"),
         "auto",
         "run ncu through sudo: auto reads /proc/driver/nvidia/params",
         metavar="MODE",
     ),
-    _opt(
+    _one_of(
         "ncu-clock-control",
-        _choice("--opprof-ncu-clock-control", ("none", "base")),
+        ("none", "base"),
         "none",
         "ncu --clock-control (none leaves the clocks alone)",
         metavar="MODE",
     ),
-    _opt(
+    _one_of(
         "ncu-replay",
-        _choice("--opprof-ncu-replay", ("auto", "all", "unique")),
+        ("auto", "all", "unique"),
         "auto",
         "ncu replays every kernel launch (all), the first launch of each launch configuration "
         "(unique: repeated layers and time steps share its counters), or unique above 96 "
         "kernels (auto)",
         metavar="MODE",
     ),
-    _opt(
+    _one_of(
         "min-confidence",
-        _choice("--opprof-min-confidence", ("low", "medium", "high")),
+        ("low", "medium", "high"),
         "low",
         "drop proposals below this confidence",
         metavar="LEVEL",
@@ -349,6 +384,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
         None,
         "keep at most N proposals (by estimated impact)",
         metavar="N",
+        accepted=f"{COUNT} or all",
+        default_text="all",
     ),
     _opt(
         "warmup-iters",
@@ -356,6 +393,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
         10,
         "warmup calls before timing",
         metavar="N",
+        accepted=COUNT,
     ),
     _opt(
         "measure-iters",
@@ -363,6 +401,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
         30,
         "calls per timed round, at most: fewer for a call whose round would outlast 50 ms",
         metavar="N",
+        accepted=COUNT,
     ),
     _opt(
         "rounds",
@@ -370,15 +409,18 @@ OPTIONS: tuple[OptionSpec, ...] = (
         15,
         "timed rounds (each gives one sample)",
         metavar="N",
+        accepted="an integer ≥ 3",
     ),
     _opt(
         "timing-processes",
         parse_timing_processes,
         None,
         "processes the recapture's timing runs in, pooled, the interval resampling "
-        "processes and reaching as far as their own ratios' spread allows (default: 3 on a "
+        "processes and reaching as far as their own ratios' spread allows (auto: 3 on a "
         "GPU, where a host-bound baseline's speed moves between processes; 1 on the CPU)",
         metavar="N",
+        accepted="auto or an integer from 1 to 16",
+        default_text="auto",
     ),
     _opt(
         "fresh-timing",
@@ -398,6 +440,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "interval then covers what a server fixes at its start (a torch import more per "
         "server and pytest process; no effect with --opprof-fresh-timing)",
         metavar="N",
+        accepted="an integer from 1 to 8",
     ),
     _opt(
         "timeout",
@@ -405,6 +448,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
         900.0,
         "seconds a stage's child process may run before it is killed",
         metavar="S",
+        accepted="a number > 0",
     ),
     _opt(
         "strict-gate",
@@ -427,8 +471,24 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "ask the Anthropic API to review and extend the proposals",
         flag=True,
     ),
-    _opt("junit", parse_junit, "", "write a stage-level JUnit XML file here", metavar="PATH"),
-    _opt("shard", parse_shard, "", "run shard K of N of the workloads", metavar="K/N"),
+    _opt(
+        "junit",
+        parse_junit,
+        "",
+        "write a stage-level JUnit XML file here",
+        metavar="PATH",
+        accepted="a file path",
+        default_text="none",
+    ),
+    _opt(
+        "shard",
+        parse_shard,
+        "",
+        "run shard K of N of the workloads",
+        metavar="K/N",
+        accepted="K/N with 1 ≤ K ≤ N",
+        default_text="all workloads",
+    ),
     _opt(
         "save",
         parse_save,
@@ -438,6 +498,8 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "--opprof-save=NAME before paths",
         metavar="NAME",
         const="auto",
+        accepted=f"auto or a NAME of up to 64 {RUN_NAME_CHARS}, not all digits",
+        default_text="not stored",
     ),
     _opt(
         "compare",
@@ -447,22 +509,26 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "NUMBER, its NAME or branch, or the PATH of its file",
         metavar="RUN",
         const="last",
+        accepted="last, NUMBER, NAME or PATH",
+        default_text="no comparison",
     ),
     _opt(
         "compare-fail",
         parse_compare_fail,
         (),
         "with --opprof-compare, fail a workload whose figure regressed past N% with "
-        "certainty (its CI wholly past it): METRIC:N%[,…], METRIC one of "
-        + ", ".join(COMPARE_METRICS),
+        "certainty (its CI wholly past it)",
         metavar="EXPR",
+        accepted="METRIC:N%[,…] with METRIC one of: " + ", ".join(COMPARE_METRICS),
+        default_text="none",
     ),
     _opt(
         "storage",
         parse_storage,
         Path(".opprof-runs"),
-        "folder of the stored runs (default .opprof-runs)",
+        "folder of the stored runs",
         metavar="DIR",
+        accepted="a folder",
     ),
 )
 
@@ -596,19 +662,31 @@ def parse_workload_overrides(raw: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-def add_cli_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | None = None) -> None:
-    """The same options for the ``opprof`` command, without the ``opprof-`` prefix (``only``:
-    these fields alone)."""
-    for spec in OPTIONS:
-        if only is not None and spec.field not in only:
-            continue
+_PYTEST_FLAG = re.compile(r"--opprof-([a-z][a-z-]*[a-z])")
+
+
+def cli_spelling(text: str) -> str:
+    """``text`` with each ``--opprof-<noun>`` of an option spelled ``--<noun>``, as the
+    ``opprof`` command spells it: for the help and the messages that command prints."""
+    return _PYTEST_FLAG.sub(lambda m: f"--{m[1]}" if m[1] in BY_NOUN else m[0], text)
+
+
+BY_NOUN: dict[str, OptionSpec] = {spec.noun: spec for spec in OPTIONS}
+
+
+def add_cli_arguments(parser: argparse.ArgumentParser, fields: Iterable[str]) -> None:
+    """These options (by field) for a subcommand of ``opprof``, without the ``opprof-``
+    prefix."""
+    for name in fields:
+        spec = BY_FIELD[name]
+        help_text = cli_spelling(spec.argparse_help)
         if spec.flag:
             parser.add_argument(
                 f"--{spec.noun}",
                 dest=spec.field,
                 action="store_true",
                 default=spec.default,
-                help=spec.argparse_help,
+                help=help_text,
             )
         else:
             parser.add_argument(
@@ -616,6 +694,6 @@ def add_cli_arguments(parser: argparse.ArgumentParser, only: tuple[str, ...] | N
                 dest=spec.field,
                 default=spec.default,
                 metavar=spec.metavar,
-                help=spec.argparse_help,
+                help=help_text,
                 **spec.optional_value,
             )

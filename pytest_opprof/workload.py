@@ -13,7 +13,7 @@ import hashlib
 import importlib.util
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,7 +148,13 @@ def cpu_remap() -> Iterator[None]:
         return False
 
     class _Remap(TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def __torch_function__(
+            self,
+            func: Callable[..., Any],
+            types: Sequence[type],
+            args: tuple[Any, ...] = (),
+            kwargs: dict[str, Any] | None = None,
+        ) -> Any:
             kwargs = dict(kwargs or {})
             if "device" in kwargs and is_cuda(kwargs["device"]):
                 kwargs["device"] = "cpu"

@@ -398,7 +398,7 @@ def aten_custom_pass(names: Sequence[str], results: list[PassResult] | None = No
     sink: list[PassResult] = results if results is not None else []
     uuid = _pass_sources([s.name for s in specs]).hex()
 
-    class OpprofPasses(CustomGraphPass):  # type: ignore[misc]
+    class OpprofPasses(CustomGraphPass):
         def __call__(self, graph: torch.fx.Graph) -> None:
             gm = graph.owning_module
             assert isinstance(gm, torch.fx.GraphModule)

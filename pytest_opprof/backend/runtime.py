@@ -38,7 +38,7 @@ def import_baseline(generated_file: str, relative_path: str, name: str) -> Modul
         with _remap_if_cpu():
             return entry()
 
-    module.get_model_and_input = get_model_and_input  # type: ignore[attr-defined]
+    module.get_model_and_input = get_model_and_input
     return module
 
 

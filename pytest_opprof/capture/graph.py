@@ -41,7 +41,7 @@ def _target(node: torch.fx.Node) -> str:
     if isinstance(target, str):
         return target
     try:
-        return torch.fx.node._get_qualified_name(target)  # type: ignore[arg-type]
+        return torch.fx.node._get_qualified_name(target)
     except Exception:
         return repr(target)
 

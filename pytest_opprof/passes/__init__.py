@@ -213,7 +213,7 @@ def load_target(target: str) -> Callable[..., Any]:
         value = getattr(value, part)
     if not callable(value):
         raise TypeError(f"{target} is not callable")
-    return value  # type: ignore[no-any-return]
+    return value
 
 
 def _guarded(name: str, apply: Callable[..., Any]) -> Callable[..., Any]:

@@ -143,8 +143,12 @@ def strategize(
     graph: FxGraphSummary | None,
     rules: Optimizations,
     options: OpprofOptions,
+    *,
+    workload_dir: Path | None = None,
 ) -> tuple[Optimizations, str]:
     """``rules`` extended by the LLM's proposals, and a one-line note ("" when all went well).
+    ``workload_dir``: where ``optimizations.json`` goes, and the pass files it names beside it
+    (default: the workload's folder in ``--opprof-out``).
 
     Never raises: every failure returns ``rules`` unchanged with the reason in the note.
     """
@@ -166,7 +170,15 @@ def strategize(
         if key in json.dumps(answer, ensure_ascii=False):
             raise _Failed("the answer contained the API key; it was discarded")
         parsed = _validate(answer)
-        merged = merge(rules, parsed.proposals, profile, graph, options, review=parsed.review)
+        merged = merge(
+            rules,
+            parsed.proposals,
+            profile,
+            graph,
+            options,
+            review=parsed.review,
+            workload_dir=workload_dir,
+        )
         merged.global_notes = [_redact(n, key) for n in [*merged.global_notes, *sdk_notes]]
     except Exception as exc:  # never raise: the rule engine's proposals stand on their own
         reason = _redact(_reason(anthropic, exc, settings), key)
@@ -508,6 +520,7 @@ def merge(
     options: OpprofOptions,
     *,
     review: str = "",
+    workload_dir: Path | None = None,
 ) -> Optimizations:
     """``rules`` plus the admissible proposals of ``answer``, each renamed, marked and checked;
     a note says what was added and what was dropped, and why."""
@@ -569,7 +582,8 @@ def merge(
         added = added[:room]
     added = order(added, notes)
     ids = {p.id for p in [*rules.proposals, *added]}
-    workload_dir = options.out / _safe_name(profile.capture_metadata.workload)
+    if workload_dir is None:
+        workload_dir = options.out / _safe_name(profile.capture_metadata.workload)
     for p in added:
         p.depends_on = [d for d in p.depends_on if d in ids]  # not on a dropped LLM proposal
         _keep_code(p, code[p.id], workload_dir)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -12,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from pytest_opprof import __version__, cli
 from pytest_opprof.backend.codegen import render_optimized, render_test
+from pytest_opprof.options import OPTIONS, cli_spelling
 from pytest_opprof.schema import BackendPlan, BackendSelection, ValidationReport, read_artifact
 
 ROOT = Path(__file__).parents[2]
@@ -134,7 +137,10 @@ def test_usage_errors_name_the_accepted_values(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert "eager, compile, best" in result.stderr
     missing = _opprof("optimize", "nope.py", cwd=tmp_path)
-    assert missing.returncode == 1 and "not a workload" in missing.stderr
+    assert missing.returncode == 1 and "nope.py: not found" in missing.stderr
+    (tmp_path / "plain.py").write_text("x = 1\n")
+    plain = _opprof("optimize", "plain.py", cwd=tmp_path)
+    assert plain.returncode == 1 and "plain.py: not a workload" in plain.stderr
 
 
 def test_preflight_reports_the_cpu_fallback(tmp_path: Path) -> None:
@@ -166,3 +172,163 @@ def test_propose_llm_without_a_key_keeps_the_rules(tmp_path: Path) -> None:
     assert plain.returncode == 0 and env_free.returncode == 0, env_free.stderr
     assert "ANTHROPIC_API_KEY is not set" in env_free.stdout
     assert (tmp_path / "optimizations.json").read_text() == rules
+
+
+def _help(command: str, capsys: pytest.CaptureFixture[str]) -> str:
+    """``opprof COMMAND --help``, unwrapped (one line per option: COLUMNS is set wide)."""
+    with pytest.raises(SystemExit) as exited:
+        cli.main([command, "--help"])
+    assert exited.value.code == 0
+    return capsys.readouterr().out
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"opprof {__version__}"
+
+
+PIPELINE = {spec.noun for spec in OPTIONS} - {"junit", "shard"}  # those two are pytest's own
+TIMING = {"warmup-iters", "measure-iters", "rounds"}
+OWN_OPTIONS = {
+    "optimize": PIPELINE,
+    "capture": {
+        *("out", "device", "timeout", "compile-backend", "profile-name"),
+        *TIMING,
+        *("ncu", "ncu-sudo", "ncu-clock-control", "ncu-replay"),
+        *("timing-processes", "fresh-timing", "timing-servers"),
+    },
+    "report": {
+        *("out", "device", "timeout", "min-speedup", "baseline", "strict-gate", "gate-on-cpu"),
+        *("save", "compare", "compare-fail", "storage"),
+    },
+    "propose": {"min-confidence", "max-opts", "llm", "out"},
+    "backend": {"device", "timeout", "compile-backend", *TIMING},
+    "validate": {"device", "timeout"},
+    "merge": {"out"},
+    "preflight": set(),
+    "runs": {"storage"},
+    "trend": {"storage", "out", "last", "no-plots"},
+    "export": {"storage", "out"},
+}
+
+
+@pytest.mark.parametrize("command", sorted(OWN_OPTIONS))
+def test_each_subcommand_offers_only_its_own_options(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    offered = set(re.findall(r"^  --([a-z-]+)", _help(command, capsys), re.MULTILINE))
+    assert offered == OWN_OPTIONS[command]
+
+
+def test_an_option_of_another_subcommand_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["propose", str(tmp_path / "profile.json"), "--rounds=5"])
+    assert exited.value.code == 2
+    assert "unrecognized arguments: --rounds=5" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", sorted(OWN_OPTIONS))
+def test_the_help_gives_every_default_and_the_accepted_values(
+    command: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "1000")
+    # one line an option: argparse puts the help of a long flag on the next line
+    text = re.sub(r"\n {4,}", " ", _help(command, capsys))
+    lines = [line for line in text.splitlines() if line.startswith("  --")]
+    assert len(lines) == len(OWN_OPTIONS[command])
+    for line in lines:
+        assert re.search(r"\(default: [^;()]+(; .+)?\)$", line), line
+    for spec in OPTIONS:
+        # propose's --out is its own: the file it writes
+        if spec.noun in OWN_OPTIONS[command] and (command, spec.noun) != ("propose", "out"):
+            [line] = [line for line in lines if line.startswith(f"  --{spec.noun} ")]
+            assert line.endswith(cli_spelling(spec.values)), line
+
+
+def test_the_help_names_the_choices(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "1000")
+    text = _help("optimize", capsys)
+    assert "(default: best; one of: eager, compile, best)" in text
+    assert "(default: auto; one of: auto, cuda, cpu)" in text
+    assert "(default: 15; an integer ≥ 3)" in text
+    assert "--opprof-" not in text
+
+
+@pytest.mark.parametrize(
+    ("argument", "message"),
+    [
+        ("--min-speedup=0", "--min-speedup: '0' must be a finite number > 0"),
+        ("--baseline=fastest", "--baseline: 'fastest' is not one of eager, compile, best"),
+        ("--rounds=2", "--rounds: '2' must be ≥ 3"),
+        ("--timing-processes=17", "--timing-processes: '17' must be ≤ 16 (or auto)"),
+        ("--save=12", "--save: '12' is not a run name"),
+        ("--compare-fail=latency:5%", "--compare-fail needs --compare"),
+    ],
+)
+def test_usage_errors_name_the_commands_own_options(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argument: str, message: str
+) -> None:
+    (tmp_path / "w.py").write_text(textwrap.dedent(WORKLOAD))
+    assert cli.main(["optimize", str(tmp_path / "w.py"), argument]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert "--opprof-" not in err
+
+
+def test_propose_writes_where_out_says(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "run").mkdir()
+    _h200_conv_block(tmp_path / "run")
+    profile = str(tmp_path / "run" / "profile.json")
+    target = tmp_path / "elsewhere" / "conv_block.optimizations.json"
+    assert cli.main(["propose", profile, "--out", str(target)]) == 0
+    assert f"wrote {target}" in capsys.readouterr().out
+    assert {"memory_layout", "bn_fold"} <= {
+        p["type"] for p in json.loads(target.read_text())["proposals"]
+    }
+    assert not (tmp_path / "run" / "optimizations.json").exists()
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    assert cli.main(["propose", profile, "--out", str(folder)]) == 0
+    assert (folder / "optimizations.json").read_text() == target.read_text()
+
+    assert cli.main(["propose", profile, "--out", f"{tmp_path / 'new'}/"]) == 0
+    assert (tmp_path / "new" / "optimizations.json").read_text() == target.read_text()
+
+    assert cli.main(["propose", profile]) == 0  # the default: beside the profile
+    assert (tmp_path / "run" / "optimizations.json").read_text() == target.read_text()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["optimize", "nope.py"],
+        ["capture", "nope.py"],
+        ["report", "nope.py"],
+        ["propose", "nope/profile.json"],
+        ["backend", "nope.py", "optimizations.json"],
+        ["backend", "w.py", "nope/optimizations.json"],
+        ["validate", "nope_optimized.py"],
+        ["merge", "shard-1", "nope"],
+        ["export", "nope/0001.json"],
+    ],
+)
+def test_a_missing_input_says_not_found(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "w.py").write_text(textwrap.dedent(WORKLOAD))
+    (tmp_path / "optimizations.json").write_text("{}")
+    (tmp_path / "shard-1").mkdir()
+    missing = next(a for a in argv[1:] if a.startswith("nope"))
+    assert cli.main(argv) == 1
+    assert capsys.readouterr().err == f"opprof: {missing}: not found\n"

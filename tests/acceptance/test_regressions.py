@@ -9,6 +9,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -74,8 +75,9 @@ def _pytest(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _session(out: Path) -> dict:  # type: ignore[type-arg]
-    return json.loads((out / "session.json").read_text())
+def _session(out: Path) -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((out / "session.json").read_text())
+    return data
 
 
 @pytest.mark.slow

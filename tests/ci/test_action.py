@@ -632,10 +632,11 @@ def history_run(
     storage: Path | None,
     results: Path = COMPARED,
     env: dict[str, str] | None = None,
-    **inputs: str,
+    inputs: dict[str, str] | None = None,
 ) -> tuple[ActionRun, list[str]]:
     """The action's steps up to the comment, with ``storage`` (a copy of a folder of stored
-    runs, or none) in the workspace; returns the run and the arguments pytest got."""
+    runs, or none) in the workspace and these action ``inputs``; returns the run and the
+    arguments pytest got."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     log = tmp_path / "pytest-args.json"
     full_env = {
@@ -645,7 +646,7 @@ def history_run(
         "FAKE_PYTEST_STATUS": "1",
         **(env or {}),
     }
-    action = ActionRun(tmp_path, full_env, python=str(fake_python), **inputs)
+    action = ActionRun(tmp_path, full_env, python=str(fake_python), **(inputs or {}))
     if storage is not None:
         shutil.copytree(storage, action.workspace / ".opprof-runs")
     for step in (
@@ -663,7 +664,7 @@ def test_a_pull_request_is_compared_with_its_base_branchs_last_stored_run(
     github: FakeGitHub, tmp_path: Path, fake_python: Path
 ) -> None:
     action, args = history_run(
-        github, tmp_path, fake_python, storage=RUNS, **{"compare-fail": "latency:5%"}
+        github, tmp_path, fake_python, storage=RUNS, inputs={"compare-fail": "latency:5%"}
     )
 
     assert action.outputs["base"] == {"run": ".opprof-runs/0003_main.json", "branch": "main"}
@@ -704,7 +705,7 @@ def test_without_a_stored_run_of_the_base_branch_nothing_is_compared(
             fake_python,
             storage=storage,
             results=SESSION,
-            **{"compare-fail": "latency:5%"},
+            inputs={"compare-fail": "latency:5%"},
         )
         assert action.outputs["base"] == {"run": "", "branch": "main"}, name
         assert [a for a in args if "compare" in a] == [], name  # no --opprof-compare-fail alone

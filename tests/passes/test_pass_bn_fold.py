@@ -23,11 +23,27 @@ def _bn_params(c: int) -> list[torch.Tensor]:
     return [torch.randn(c), torch.randn(c), torch.randn(c), torch.rand(c) + 0.5]
 
 
-def conv_bn_relu(x, w, b, gamma, beta, mean, var):  # type: ignore[no-untyped-def]
+def conv_bn_relu(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor | None,
+    gamma: torch.Tensor,
+    beta: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+) -> torch.Tensor:
     return torch.relu(F.batch_norm(F.conv2d(x, w, b, padding=1), mean, var, gamma, beta, eps=1e-3))
 
 
-def linear_bn(x, w, b, gamma, beta, mean, var):  # type: ignore[no-untyped-def]
+def linear_bn(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    b: torch.Tensor,
+    gamma: torch.Tensor,
+    beta: torch.Tensor,
+    mean: torch.Tensor,
+    var: torch.Tensor,
+) -> torch.Tensor:
     return F.batch_norm(F.linear(x, w, b), mean, var, gamma, beta)
 
 
@@ -57,7 +73,9 @@ def test_folds_batch_norm(aten_graph: AtenTrace, case: str, decompose: bool) -> 
 
 
 def test_two_convs(aten_graph: AtenTrace) -> None:
-    def block(x, w1, w2, *bn):  # type: ignore[no-untyped-def]
+    def block(
+        x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, *bn: torch.Tensor
+    ) -> torch.Tensor:
         g1, b1, m1, v1, g2, b2, m2, v2 = bn
         y = torch.relu(F.batch_norm(F.conv2d(x, w1), m1, v1, g1, b1))
         return F.batch_norm(F.conv2d(y, w2), m2, v2, g2, b2)
@@ -117,7 +135,14 @@ def test_folds_a_low_precision_batch_norm_decomposed_in_fp32(
 
 
 def test_a_chain_that_ends_in_fp32_keeps_its_dtype(aten_graph: AtenTrace) -> None:
-    def fn(x, w, gamma, beta, mean, var):  # type: ignore[no-untyped-def]
+    def fn(
+        x: torch.Tensor,
+        w: torch.Tensor,
+        gamma: torch.Tensor,
+        beta: torch.Tensor,
+        mean: torch.Tensor,
+        var: torch.Tensor,
+    ) -> torch.Tensor:
         y = F.conv2d(x, w, padding=1).float()
         return torch.relu(F.batch_norm(y, mean, var, gamma, beta, eps=1e-3))
 

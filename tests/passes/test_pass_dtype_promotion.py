@@ -33,7 +33,9 @@ def _low_ops(gm: torch.fx.GraphModule) -> list[str]:
     ]
 
 
-def mlp(x, w1, b1, w2, b2):  # type: ignore[no-untyped-def]
+def mlp(
+    x: torch.Tensor, w1: torch.Tensor, b1: torch.Tensor, w2: torch.Tensor, b2: torch.Tensor
+) -> torch.Tensor:
     return F.linear(F.gelu(F.linear(x, w1, b1)), w2, b2)
 
 
@@ -53,7 +55,7 @@ def test_chained_gemms_hand_bf16_over(aten_graph: AtenTrace) -> None:
     """linear -> linear: the cast up after the first and the cast down before the second
     cancel, through the views between them."""
 
-    def two(x, w1, w2):  # type: ignore[no-untyped-def]
+    def two(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
         return F.linear(F.linear(x, w1), w2)
 
     args = [torch.randn(2, 5, 16), _w(16, 16), _w(8, 16)]
@@ -67,7 +69,7 @@ def test_chained_gemms_hand_bf16_over(aten_graph: AtenTrace) -> None:
 
 
 def test_conv_and_bmm(aten_graph: AtenTrace) -> None:
-    def fn(x, w, a, b):  # type: ignore[no-untyped-def]
+    def fn(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return F.conv2d(x, w).sum() + torch.bmm(a, b).sum()
 
     args = [

@@ -11,7 +11,7 @@ from pytest_opprof.passes import memory_layout
 aten = torch.ops.aten
 
 
-def two_convs(x, w1, w2):  # type: ignore[no-untyped-def]
+def two_convs(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     y = torch.relu(F.conv2d(x, w1, padding=1))
     return F.conv2d(y, w2) + F.conv2d(y, w2 * 2)
 

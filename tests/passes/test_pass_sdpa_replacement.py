@@ -18,6 +18,9 @@ B, H, T, D = 2, 2, 6, 8
 class Attention(torch.nn.Module):
     """Multi-head attention written out by hand, with a selectable mask style."""
 
+    additive: torch.Tensor  # buffers
+    tril: torch.Tensor
+
     def __init__(self, mask: str) -> None:
         super().__init__()
         self.mask = mask
@@ -35,8 +38,7 @@ class Attention(torch.nn.Module):
         if self.mask == "additive causal":
             scores = scores + self.additive
         elif self.mask == "masked_fill causal":  # nanoGPT's form
-            tril: torch.Tensor = self.tril  # type: ignore[assignment]
-            scores = scores.masked_fill(tril[:, :, :T, :T] == 0, float("-inf"))
+            scores = scores.masked_fill(self.tril[:, :, :T, :T] == 0, float("-inf"))
         elif self.mask == "runtime additive":
             scores = scores + extra
         elif self.mask.startswith("where"):  # HF GPT-2's form: keep where the mask is True

@@ -34,7 +34,7 @@ def test_recurrent_and_data_dependent(aten_graph: AtenTrace) -> None:
     lstm = torch.nn.LSTM(4, 4, batch_first=True)
     weights = list(lstm._flat_weights)
 
-    def rnn(x, *w):  # type: ignore[no-untyped-def]
+    def rnn(x: torch.Tensor, *w: torch.Tensor) -> torch.Tensor:
         h = torch.zeros(1, x.shape[0], 4)
         return torch._VF.lstm(x, (h, h), w, True, 1, 0.0, False, False, True)[0]
 

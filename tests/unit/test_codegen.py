@@ -117,14 +117,12 @@ def test_optimize_records_no_graph_without_cuda() -> None:
     assert fn is model or torch.cuda.is_available()
 
 
-def test_a_rung_that_applied_nowhere_is_recognised() -> None:
-    from types import SimpleNamespace
-
+def test_a_rung_that_applied_nowhere_is_recognised(make_proposal: Any) -> None:
     from pytest_opprof.backend.selection import applied_nowhere
     from pytest_opprof.passes.base import PassResult
 
-    sdpa = SimpleNamespace(id="sdpa_replacement-1", type="sdpa_replacement")
-    gelu = SimpleNamespace(id="activation_substitution-1", type="activation_substitution")
+    sdpa = make_proposal("sdpa_replacement-1", "sdpa_replacement")
+    gelu = make_proposal("activation_substitution-1", "activation_substitution")
     missed = PassResult("sdpa_replacement", "NOT_APPLIED", "no softmax(q @ k^T) @ v chain")
     kept = PassResult("activation_substitution", "NOT_APPLIED", "left as is")
     said = applied_nowhere([sdpa, gelu], [missed, kept])
@@ -132,7 +130,7 @@ def test_a_rung_that_applied_nowhere_is_recognised() -> None:
     hit = PassResult("sdpa_replacement", "APPLIED", "1 attention block(s)", 1)
     assert applied_nowhere([sdpa, gelu], [hit, kept]) is None
     # A type that records nothing (Inductor settings, CUDA graphs) cannot be judged.
-    graphs = SimpleNamespace(id="cuda_graphs-selection", type="cuda_graphs")
+    graphs = make_proposal("cuda_graphs-selection", "cuda_graphs")
     assert applied_nowhere([graphs], []) is None
 
 

@@ -551,8 +551,8 @@ def test_unknown_metric_match_is_exact() -> None:
 
 
 def test_other_labels_have_no_target(tmp_path: Path) -> None:
-    result = c.run_counters_many({}, {"optimized": _timeline()}, work_dir=tmp_path, ncu="ncu")
-    result = result["optimized"]
+    results = c.run_counters_many({}, {"optimized": _timeline()}, work_dir=tmp_path, ncu="ncu")
+    result = results["optimized"]
     assert result.note is not None and "optimized" in result.note
 
 
@@ -592,7 +592,12 @@ def test_target_runs_one_call_inside_the_range(
     monkeypatch.setattr("pytest_opprof.stages.common.setup_torch", lambda: events.append("setup"))
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: events.append("sync"))
     monkeypatch.setattr(torch.cuda.nvtx, "range", Range)
-    monkeypatch.setattr(torch, "compile", lambda m, backend: events.append(backend) or m)
+
+    def compile_(model: Any, backend: str) -> Any:
+        events.append(backend)
+        return model
+
+    monkeypatch.setattr(torch, "compile", compile_)
     spec = ChildSpec(
         task="counters_target",
         workload=str(tmp_path / "w.py"),

@@ -480,9 +480,12 @@ def test_a_quiet_measurement_waits_for_the_compiles_off_the_gpu_and_holds_back_n
         measurer.exclusive()  # at once, the compile beside it
         assert measurer.waited_s < 0.1
         quiet_at: list[float] = []
-        quiet = threading.Thread(
-            target=lambda: (measurer.quiet(), quiet_at.append(time.monotonic()))
-        )
+
+        def go_quiet() -> None:
+            measurer.quiet()
+            quiet_at.append(time.monotonic())
+
+        quiet = threading.Thread(target=go_quiet)
         quiet.start()
         time.sleep(0.5)
         assert not quiet_at  # waits for the compile
@@ -494,7 +497,12 @@ def test_a_quiet_measurement_waits_for_the_compiles_off_the_gpu_and_holds_back_n
         time.sleep(0.3)
         assert compiler.is_alive()  # done compiling, waiting for the GPU
         started: list[float] = []
-        newcomer = threading.Thread(target=lambda: (late.compiling(), started.append(1.0)))
+
+        def compile_late() -> None:
+            late.compiling()
+            started.append(1.0)
+
+        newcomer = threading.Thread(target=compile_late)
         newcomer.start()
         time.sleep(0.5)
         assert not started  # no compile off the GPU begins during it
@@ -609,9 +617,12 @@ def test_a_siblings_measurement_holds_their_lock_for_its_span_and_no_longer(
         with devicelock.measuring():
             assert lock.held == "exclusive" and lock.siblings_held == "exclusive"
             assert not lock.siblings_apart() and lock.held == "exclusive"
-            compiler = threading.Thread(
-                target=lambda: (sibling._siblings_compiling(), started.append(time.monotonic()))
-            )
+
+            def compile_beside() -> None:
+                sibling._siblings_compiling()
+                started.append(time.monotonic())
+
+            compiler = threading.Thread(target=compile_beside)
             compiler.start()
             time.sleep(0.3)
             assert not started  # the sibling's compile waits for the measurement

@@ -4,6 +4,7 @@ CUDA events that complete when the device reaches them. The real thing runs on t
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -79,7 +80,7 @@ class FakeGPU:
 
 
 @pytest.fixture
-def gpu(monkeypatch: pytest.MonkeyPatch) -> FakeGPU:
+def gpu(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeGPU]:
     g = FakeGPU(queue=64)
     g.install(monkeypatch)
     yield g
@@ -116,7 +117,12 @@ def test_latency_and_kernel_counts_size_the_first_attempt(
     first attempts miss (a sleep too short, a queue too small) before the same figure."""
     sleeps: list[int] = []
     real_sleep = torch.cuda._sleep
-    monkeypatch.setattr(torch.cuda, "_sleep", lambda c: (sleeps.append(c), real_sleep(c)))
+
+    def counted_sleep(cycles: int) -> None:
+        sleeps.append(cycles)
+        real_sleep(cycles)
+
+    monkeypatch.setattr(torch.cuda, "_sleep", counted_sleep)
     monkeypatch.setattr(timing, "LAUNCH_QUEUE", 60)  # the fake queue holds 64
     fn = gpu.call(0.5, [0.01] * 20)
     args = ({"f": fn}, (torch.zeros(2),))

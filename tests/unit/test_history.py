@@ -285,7 +285,7 @@ def test_saved_runs_are_numbered_and_found_by_number_name_branch_and_path(tmp_pa
         ("9", r"no run #9 in .*; stored: #1"),
         ("4", r"0004_broken.json: not valid JSON"),
         ("release", r"no run named 'release' or saved on branch 'release'"),
-        ("missing.json", r"missing.json: no such file or folder"),
+        ("missing.json", r"missing.json: not found"),
     ],
 )
 def test_a_run_that_is_not_there_is_a_usage_error(tmp_path: Path, spec: str, message: str) -> None:

@@ -392,7 +392,7 @@ def test_edge_case_penalty_table_matches_code() -> None:
         if scope == "all":
             assert expected is None, flag
         else:
-            assert expected == {s.strip() for s in scope.split(",")}, flag
+            assert expected == frozenset(s.strip() for s in scope.split(",")), flag
 
 
 def test_confidence_levels_table_matches_code() -> None:

@@ -340,6 +340,31 @@ def test_an_unimplemented_type_keeps_its_code_in_a_file_that_never_runs(
 
 
 @needs_sdk
+def test_a_pass_file_goes_beside_the_proposals_written_elsewhere(
+    api: FakeMessagesAPI, inputs: Any, options: OpprofOptions, tmp_path: Path
+) -> None:
+    """``opprof propose --out`` (issue #41): the file a proposal names sits beside it."""
+    novel = extra(
+        id="fuse-pool",
+        type="pool_relu_reorder",
+        ir_level="aten",
+        targets=["aten::max_pool2d"],
+        params={"pass_code": "x = 1\n"},
+        confidence="medium",
+    )
+    api.queue(Reply(body=tool_message({"proposals": [novel]})))
+    profile, graph, rules = inputs
+    elsewhere = tmp_path / "elsewhere"
+
+    result, note = llm.strategize(profile, graph, rules, options, workload_dir=elsewhere)
+
+    assert note == ""
+    written = elsewhere / result.proposals[-1].params["pass_file"]
+    assert written.read_text(encoding="utf-8").endswith("\nx = 1\n")
+    assert not (options.out / "conv_block").exists()
+
+
+@needs_sdk
 def test_code_is_written_only_for_kept_unimplemented_proposals(
     api: FakeMessagesAPI, inputs: Any, tmp_path: Path
 ) -> None:

@@ -6,9 +6,11 @@ from pathlib import Path
 import pytest
 
 from pytest_opprof.options import (
+    BY_FIELD,
     OPTIONS,
     CompareRule,
     OpprofOptions,
+    cli_spelling,
     parse_shard,
     parse_workload_overrides,
 )
@@ -163,3 +165,25 @@ def test_every_option_has_a_rejected_value_above() -> None:
     ]
     assert missing == [], missing
     assert "pytest.UsageError" in source
+
+
+def test_every_option_says_its_default_and_accepted_values() -> None:
+    """The help of pytest and of ``opprof`` ends with them (issue #41)."""
+    for spec in OPTIONS:
+        assert spec.values.startswith("(default: "), spec.noun
+        assert spec.flag or spec.accepted, spec.noun
+        assert spec.argparse_help.endswith(spec.values.replace("%", "%%")), spec.noun
+    assert BY_FIELD["baseline"].values == "(default: best; one of: eager, compile, best)"
+    assert BY_FIELD["max_opts"].values == "(default: all; an integer ≥ 1 or all)"
+    assert BY_FIELD["strict_gate"].values == "(default: off)"
+
+
+def test_cli_spelling_names_the_commands_own_options() -> None:
+    assert (
+        cli_spelling("run with --opprof-ncu-sudo=true, or raise --opprof-timeout.")
+        == "run with --ncu-sudo=true, or raise --timeout."
+    )
+    assert cli_spelling("--opprof-compare-fail needs --opprof-compare") == (
+        "--compare-fail needs --compare"
+    )
+    assert cli_spelling("pytest --opprof --opprof-nonsense") == "pytest --opprof --opprof-nonsense"

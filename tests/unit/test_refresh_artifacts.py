@@ -63,13 +63,13 @@ def test_refresh_reproduces_the_committed_profiles(tmp_path: Path) -> None:
         want = read_artifact(H200 / name / f"{f}.gz", Profile)
         # Python 3.12 (the GPU machine) sums floats with compensation, 3.11 does not: the
         # duration-weighted means agree to ~1e-16, not bit for bit.
-        dumped = [[t.model_dump() for t in p.timelines] for p in (got, want)]
-        for refreshed, committed in zip(*dumped, strict=True):
+        ours, theirs = ([t.model_dump() for t in p.timelines] for p in (got, want))
+        for refreshed, committed in zip(ours, theirs, strict=True):
             # counted from the traces since the run: new in the refresh, absent as committed
             if committed["summary"]["launches_per_iter"] is None:
                 assert refreshed["summary"].pop("launches_per_iter") >= 1.0
                 committed["summary"].pop("launches_per_iter")
-        assert _differences(*dumped) == []
+        assert _differences(ours, theirs) == []
         assert got.timing == want.timing
     optimized = read_artifact(folder / "profile_optimized.json", Profile).timelines[0]
     assert optimized.summary.attributed_share == 1.0 and not optimized.unattributed_kernels

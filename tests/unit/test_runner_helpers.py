@@ -7,6 +7,7 @@ import fcntl
 import os
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -293,9 +294,12 @@ def test_only_the_reported_measurements_may_time_from_any_cpu_of_the_host(
     from pytest_opprof.stages import capture, common
 
     seen: list[bool] = []
-    monkeypatch.setattr(
-        timing, "time_interleaved", lambda *a, **kw: seen.append(kw["any_cpu"]) or {}
-    )
+
+    def time_interleaved(*args: Any, any_cpu: bool, **kwargs: Any) -> dict[str, Any]:
+        seen.append(any_cpu)
+        return {}
+
+    monkeypatch.setattr(timing, "time_interleaved", time_interleaved)
     monkeypatch.setattr(common, "setting", lambda spec, name: 1)
     monkeypatch.setattr(devicelock, "_LOCK", None)
     monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))

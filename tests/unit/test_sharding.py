@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
@@ -52,13 +53,16 @@ def test_each_worker_measures_under_the_lock_of_its_gpu(
     assert devicelock.LOCK_ENV not in os.environ
 
 
-def _shard(folder: Path, names: list[str], status: str = "passed") -> None:
+Status = Literal["passed", "failed", "error", "skipped"]
+
+
+def _shard(folder: Path, names: list[str], status: Status = "passed") -> None:
     summaries = [
         WorkloadSummary(
             name=n,
             path=f"{n}.py",
             status=status,
-            stage="report",  # type: ignore[arg-type]
+            stage="report",
             speedup=2.0,
             ci_low=1.9,
             ci_high=2.1,

@@ -10,6 +10,7 @@ import os
 import statistics
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -199,9 +200,10 @@ def test_a_timing_process_result_round_trips_to_its_parent() -> None:
     assert replica.host == samples.host
     # A result from before the CPU shares (or a fake timing process) still pools.
     assert Replica.from_json({"samples": {"compile": [1.0]}}).cpu_share == {}
+    bad: Any  # results of the wrong shape, as a broken process may write
     for bad in ({}, {"samples": [1.0]}, {"samples": {"a": [1.0]}, "host": {"seconds": "x"}}, []):
         with pytest.raises(ValueError, match="not a timing process's result"):
-            Replica.from_json(bad)  # type: ignore[arg-type]
+            Replica.from_json(bad)
 
 
 def test_host_window_splits_the_hosts_cpus_into_the_processes_own_and_the_others() -> None:

@@ -75,7 +75,9 @@ def test_a_skipped_layer_of_mlp_activations_is_caught() -> None:
     honest, checks = _checks(model, _bf16(model, inputs), inputs)
     assert honest.ok, checks["equivalent"].detail
     cheat_model = copy.deepcopy(model)
-    cheat_model.layers[4] = torch.nn.Identity()  # Linear(2048, 2048) before the SiLU
+    layers = cheat_model.get_submodule("layers")
+    assert isinstance(layers, torch.nn.Sequential)
+    layers[4] = torch.nn.Identity()  # Linear(2048, 2048) before the SiLU
     cheat, checks = _checks(model, _bf16(cheat_model, inputs), inputs)
     assert checks["equivalent"].status == "fail"
     assert checks["equivalent"].detail.startswith(f"relative error {cheat.rel_err:.2e} > limit")
