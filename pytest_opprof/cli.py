@@ -1,4 +1,4 @@
-"""``opprof``: the pipeline without pytest, over the same code (DESIGN §4).
+"""``opprof``: the pipeline without pytest, over the same code (docs/usage.md#command-line).
 
     opprof optimize examples/conv_block/conv_block.py [more.py …] [--out DIR] [--from STAGE]
     opprof capture workload.py [--profile-name=optimized]

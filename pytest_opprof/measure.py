@@ -86,10 +86,9 @@ def between_processes(estimate: float, per_process: Sequence[float]) -> tuple[fl
     for how little a few processes say about that spread.
 
     The hierarchical bootstrap alone is too sure of itself with three processes: it can only
-    redraw those three, so its interval hardly reaches past the outermost. On the H200, of the
-    63 pairs of the same seven backends timed twice a minute apart (benchmarks/results, every
-    ``*-retimed`` run), its speedup intervals missed each other in 6; this one overlapped in
-    all 63, among them the 14 pairs of h200-2026-12-01d, timed after it was written."""
+    redraw those three, so its interval hardly reaches past the outermost; this one covers a
+    retiming a minute later where the bootstrap's did not
+    (docs/reproducibility.md#run-by-run)."""
     logs = [math.log(x) for x in per_process if x > 0]
     if len(logs) < 2 or estimate <= 0:
         return estimate, estimate
@@ -484,7 +483,7 @@ def geometric_mean(values: Sequence[float]) -> float:
 
 
 def gate_verdict(s: Speedup, min_speedup: float, *, strict: bool) -> tuple[bool, str]:
-    """Whether a speedup passes the gate, and why (DESIGN §2.5).
+    """Whether a speedup passes the gate, and why (docs/how-it-works.md).
 
     By default only a CI wholly below the threshold fails (noise alone never fails a run);
     ``strict`` demands the CI wholly above it.

@@ -243,7 +243,7 @@ def selection_additions(a: WorkloadArtifacts) -> list[tuple[str, str]]:
             (
                 ps
                 for ps in (a.validation.passes if a.validation else [])
-                # Validation reports of 2026-11-30 named this record by its type.
+                # Validation reports of earlier versions named this record by its type.
                 if ps.name == pid or (ps.detail.startswith(WHOLE_GRAPH) and pid.endswith("-model"))
             ),
             None,

@@ -1,4 +1,4 @@
-"""``report.md`` of one workload (DESIGN §2.5): the first screen, then the details.
+"""``report.md`` of one workload (docs/how-it-works.md): the first screen, then the details.
 
 The first screen (``headline``) holds the verdict, the headline table, what was applied and the
 plots; the sections after it (timing, hardware, operators, proposals, selection, validation,

@@ -1,4 +1,4 @@
-"""The one table pytest prints at the end of an ``--opprof`` session (DESIGN §3)."""
+"""The one table pytest prints at the end of an ``--opprof`` session (docs/usage.md#what-runs)."""
 
 from __future__ import annotations
 

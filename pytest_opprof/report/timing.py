@@ -90,7 +90,7 @@ def _slow_host_note(timing: Timing) -> str:
 
 def _host_speed_note(timing: Timing, *, said: bool = False) -> str:
     """The host's speed the figures were measured at, where a baseline is host-bound: its
-    ratio moves with that speed between hosts (10-20% on the lent H200 hosts), so two runs
+    ratio moves with that speed between hosts (docs/reproducibility.md#the-host), so two runs
     compare at the same reference. ``said``: the note before already called it host-bound."""
     if not timing.host_us:
         return ""
