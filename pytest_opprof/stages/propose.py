@@ -6,7 +6,7 @@ it executes no user code.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pytest_opprof.errors import StageError
 from pytest_opprof.pipeline import WorkloadRun
@@ -19,9 +19,6 @@ from pytest_opprof.schema import (
     read_artifact,
     write_artifact,
 )
-
-if TYPE_CHECKING:
-    pass
 
 NAME = "propose"
 

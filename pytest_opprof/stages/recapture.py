@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pytest_opprof import devicelock, forkserver
 from pytest_opprof.devicelock import LOCK_ENV
@@ -31,9 +31,6 @@ from pytest_opprof.schema import (
     write_text_atomic,
 )
 from pytest_opprof.stages import capture, common
-
-if TYPE_CHECKING:
-    pass
 
 NAME = "recapture"
 

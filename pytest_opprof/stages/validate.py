@@ -15,7 +15,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pytest_opprof.errors import ArtifactError, OpprofError, StageError
 from pytest_opprof.pipeline import WorkloadRun, file_sha256
@@ -33,9 +33,6 @@ from pytest_opprof.schema import (
     write_text_atomic,
 )
 from pytest_opprof.stages import common
-
-if TYPE_CHECKING:
-    pass
 
 NAME = "validate"
 
