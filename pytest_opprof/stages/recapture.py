@@ -73,7 +73,7 @@ def run(run: WorkloadRun) -> str:
             siblings = Path(tmp) / "siblings.lock"
             pool = ThreadPoolExecutor(processes - 1)
             pending = [
-                pool.submit(_retime_one, run, i, Path(tmp), siblings=siblings, fresh=fresh)
+                pool.submit(_retime_one, run, i, Path(tmp), digest, siblings=siblings, fresh=fresh)
                 for i in range(1, processes)
             ]
             try:
@@ -94,7 +94,9 @@ def run(run: WorkloadRun) -> str:
             pool.shutdown()
         else:
             run.run_child("recapture", "recapture", generated=generated, sha256=digest)
-            replicas = [_retime_one(run, i, Path(tmp), fresh=fresh) for i in range(1, processes)]
+            replicas = [
+                _retime_one(run, i, Path(tmp), digest, fresh=fresh) for i in range(1, processes)
+            ]
     path = run.out_dir / "profile_optimized.json"
     prof = read_artifact(path, Profile)
     if processes > 1:
@@ -164,6 +166,7 @@ def _retime_one(
     run: WorkloadRun,
     i: int,
     folder: Path,
+    digest: str,
     *,
     siblings: Path | None = None,
     fresh: bool = False,
@@ -193,7 +196,7 @@ def _retime_one(
             fresh=fresh,
             server=forkserver.slot_of(i, timing_servers(run)),
             generated=str(run.generated.resolve()),
-            sha256=file_sha256(run.generated),
+            sha256=digest,  # the validated bytes, not whatever the file holds by now
             result=result,
             shares_cpus=siblings is not None,
             siblings_lock=str(siblings) if siblings is not None else None,

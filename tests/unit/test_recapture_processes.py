@@ -49,6 +49,8 @@ class StandIn:
         self.timing_servers = timing_servers
         self.children: list[tuple[str, float, float]] = []
         self.shares_cpus: dict[str, bool] = {}
+        self.sha256: dict[str, str | None] = {}
+        self.edit_during_recapture = False
         self.siblings: dict[str, str | None] = {}
         self.fresh: dict[str, bool] = {}
         self.server: dict[str, int] = {}
@@ -79,6 +81,7 @@ class StandIn:
     ) -> None:
         start = time.monotonic()
         self.shares_cpus[log_name or task] = bool(extra.get("shares_cpus"))
+        self.sha256[log_name or task] = extra.get("sha256")
         self.siblings[log_name or task] = extra.get("siblings_lock")
         self.fresh[log_name or task] = fresh
         self.server[log_name or task] = server
@@ -89,6 +92,8 @@ class StandIn:
         optimized = read_artifact(H200 / "profile_optimized.json.gz", Profile)
         if task == "recapture":
             write_artifact(self.out_dir / "profile_optimized.json", optimized)
+            if self.edit_during_recapture:
+                self.generated.write_text("# generated, edited while it was timed\n")
         elif self.fail_retime:
             raise StageError("the retime process failed (exit 1)")
         else:
@@ -206,6 +211,22 @@ def test_a_file_edited_after_its_validation_is_never_timed(
     with pytest.raises(StageError, match="is not the file validate checked"):
         recapture.run(run)  # type: ignore[arg-type]
     assert run.children == [] and not (run.out_dir / "profile_optimized.json").exists()
+
+
+def test_every_timing_process_runs_the_validated_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each process is told the hash the validation report names, taken once before any
+    starts: a file edited while the recapture runs is refused by the timing processes after
+    it, not timed as its new bytes."""
+    monkeypatch.delenv(LOCK_ENV, raising=False)  # one after another
+    run = StandIn(tmp_path, processes=3)
+    _baseline(run, peak=None)
+    run.edit_during_recapture = True
+    recapture.run(run)  # type: ignore[arg-type]
+    validated = read_artifact(run.profiler_output / "validation_report.json", ValidationReport)
+    assert set(run.sha256) == {"recapture", "retime1", "retime2"}
+    assert set(run.sha256.values()) == {validated.sha256}
 
 
 def test_a_failed_recapture_waits_for_its_timing_processes(
