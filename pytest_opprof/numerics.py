@@ -121,7 +121,7 @@ def check_numerics(
             continue
         rms = float(w.pow(2).mean().sqrt())
         if calibrated:
-            r_max = float((r_list[i].detach().double().to(w.device) - w).abs().max())
+            r_max = float(r_diffs[i].abs().max())
             spread = max(REFERENCE_MULTIPLE * r_max, ELEMENT_SPREAD * FP32_FLOOR * rms)
         else:
             spread = ELEMENT_SPREAD * limit * rms
