@@ -322,10 +322,21 @@ OPTIONS: tuple[OptionSpec, ...] = (
     ),
     _one_of(
         "baseline",
-        ("eager", "compile", "best"),
+        ("eager", "compile", "best", "stock"),
         "best",
-        "baseline the gate compares against; best is the faster of eager and compile",
+        "baseline the gate compares against; best is the faster of eager and compile; stock "
+        "is the stock PyTorch recipe (measured as --opprof-stock says)",
         metavar="NAME",
+    ),
+    _opt(
+        "stock",
+        lambda v: parse_bool(v, "--opprof-stock"),
+        False,
+        "measure the stock baseline too: the faster of two stock PyTorch recipes at bf16 "
+        "(autocast, or the model cast with weight freezing; both torch.compile mode="
+        '"max-autotune", which compiles for minutes on a large model); selection then tries '
+        "the cast recipe as a plan, so the backend shipped is never slower than it",
+        flag=True,
     ),
     _one_of(
         "compile-backend",
@@ -544,6 +555,7 @@ class OpprofOptions:
     stage: str | None = None
     min_speedup: float = 1.0
     baseline: str = "best"
+    stock: bool = False
     compile_backend: str = "inductor"
     device: str = "auto"
     ncu: str = "auto"
@@ -625,7 +637,7 @@ WORKLOAD_KEYS: dict[str, Callable[[Any], Any]] = {
     "min_speedup": lambda v: parse_positive_float("OPPROF['min_speedup']")(v),
     "rtol": lambda v: parse_positive_float("OPPROF['rtol']")(v),
     "atol": lambda v: parse_positive_float("OPPROF['atol']")(v),
-    "baseline": _choice("OPPROF['baseline']", ("eager", "compile", "best")),
+    "baseline": _choice("OPPROF['baseline']", ("eager", "compile", "best", "stock")),
     "warmup_iters": lambda v: parse_count("OPPROF['warmup_iters']")(v),
     "measure_iters": lambda v: parse_count("OPPROF['measure_iters']")(v),
     "rounds": lambda v: parse_count("OPPROF['rounds']", minimum=3)(v),

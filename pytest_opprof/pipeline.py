@@ -53,6 +53,10 @@ ARTIFACTS: dict[str, tuple[str, ...]] = {
 }
 
 
+STOCK_FILE = "profiler_output/stock_baseline.json"
+"""The stock recipe the recapture times, where the stock baseline is measured (written by its
+``stock`` task; not an artifact every run has)."""
+
 TIMING_KEYS: tuple[str, ...] = ("warmup_iters", "measure_iters", "rounds")
 
 
@@ -158,6 +162,10 @@ class WorkloadRun:
     def base_setting(self, name: str) -> Any:
         return self.spec.overrides.get(name, getattr(self.options, name, None))
 
+    def measures_stock(self) -> bool:
+        """Whether the stock baseline is measured: asked for, or the gate's baseline."""
+        return bool(self.options.stock) or self.base_setting("baseline") == "stock"
+
     # --------------------------------------------------------------------------- hooks
 
     def timing_settings(self) -> dict[str, int]:
@@ -243,6 +251,7 @@ class WorkloadRun:
             "backend": (
                 self.setting("rtol") if "rtol" in self.spec.overrides else None,
                 self._passes_identity(),
+                self.measures_stock(),  # selection tries the stock recipe as a plan
             ),
             # the file under test as it is now: an edited one is validated again
             "validate": (file_sha256(self.generated),),
@@ -250,6 +259,7 @@ class WorkloadRun:
                 self.setting("timing_processes"),
                 bool(opts.fresh_timing),
                 int(opts.timing_servers),
+                self.measures_stock(),
             ),
         }.get(stage, ())
         index = STAGES.index(stage)

@@ -519,6 +519,34 @@ class BackendSelection(Artifact):
     )
 
 
+class StockTrial(Model):
+    """One stock recipe at one dtype (``backend.stock``): built, checked, briefly timed."""
+
+    recipe: str
+    dtype: str
+    description: str
+    compile_s: float | None = None
+    numerics: Numerics | None = None
+    median_ms: float | None = Field(
+        default=None, description="its median in the brief interleaved timing of the recipes"
+    )
+    error: str | None = Field(default=None, description="why it is not the bar, in words")
+
+
+class StockBaseline(Artifact):
+    """The stock baseline's choice (stage 4, before the timing): the faster of the stock
+    recipes whose outputs pass the validator, at bf16 or, where bf16 fails, at the optimized
+    backend's dtype. ``recipe`` is None where none passed; ``message`` says why."""
+
+    SCHEMA_VERSION: ClassVar[str] = "1.0"
+
+    recipe: str | None = None
+    dtype: str | None = None
+    description: str | None = None
+    trials: list[StockTrial] = Field(default_factory=list)
+    message: str = ""
+
+
 # -------------------------------------------------------------------------------- validate
 
 
@@ -631,6 +659,12 @@ class WorkloadSummary(Model):
     compile_ms: float | None = None
     speedup_vs_eager: float | None = None
     speedup_vs_compile: float | None = None
+    stock_ms: float | None = Field(
+        default=None, description="the stock baseline's median (--opprof-stock; backend.stock)"
+    )
+    speedup_vs_stock: float | None = None
+    stock: str | None = Field(default=None, description="the stock recipe measured, in words")
+    stock_dtype: str | None = None
     dtype: str | None = None
     passes: list[str] = Field(default_factory=list)
     report: str | None = None
@@ -658,8 +692,8 @@ a verdict where the gate was not enforced."""
 class SessionSummary(Artifact):
     # 1.1: gate_enforced, and each workload's enforced (the CPU fallback's gate); 1.2: the
     # measured commit, the stored runs compared with and saved, workloads' speedups and
-    # comparison (issue 40)
-    SCHEMA_VERSION: ClassVar[str] = "1.2"
+    # comparison (issue 40); 1.3: workloads' stock baseline (issue 38)
+    SCHEMA_VERSION: ClassVar[str] = "1.3"
 
     device: str
     workloads: list[WorkloadSummary]

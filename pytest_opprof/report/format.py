@@ -18,7 +18,7 @@ from tabulate import tabulate
 from pytest_opprof.schema import CPU_NOT_ENFORCED, WorkloadSummary
 
 DASH = "—"
-BASELINE_LABELS = {"eager": "eager", "compile": "torch.compile"}
+BASELINE_LABELS = {"eager": "eager", "compile": "torch.compile", "stock": "stock PyTorch"}
 LINE_LIMIT = 300
 """The longest line a report may hold (issue #41): a reader scrolls sideways past it."""
 WRAP = 100

@@ -120,7 +120,7 @@ def headline_table(a: WorkloadArtifacts) -> list[str]:
     records = _records(a)
     ms = _latencies(a)
     found = {(r.baseline, r.candidate): r for r in records}
-    names = [base, *(b for b in ("compile", "eager") if b != base)]
+    names = [base, *(b for b in ("stock", "compile", "eager") if b != base)]
     names += sorted({r.baseline for r in records} - {*names, "optimized"})
     rows = []
     for b in (n for n in names if n is not None):
@@ -163,6 +163,17 @@ def _precision_line(a: WorkloadArtifacts) -> str:
     )
 
 
+def _stock_line(a: WorkloadArtifacts) -> str:
+    """What the stock baseline was, and whether its ratio is at the backend's precision."""
+    s = a.summary
+    if s.stock is None:
+        return ""
+    same = (s.dtype or "float32") == s.stock_dtype
+    return f" Stock PyTorch: {s.stock}" + (
+        ", the backend's precision: the ratio over it is graph changes alone." if same else "."
+    )
+
+
 def _applied_line(a: WorkloadArtifacts) -> str:
     applied = applied_changes(a)
     if applied is None:
@@ -199,7 +210,7 @@ def section_headline(a: WorkloadArtifacts, plots: bool) -> list[str]:
     if found:
         lines += para(
             note + "Latencies are medians per call, each baseline timed interleaved with the "
-            "backend (Timing, below, says how). " + _precision_line(a)
+            "backend (Timing, below, says how). " + _precision_line(a) + _stock_line(a)
         )
     lines += para(_applied_line(a))
     lines += figure_lines(a, plots)

@@ -116,6 +116,8 @@ def user_properties(s: WorkloadSummary) -> list[tuple[str, str]]:
         ("opprof.compile_ms", s.compile_ms),
         ("opprof.speedup_vs_eager", s.speedup_vs_eager),
         ("opprof.speedup_vs_compile", s.speedup_vs_compile),
+        ("opprof.stock_ms", s.stock_ms),
+        ("opprof.speedup_vs_stock", s.speedup_vs_stock),
         ("opprof.dtype", s.dtype),
         ("opprof.passes", ",".join(s.passes) if s.passes else None),
         ("opprof.report", s.report),

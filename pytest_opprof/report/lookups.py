@@ -55,10 +55,10 @@ def not_available(a: WorkloadArtifacts, stage: str) -> str:
 
 
 def gate_baseline(a: WorkloadArtifacts) -> str | None:
-    """The baseline the gate compared against, resolved (eager or compile)."""
+    """The baseline the gate compared against, resolved (eager, compile or stock)."""
     if a.summary.baseline:
         return a.summary.baseline
-    if a.gate_baseline in ("eager", "compile"):
+    if a.gate_baseline in ("eager", "compile", "stock"):
         return a.gate_baseline
     for prof in (a.optimized, a.profile):
         variants = prof.timing.variants if prof else {}

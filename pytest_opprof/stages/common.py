@@ -123,6 +123,11 @@ def setting(spec: ChildSpec, name: str) -> Any:
     return spec.overrides.get(name, getattr(options(spec), name, None))
 
 
+def measures_stock(spec: ChildSpec) -> bool:
+    """The child's half of ``WorkloadRun.measures_stock``: asked for, or the gate's baseline."""
+    return bool(options(spec).stock) or setting(spec, "baseline") == "stock"
+
+
 def load_baseline(spec: ChildSpec, device: str) -> Any:
     import torch
 
@@ -177,11 +182,30 @@ _OFF_GPU = contextlib.ExitStack()
 (Dynamo runs both once for nested compiles)."""
 
 
+_AUTOTUNING = False
+"""A compile under way times kernels on the GPU (max-autotune: :func:`autotuning`): it keeps
+the GPU shared, so that no measurement of another process runs beside its timings."""
+
+
+@contextlib.contextmanager
+def autotuning() -> Any:
+    """Compiles in the block benchmark kernels on the GPU (Inductor's max-autotune): they
+    hold the GPU shared instead of letting go of it (:func:`compile_off_gpu`)."""
+    global _AUTOTUNING
+    before, _AUTOTUNING = _AUTOTUNING, True
+    try:
+        yield
+    finally:
+        _AUTOTUNING = before
+
+
 def _off_gpu_start(args: Any) -> None:
     from torch._dynamo.callback import CallbackTrigger
 
     from pytest_opprof.capture.timing import synchronize
 
+    if _AUTOTUNING:
+        return
     if args.callback_trigger is CallbackTrigger.DYNAMO:  # not a CUDA-graph recording
         # first the work queued before the compile (a graph before a break)
         _OFF_GPU.enter_context(devicelock.off_gpu(lambda: synchronize("cuda")))

@@ -19,7 +19,7 @@ from pytest_opprof import devicelock, forkserver
 from pytest_opprof.devicelock import LOCK_ENV
 from pytest_opprof.errors import OpprofError, StageBlocked, StageError
 from pytest_opprof.measure import Replica, pooled_timing
-from pytest_opprof.pipeline import WorkloadRun, file_sha256, rel_path
+from pytest_opprof.pipeline import STOCK_FILE, WorkloadRun, file_sha256, rel_path
 from pytest_opprof.schema import (
     BackendSelection,
     CaptureMetadata,
@@ -66,6 +66,11 @@ def run(run: WorkloadRun) -> str:
     together = processes > 1 and side_by_side(baseline, processes)
     fresh = bool(run.setting("fresh_timing"))
     generated = str(run.generated.resolve())
+    stock_path = run.out_dir / STOCK_FILE
+    stock_path.unlink(missing_ok=True)  # a former run's choice is not this run's
+    if run.measures_stock():
+        # chosen once, before the timing processes start: each builds only the recipe kept
+        run.run_child("stock", "recapture")
     with tempfile.TemporaryDirectory(prefix="opprof-retime-") as tmp:
         if together:
             # Each process compiles while the others do; they measure one at a time, none
@@ -110,10 +115,12 @@ def run(run: WorkloadRun) -> str:
         prof = prof.model_copy(update={"timing": timing, "warnings": warnings})
         write_artifact(path, prof)
     opt = prof.timing.variants["optimized"]
+    stock = prof.timing.variants.get("stock")
+    also = f"; stock {stock.median_ms:.4f} ms" if stock else ""
     if opt.processes == 1:
-        return f"optimized {opt.median_ms:.4f} ms"
+        return f"optimized {opt.median_ms:.4f} ms{also}"
     how = "side by side" if together else "one after another"
-    return f"optimized {opt.median_ms:.4f} ms ({opt.processes} processes, {how})"
+    return f"optimized {opt.median_ms:.4f} ms ({opt.processes} processes, {how}){also}"
 
 
 def validated_digest(run: WorkloadRun, report: ValidationReport) -> str:
@@ -271,6 +278,10 @@ def _optimized_calls(
                 ("eager", "optimized_baseline_dtype"),
                 ("compile", "optimized_baseline_dtype"),
             ]
+    stock_fn, stock_s = _stock_call(spec, out_dir, w, device)
+    if stock_fn is not None:
+        calls["stock"], compile_s["stock"] = stock_fn, stock_s
+        pairs += [("compile", "stock"), ("stock", "optimized")]
     common.note_tuned_gemms()
     return {
         "calls": calls,
@@ -279,6 +290,95 @@ def _optimized_calls(
         "compile_s": compile_s,
         "backend": module.BACKEND,
     }
+
+
+def _stock_call(spec: ChildSpec, out_dir: Path, w: Any, device: str) -> tuple[Any, float]:
+    """The stock recipe ``task_stock`` kept, compiled here (Inductor's caches answer most of
+    it), and its compile seconds; (None, 0) where the stock baseline is not measured or no
+    recipe passed."""
+    from pytest_opprof.backend import stock
+    from pytest_opprof.schema import StockBaseline, read_artifact
+
+    path = out_dir / STOCK_FILE
+    if not common.measures_stock(spec) or not path.exists():
+        return None, 0.0
+    chosen = read_artifact(path, StockBaseline)
+    if chosen.recipe is None or chosen.dtype is None:
+        return None, 0.0
+    with common.autotuning():
+        built = stock.build(
+            chosen.recipe, w.model, w.inputs, chosen.dtype, first_call=_first_call(w, device)
+        )
+    common.phase(f"compiled the stock recipe ({chosen.message}) in {built.compile_s:.1f} s")
+    common.step_done(device)
+    return built.fn, built.compile_s
+
+
+def _first_call(w: Any, device: str) -> Callable[[Callable[..., Any]], None]:
+    import torch
+
+    from pytest_opprof.capture.timing import synchronize
+
+    def call(fn: Callable[..., Any]) -> None:
+        with torch.no_grad():
+            fn(*w.inputs)
+        synchronize(device)
+
+    return call
+
+
+def task_stock(spec: ChildSpec) -> None:
+    """Stage 4's first step where the stock baseline is measured: each stock recipe built
+    (``backend.stock``), its outputs held to the validator's checks at the recipe's dtype,
+    the passing ones timed briefly side by side; the choice goes to ``STOCK_FILE``."""
+    from pytest_opprof.backend import stock
+    from pytest_opprof.capture.system import resolve_device
+    from pytest_opprof.capture.timing import time_interleaved
+    from pytest_opprof.numerics import anti_cheat_checks, calibrated
+    from pytest_opprof.schema import read_artifact
+    from pytest_opprof.tolerances import numerics_dtype, tolerance_for
+
+    common.setup_torch()
+    device = resolve_device(common.options(spec).device)
+    out_dir = Path(spec.out_dir)
+    w = common.load_baseline(spec, device)
+    plan = read_artifact(out_dir / "profiler_output" / "backend_selection.json", BackendSelection)
+
+    def check(fn: Callable[..., Any], dtype: str) -> tuple[Any, list[str]]:
+        # an fp32 recipe may run its convolutions on TF32 (cuDNN's default)
+        checked_as = numerics_dtype(dtype, tf32=device == "cuda")
+        rtol, atol = tolerance_for(checked_as, spec.overrides)
+        numerics, checks = anti_cheat_checks(
+            w.model,
+            fn,
+            w.inputs,
+            dtype=checked_as,
+            rtol=rtol,
+            atol=atol,
+            calibrate=calibrated(spec.overrides),
+        )
+        return numerics, [f"{k}: {c.detail}" for k, c in checks.items() if c.status == "fail"]
+
+    def time_brief(calls: dict[str, Callable[..., Any]]) -> dict[str, float]:
+        import statistics
+
+        with devicelock.measuring():
+            s = time_interleaved(
+                calls, w.inputs, device=device, warmup=3, calls_per_round=10, rounds=5
+            )
+        return {k: statistics.median(v) for k, v in s.items()}
+
+    with common.autotuning():
+        chosen = stock.choose(
+            w.model,
+            w.inputs,
+            plan.plan.dtype,
+            check=check,
+            first_call=_first_call(w, device),
+            time_brief=time_brief,
+        )
+    common.phase(f"stock baseline: {chosen.message}")
+    write_artifact(out_dir / STOCK_FILE, chosen)
 
 
 def task_recapture(spec: ChildSpec) -> None:
@@ -341,5 +441,9 @@ def task_retime(spec: ChildSpec) -> None:
     write_text_atomic(spec.need("result"), json.dumps(samples.to_json()))
 
 
-TASKS: dict[str, Callable[[ChildSpec], None]] = {"recapture": task_recapture, "retime": task_retime}
+TASKS: dict[str, Callable[[ChildSpec], None]] = {
+    "recapture": task_recapture,
+    "retime": task_retime,
+    "stock": task_stock,
+}
 """The child halves, by the task name a spec carries (``runner`` dispatches them)."""

@@ -14,13 +14,14 @@ from pytest_opprof import STAGES
 from pytest_opprof.errors import ArtifactError, OpprofError, StageError
 from pytest_opprof.measure import gate_verdict
 from pytest_opprof.options import OpprofOptions
-from pytest_opprof.pipeline import StageOutcome, WorkloadRun, rel_path
+from pytest_opprof.pipeline import STOCK_FILE, StageOutcome, WorkloadRun, rel_path
 from pytest_opprof.schema import (
     CPU_NOT_ENFORCED,
     BackendSelection,
     Optimizations,
     Profile,
     Speedup,
+    StockBaseline,
     ValidationReport,
     WorkloadSummary,
     read_artifact,
@@ -75,12 +76,23 @@ def gate_baseline(wr: WorkloadRun, optimized: Profile) -> str:
     usable = sorted(
         s.baseline for s in timing.speedups if s.candidate == "optimized" and s.baseline
     )
+    if choice == "stock" and choice not in usable:
+        raise StageError(
+            f"the gate's baseline is stock, which was not measured: {_why_no_stock(wr)}"
+        )
     if choice not in usable:
         raise StageError(
             f"pytest_opprof_select_baseline returned {choice!r}; the baselines measured "
             f"against the optimized model are {', '.join(usable) or 'none'}"
         )
     return str(choice)
+
+
+def _why_no_stock(wr: WorkloadRun) -> str:
+    if not wr.measures_stock():
+        return "run with --opprof-stock"
+    found = maybe_artifact(wr.out_dir / STOCK_FILE, StockBaseline)
+    return found.message if found else f"{STOCK_FILE} is missing; see the recapture's log"
 
 
 def summarize(session: OpprofSession, wr: WorkloadRun) -> WorkloadSummary:
@@ -132,6 +144,13 @@ def summarize(session: OpprofSession, wr: WorkloadRun) -> WorkloadSummary:
     vs_compile = find_speedup(t.speedups, "compile", "optimized")
     summary.speedup_vs_eager = vs_eager.ratio if vs_eager else None
     summary.speedup_vs_compile = vs_compile.ratio if vs_compile else None
+    vs_stock = find_speedup(t.speedups, "stock", "optimized")
+    if vs_stock is not None:
+        chosen = maybe_artifact(wr.out_dir / STOCK_FILE, StockBaseline)
+        summary.stock_ms = t.variants["stock"].median_ms
+        summary.speedup_vs_stock = vs_stock.ratio
+        summary.stock = chosen.description if chosen else None
+        summary.stock_dtype = chosen.dtype if chosen else None
     summary.speedups = list(t.speedups)
     if ratio is None:
         summary.status, summary.message = "error", "no interleaved speedup was measured"

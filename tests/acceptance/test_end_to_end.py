@@ -156,16 +156,31 @@ def test_all_stages_on_a_tiny_workload(pytester: pytest.Pytester) -> None:
     collected = pytester.runpytest_subprocess("--opprof", ".", "--collect-only", "-q")
     collected.stdout.fnmatch_lines(["*24 tests collected*"])
 
-    # --opprof-from recomputes from a stage on and reads the earlier ones from disk.
+    # --opprof-from recomputes from a stage on and reads the earlier ones from disk; here
+    # with the stock baseline as the gate's, measured beside the others and validated.
     profile = out / "tiny" / "profile.json"
     selection = out / "tiny" / "profiler_output" / "backend_selection.json"
     before = (profile.stat().st_mtime_ns, selection.stat().st_mtime_ns)
     resumed = pytester.runpytest_subprocess(
-        "--opprof", "work/tiny.py", *FAST, "--opprof-from=backend"
+        "--opprof",
+        "work/tiny.py",
+        *FAST,
+        "--opprof-from=backend",
+        "--opprof-baseline=stock",
+        "--opprof-timing-processes=2",
     )
     assert resumed.ret == 0
     assert profile.stat().st_mtime_ns == before[0]
     assert selection.stat().st_mtime_ns > before[1]
+    stock = json.loads((out / "tiny/profiler_output/stock_baseline.json").read_text())
+    assert stock["recipe"] in ("autocast", "cast") and stock["dtype"] == "bfloat16", stock
+    assert all(t["numerics"]["ok"] for t in stock["trials"] if t["error"] is None)
+    timing = json.loads((out / "tiny/profile_optimized.json").read_text())["timing"]
+    assert timing["variants"]["stock"]["processes"] == 2  # timed in every timing process
+    tiny = json.loads((out / "session.json").read_text())["workloads"][0]
+    assert tiny["baseline"] == "stock" and tiny["speedup_vs_stock"] == tiny["speedup"]
+    assert "stock PyTorch (gate)" in (out / "tiny/report.md").read_text()
+    assert "over stock (95% CI)" in (out / "report.md").read_text()
 
     # --opprof-stage runs one stage; a missing artifact before it is a clear error.
     only = pytester.runpytest_subprocess(

@@ -43,6 +43,8 @@ def test_defaults_parse() -> None:
         ("shard", "2/3", (2, 3)),
         ("strict_gate", "true", True),
         ("fresh_timing", "true", True),
+        ("stock", "true", True),
+        ("baseline", "stock", "stock"),
         ("timing_servers", "3", 3),
         ("save", "auto", "auto"),
         ("save", "nightly-2026.12", "nightly-2026.12"),
@@ -82,6 +84,7 @@ def test_accepted_values(field: str, value: str, expected: object) -> None:
         ("gate_on_cpu", "perhaps", "boolean"),
         ("llm", "perhaps", "boolean"),
         ("fresh_timing", "perhaps", "boolean"),
+        ("stock", "perhaps", "boolean"),
         ("timing_servers", "0", "≥ 1"),
         ("timing_servers", "9", "≤ 8"),
         ("timing_servers", "many", "integer"),
@@ -173,7 +176,7 @@ def test_every_option_says_its_default_and_accepted_values() -> None:
         assert spec.values.startswith("(default: "), spec.noun
         assert spec.flag or spec.accepted, spec.noun
         assert spec.argparse_help.endswith(spec.values.replace("%", "%%")), spec.noun
-    assert BY_FIELD["baseline"].values == "(default: best; one of: eager, compile, best)"
+    assert BY_FIELD["baseline"].values == "(default: best; one of: eager, compile, best, stock)"
     assert BY_FIELD["max_opts"].values == "(default: all; an integer ≥ 1 or all)"
     assert BY_FIELD["strict_gate"].values == "(default: off)"
 

@@ -19,6 +19,7 @@ import pytest
 from pytest_opprof import pipeline
 from pytest_opprof.devicelock import LOCK_ENV
 from pytest_opprof.errors import StageError
+from pytest_opprof.pipeline import STOCK_FILE
 from pytest_opprof.schema import Profile, ValidationReport, read_artifact, write_artifact
 from pytest_opprof.stages import recapture
 
@@ -37,7 +38,9 @@ class StandIn:
         fail_recapture: bool = False,
         fresh_timing: bool = False,
         timing_servers: int = 1,
+        stock: bool = False,
     ) -> None:
+        self.stock = stock
         self.out_dir = folder / "out"
         self.profiler_output = self.out_dir / "profiler_output"
         self.profiler_output.mkdir(parents=True)
@@ -62,6 +65,9 @@ class StandIn:
         report.sha256 = hashlib.sha256(self.generated.read_bytes()).hexdigest()
         write_artifact(self.profiler_output / "validation_report.json", report)
 
+    def measures_stock(self) -> bool:
+        return self.stock
+
     def setting(self, name: str) -> Any:
         return {
             "timing_processes": self.processes,
@@ -85,6 +91,10 @@ class StandIn:
         self.siblings[log_name or task] = extra.get("siblings_lock")
         self.fresh[log_name or task] = fresh
         self.server[log_name or task] = server
+        if task == "stock":
+            with self._guard:
+                self.children.append((task, start, time.monotonic()))
+            return
         if task == "recapture" and self.fail_recapture:
             time.sleep(0.1)  # before the others end
             raise StageError("the recapture process failed (exit 1)")
@@ -372,3 +382,22 @@ def test_before_the_capture_the_device_is_a_gpu_where_the_session_named_a_lock(
     (run.out_dir / "profile.json").write_text("{not json")
     recapture.warm_timing_servers(run)  # type: ignore[arg-type]
     assert calls == ([[1, 2], [1, 2]] if lock else [])
+
+
+def test_the_stock_recipe_is_chosen_before_any_timing_process_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each timing process builds only the recipe the stock task kept, so that task ends first;
+    a former run's choice is removed before it (a run without the stock baseline has none)."""
+    run = _under_a_lock(tmp_path, monkeypatch, 2 * GIB, processes=3, stock=True)
+    stale = run.out_dir / STOCK_FILE
+    stale.write_text("{}")
+    recapture.run(run)  # type: ignore[arg-type]
+    names = [name for name, _, _ in run.children]
+    assert names[0] == "stock" and sorted(names[1:]) == ["recapture", "retime1", "retime2"]
+    stock_end = run.children[0][2]
+    assert all(start >= stock_end for _, start, _ in run.children[1:])
+    assert not stale.exists()
+    without = _under_a_lock(tmp_path / "again", monkeypatch, 2 * GIB, processes=1)
+    recapture.run(without)  # type: ignore[arg-type]
+    assert [name for name, _, _ in without.children] == ["recapture"]

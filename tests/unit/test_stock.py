@@ -1,0 +1,158 @@
+"""The stock baseline (``backend.stock``): its recipes as a user writes them, and the choice of
+the faster one whose outputs pass the validator's checks."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from pytest_opprof.backend import stock
+from pytest_opprof.numerics import anti_cheat_checks
+from pytest_opprof.schema import Numerics
+from pytest_opprof.tolerances import tolerance_for
+
+
+def _tiny() -> tuple[nn.Sequential, torch.Tensor]:
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1, bias=False),
+        nn.BatchNorm2d(8),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(8 * 8 * 8, 10),
+    ).eval()
+    return model, torch.randn(2, 3, 8, 8)
+
+
+def _call(x: torch.Tensor) -> Callable[[Callable[..., Any]], None]:
+    def first(fn: Callable[..., Any]) -> None:
+        with torch.no_grad():
+            fn(x)
+
+    return first
+
+
+def test_both_recipes_compile_and_compute_the_model_in_its_output_dtype() -> None:
+    model, x = _tiny()
+    for recipe in stock.RECIPES:
+        built = stock.build(recipe, model, (x,), "bfloat16", first_call=_call(x))
+        with torch.no_grad():
+            got = built.fn(x)
+        assert got.dtype == torch.float32 and built.compile_s > 0
+        rtol, atol = tolerance_for("bfloat16")
+        numerics, checks = anti_cheat_checks(
+            model, built.fn, (x,), dtype="bfloat16", rtol=rtol, atol=atol
+        )
+        assert numerics.ok, numerics
+        assert all(c.status == "pass" for c in checks.values()), checks
+
+
+def test_the_cast_recipe_casts_weights_and_goes_channels_last_on_image_batches() -> None:
+    model, x = _tiny()
+    cast = stock.Cast(model, torch.bfloat16, torch.float32, stock.channels_last_input((x,)))
+    assert isinstance(cast.model, nn.Sequential)
+    conv = cast.model[0]
+    assert isinstance(conv, nn.Conv2d)
+    assert conv.weight.dtype == torch.bfloat16
+    assert conv.weight.is_contiguous(memory_format=torch.channels_last)
+    first = model[0]
+    assert isinstance(first, nn.Conv2d)
+    assert first.weight.dtype == torch.float32  # the workload's model is left alone
+    assert not stock.channels_last_input((torch.randn(2, 5),))
+    assert "channels-last" in stock.describe("cast", "bfloat16", (x,))
+    assert "channels-last" not in stock.describe("autocast", "bfloat16", (x,))
+
+
+def _numerics(ok: bool) -> Numerics:
+    return Numerics(max_abs_err=0.0, rel_err=0.0, rtol=1e-2, atol=1e-3, dtype="bfloat16", ok=ok)
+
+
+class _Recipes:
+    """``stock.build`` replaced: each recipe at each dtype builds (or raises), and the checks
+    and the brief timing answer from tables."""
+
+    def __init__(
+        self,
+        fails: dict[tuple[str, str], str],
+        raises: set[tuple[str, str]] = frozenset(),  # type: ignore[assignment]
+        ms: dict[str, float] | None = None,
+    ) -> None:
+        self.fails, self.raises, self.ms = fails, raises, ms or {}
+        self.timed: list[list[str]] = []
+
+    def build(
+        self, recipe: str, model: Any, inputs: Any, dtype: str, *, first_call: Any
+    ) -> stock.StockRecipe:
+        if (recipe, dtype) in self.raises:
+            raise RuntimeError("Inductor failed\nmore lines")
+        fn: Callable[..., Any] = lambda *a: (recipe, dtype)  # noqa: E731
+        return stock.StockRecipe(recipe, dtype, fn, 1.0)
+
+    def check(self, fn: Callable[..., Any], dtype: str) -> tuple[Numerics, list[str]]:
+        key = fn()
+        failed = self.fails.get(key)
+        return _numerics(failed is None), [failed] if failed else []
+
+    def time_brief(self, calls: dict[str, Callable[..., Any]]) -> dict[str, float]:
+        self.timed.append(sorted(calls))
+        return {r: self.ms[r] for r in calls}
+
+
+def _choose(
+    monkeypatch: pytest.MonkeyPatch, fake: _Recipes, plan_dtype: str | None = "bfloat16"
+) -> Any:
+    monkeypatch.setattr(stock, "build", fake.build)
+    model, x = _tiny()
+    return stock.choose(
+        model,
+        (x,),
+        plan_dtype,
+        check=fake.check,
+        first_call=_call(x),
+        time_brief=fake.time_brief,
+    )
+
+
+def test_the_faster_passing_recipe_is_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _Recipes({}, ms={"autocast": 0.30, "cast": 0.20})
+    chosen = _choose(monkeypatch, fake)
+    assert (chosen.recipe, chosen.dtype) == ("cast", "bfloat16")
+    assert fake.timed == [["autocast", "cast"]]
+    assert [t.median_ms for t in chosen.trials] == [0.30, 0.20]
+    assert "faster than autocast 0.3000 ms" in chosen.message
+
+
+def test_a_recipe_that_fails_the_checks_is_never_the_bar(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = _Recipes({("cast", "bfloat16"): "equivalent: rel err 3e-2 > 1e-2"})
+    chosen = _choose(monkeypatch, fake)
+    assert chosen.recipe == "autocast"
+    assert fake.timed == []  # one passed: nothing to time against
+    cast = next(t for t in chosen.trials if t.recipe == "cast")
+    assert cast.error and "rel err" in cast.error
+
+
+def test_bf16_failing_falls_back_to_the_backends_dtype(monkeypatch: pytest.MonkeyPatch) -> None:
+    fails = {(r, "bfloat16"): "equivalent: too far" for r in stock.RECIPES}
+    fake = _Recipes(fails, raises={("autocast", "float32")})
+    chosen = _choose(monkeypatch, fake, plan_dtype=None)
+    assert (chosen.recipe, chosen.dtype) == ("cast", "float32")
+    errors = {(t.recipe, t.dtype): t.error for t in chosen.trials}
+    assert errors[("autocast", "float32")] == "failed to build: RuntimeError: Inductor failed"
+
+
+def test_none_passing_is_no_bar_and_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
+    fails = {(r, "bfloat16"): f"{r} wrong" for r in stock.RECIPES}
+    chosen = _choose(monkeypatch, _Recipes(fails))
+    assert chosen.recipe is None and chosen.dtype is None
+    assert chosen.message.startswith("no stock recipe passed")
+    assert "autocast at bfloat16: autocast wrong" in chosen.message
+
+
+def test_dtypes_tried() -> None:
+    assert stock.dtypes_to_try("bfloat16") == ["bfloat16"]
+    assert stock.dtypes_to_try(None) == ["bfloat16", "float32"]
+    assert stock.dtypes_to_try("float16") == ["bfloat16", "float16"]
