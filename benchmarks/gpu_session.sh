@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # The benchmark entry point, one call on a GPU machine: run `pytest --opprof` on the given
-# examples, write the results table ($OUT/summary.json and summary.md, by summarize.py) and pack
+# workloads, write the results table ($OUT/summary.json and summary.md, by summarize.py) and pack
 # every artifact into $OUT/results.tar.xz, so traces and reports come back in one file.
-#   bash benchmarks/gpu_session.sh conv_block mlp_activations [-- extra pytest args]
+#   bash benchmarks/gpu_session.sh conv_block resnet18 [-- extra pytest args]
+# A name is the folder examples/NAME where there is one, else benchmarks/models/NAME (the
+# real-model suite); `examples` and `models` stand for every workload folder of each.
 # Back in the repository, `bash benchmarks/pack_results.sh OUT benchmarks/results/<session>/<run>`
 # publishes the raw run to the `results` branch and keeps its summary (docs/results.md).
 # Needs the pure-Python wheels in .whl/ (../shared/gpu/wheels.sh .whl) where the machine has no
@@ -18,7 +20,16 @@ while [ $# -gt 0 ]; do
   if [ "$1" = "--" ]; then shift; extra=("$@"); break; fi
   names+=("$1"); shift
 done
-paths=(); for n in "${names[@]}"; do paths+=("examples/$n"); done
+# A workload folder holds NAME/NAME.py; the groups expand to every such folder, sorted.
+group() { for d in "$1"/*/; do d=${d%/}; [ -f "$d/$(basename "$d").py" ] && echo "$d"; done; }
+paths=()
+for n in "${names[@]}"; do
+  case $n in
+    examples) mapfile -t -O "${#paths[@]}" paths < <(group examples) ;;
+    models) mapfile -t -O "${#paths[@]}" paths < <(group benchmarks/models) ;;
+    *) if [ -d "examples/$n" ]; then paths+=("examples/$n"); else paths+=("benchmarks/models/$n"); fi ;;
+  esac
+done
 {
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -33,7 +44,9 @@ mkdir -p "$work"
 start=$(date +%s)
 # A call on a lent machine has a hard limit: stop pytest (SIGINT: it still writes the summary)
 # before it, so the artifacts packed below come back.
-timeout --signal=INT "${OPPROF_CALL_BUDGET:-540}" python3 -m pytest -p no:benchmark -p pytest_opprof.plugin --opprof "${paths[@]}" --opprof-out="$work" \
+# The benchmark always measures the stock baseline (--opprof-stock): the bar beside eager and
+# fp32 torch.compile.
+timeout --signal=INT "${OPPROF_CALL_BUDGET:-540}" python3 -m pytest -p no:benchmark -p pytest_opprof.plugin --opprof "${paths[@]}" --opprof-out="$work" --opprof-stock \
   -p no:cacheprovider -v -rA --opprof-junit="$work/opprof-junit.xml" \
   --junitxml="$work/junit.xml" "${extra[@]}" 2>&1 | tee "$OUT/pytest.log"
 status=${PIPESTATUS[0]}
@@ -50,7 +63,9 @@ python3 benchmarks/summarize.py "$work" --junit "$work/opprof-junit.xml" \
 # 8 files of 16 MiB (seven workloads' artifacts packed came to ~1.5 MB; one archive each left
 # the summary behind).
 base=$(basename "$work")
-packed=(); for n in "${names[@]}"; do [ -e "$work/$n" ] && packed+=("$base/$n"); done
+# Artifacts are in a folder named after the workload, the basename of its path.
+packed=()
+for p in "${paths[@]}"; do n=$(basename "$p"); [ -e "$work/$n" ] && packed+=("$base/$n"); done
 for f in "$work"/*; do [ -f "$f" ] && packed+=("$base/$(basename "$f")"); done
 tar -C "$(dirname "$work")" -cJf "$OUT/results.tar.xz" "${packed[@]}"
 ls -la "$OUT"

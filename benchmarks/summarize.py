@@ -1,10 +1,11 @@
-"""Summarise a run of the seven examples into one JSON and one Markdown table.
+"""Summarise a benchmark run (the seven examples and the real-model suite) into JSON and Markdown.
 
     python benchmarks/summarize.py OUT_DIR [OUT_DIR …] --json results/h200.json --md results/h200.md
 
 Each OUT_DIR is an ``--opprof-out`` folder (or a folder of ``<name>/h200`` artifacts); every
 figure is read from the artifacts the pipeline wrote, never typed in. Targets are the
-hand-tuned figures of EXAMPLES.md (H200, torch 2.11).
+hand-tuned figures of EXAMPLES.md (H200, torch 2.11), for the examples only: the real-model
+suite (benchmarks/models) has none, and is held to torch.compile and the stock baseline.
 """
 
 from __future__ import annotations
@@ -20,10 +21,13 @@ from typing import Any
 
 from pytest_opprof.backend.plan import replaced_by_model_graph
 from pytest_opprof.measure import split_processes
+from pytest_opprof.pipeline import STOCK_FILE
 from pytest_opprof.schema import (
     BackendSelection,
     Optimizations,
     Profile,
+    Speedup,
+    StockBaseline,
     ValidationReport,
     read_artifact,
     timing_variant,
@@ -39,6 +43,43 @@ TARGETS = {
     "gpt2": (0.625, 4.94),
     "lstm_sequence_encoder": (3.78, 1.08),
 }
+
+
+EXAMPLES, MODELS = "examples", "models"
+"""A row's ``suite``: one of the seven examples (with targets), or any other workload of the run
+(the real-model suite, without)."""
+
+MODELS_DIR = Path(__file__).resolve().parent / "models"
+"""The real-model suite's folders, found beside this script wherever it is run from."""
+
+
+def model_names() -> list[str]:
+    """The real-model suite: each folder ``benchmarks/models/NAME`` holding ``NAME.py`` (the
+    rule gpu_session.sh's ``models`` group expands by), sorted."""
+    if not MODELS_DIR.is_dir():
+        return []
+    return sorted(d.name for d in MODELS_DIR.iterdir() if (d / f"{d.name}.py").is_file())
+
+
+def discover(folders: list[Path]) -> dict[str, Path | None]:
+    """The run's workloads other than the examples, by name, sorted: each subfolder of an
+    OUT_DIR whose artifacts hold ``profile_optimized.json`` (the first OUT_DIR that has them
+    wins, as for the examples), and, as None (missing), each subfolder named after a model of
+    the suite without it, so that a model whose stages failed stays in the table instead of
+    vanishing from it. Any other folder without the artifacts is not a workload."""
+    known = set(model_names())
+    found: dict[str, Path | None] = {}
+    for folder in folders:
+        if not folder.is_dir():
+            continue
+        for sub in sorted(p for p in folder.iterdir() if p.is_dir()):
+            name = sub.name
+            if name in TARGETS or found.get(name) is not None:
+                continue
+            where = _find(folder, name)
+            if where is not None or name in known:
+                found[name] = where
+    return dict(sorted(found.items()))
 
 
 def _find(folder: Path, name: str) -> Path | None:
@@ -368,84 +409,263 @@ def child_seconds(where: Path) -> dict[str, float]:
     return out
 
 
+def geomean(ratios: list[float]) -> float | None:
+    """The geometric mean of ``ratios``; None where there is nothing to average."""
+    return math.exp(sum(map(math.log, ratios)) / len(ratios)) if ratios else None
+
+
+def _speedup(s: Speedup | None) -> tuple[float | None, list[float] | None]:
+    """A speedup's ratio and its 95% CI; (None, None) where the pair was not timed."""
+    return (s.ratio, [s.ci_low, s.ci_high]) if s is not None else (None, None)
+
+
+def stock_recipe(where: Path) -> tuple[str | None, str | None]:
+    """The stock recipe the baseline measured (``"cast at bfloat16"``), and, where none of the
+    recipes passed, the stage's reason; (None, None) where no stock baseline was chosen."""
+    path = _artifact(where, STOCK_FILE)
+    if not path.exists():
+        return None, None
+    stock = read_artifact(path, StockBaseline)
+    if stock.recipe is None:
+        return None, stock.message or None
+    return (f"{stock.recipe} at {stock.dtype}" if stock.dtype else stock.recipe), None
+
+
+def workload_row(
+    where: Path,
+    suite: str,
+    stage_times: dict[str, float] | None,
+    target: tuple[float, float] | None = None,
+) -> dict[str, Any]:
+    """One workload's row from its artifacts. Every figure of a variant or pair the run did not
+    time (the stock baseline where it was not measured, or torch.compile where it failed on a
+    model) is None. ``target`` is (ms, ratio over torch.compile), the examples' alone: a row
+    without one (a model's) has None for both, and neither ``meets_target`` nor
+    ``shortfall``."""
+    base = read_artifact(_artifact(where, "profile.json"), Profile)
+    opt = read_artifact(_artifact(where, "profile_optimized.json"), Profile)
+    sel = read_artifact(
+        _artifact(where / "profiler_output", "backend_selection.json"), BackendSelection
+    )
+    val = read_artifact(where / "profiler_output" / "validation_report.json", ValidationReport)
+    v = opt.timing.variants
+    sp = {(s.baseline, s.candidate): s for s in opt.timing.speedups}
+
+    def ms(name: str) -> tuple[float | None, list[float] | None]:
+        stats = v.get(name)
+        return (stats.median_ms, [stats.ci_low_ms, stats.ci_high_ms]) if stats else (None, None)
+
+    (eager_ms, eager_ci), (compile_ms, compile_ci) = ms("eager"), ms("compile")
+    (stock_ms, stock_ci), (optimized_ms, optimized_ci) = ms("stock"), ms("optimized")
+    vs_compile, vs_compile_ci = _speedup(sp.get(("compile", "optimized")))
+    vs_stock, vs_stock_ci = _speedup(sp.get(("stock", "optimized")))
+    recipe, stock_message = stock_recipe(where)
+    target_ms, target_ratio = target if target is not None else (None, None)
+    meets = None
+    if target_ms is not None and target_ratio is not None and optimized_ms is not None:
+        meets = optimized_ms <= target_ms or (vs_compile is not None and vs_compile >= target_ratio)
+    row: dict[str, Any] = {
+        "suite": suite,
+        "eager_ms": eager_ms,
+        "compile_ms": compile_ms,
+        "optimized_ms": optimized_ms,
+        "eager_ci_ms": eager_ci,
+        "compile_ci_ms": compile_ci,
+        "optimized_ci_ms": optimized_ci,
+        "speedup_vs_compile": vs_compile,
+        "speedup_vs_compile_ci": vs_compile_ci,
+        "speedup_vs_eager": _speedup(sp.get(("eager", "optimized")))[0],
+        "stock_ms": stock_ms,
+        "stock_ci_ms": stock_ci,
+        "speedup_vs_stock": vs_stock,
+        "speedup_vs_stock_ci": vs_stock_ci,
+        "stock_over_compile": _speedup(sp.get(("compile", "stock")))[0],
+        "stock_recipe": recipe,
+        "stock_message": stock_message,
+        "dtype": sel.plan.dtype or "float32",
+        "passes_kept": _in_effect(where, sel, val),
+        "plan": sel.plan.proposals,
+        "rel_error": val.numerics.rel_err if val.numerics else None,
+        "validation": val.overall,
+        "target_ms": target_ms,
+        "target_ratio": target_ratio,
+        "meets_target": meets,
+        "compile_seconds": opt.timing.compile_seconds,
+        "stage_seconds": stage_times,
+        "counters": _counters(base),
+        "source": str(where),
+        "gpu_time": _gpu_time(base, opt),
+        "child_seconds": child_seconds(where),
+        "processes": _processes(opt),
+    }
+    # The shortfall is measured against the targets: a row without one (a model, or an
+    # example not timed against torch.compile) has none to miss.
+    row["shortfall"] = shortfall(row, opt) if meets is not None and vs_compile is not None else None
+    return row
+
+
+def _figures(rows: dict[str, Any], suite: str, key: str) -> list[float]:
+    return [
+        r[key]
+        for r in rows.values()
+        if r.get("suite", EXAMPLES) == suite and r.get(key) is not None
+    ]
+
+
 def summarize(folders: list[Path], junit_files: list[Path] | None = None) -> dict[str, Any]:
+    """Rows for the seven examples (each listed, ``missing`` where its artifacts are not there)
+    and for every other workload of the run (``discover``), and the geometric means of each
+    suite's speedups. ``geomean_speedup_vs_compile`` is the examples' alone, as in runs before
+    the real-model suite, so that the figure keeps its meaning across runs. A call that ran
+    models and no example at all (no example's folder in any OUT_DIR) lists no examples."""
     stages = stage_seconds(junit_files or [])
+    others = discover(folders)
+    ran_examples = any(
+        (f / name).is_dir() or (f / "examples" / name).is_dir() for f in folders for name in TARGETS
+    )
     rows: dict[str, Any] = {}
-    for name, (target_ms, target_ratio) in TARGETS.items():
-        where = next((p for f in folders if (p := _find(f, name))), None)
-        if where is None:
-            rows[name] = {"status": "missing"}
-            continue
-        base = read_artifact(_artifact(where, "profile.json"), Profile)
-        opt = read_artifact(_artifact(where, "profile_optimized.json"), Profile)
-        sel = read_artifact(
-            _artifact(where / "profiler_output", "backend_selection.json"), BackendSelection
-        )
-        val = read_artifact(where / "profiler_output" / "validation_report.json", ValidationReport)
-        v = opt.timing.variants
-        sp = {(s.baseline, s.candidate): s for s in opt.timing.speedups}
-        vs_compile = sp[("compile", "optimized")]
-        row = {
-            "eager_ms": v["eager"].median_ms,
-            "compile_ms": v["compile"].median_ms,
-            "optimized_ms": v["optimized"].median_ms,
-            "eager_ci_ms": [v["eager"].ci_low_ms, v["eager"].ci_high_ms],
-            "compile_ci_ms": [v["compile"].ci_low_ms, v["compile"].ci_high_ms],
-            "optimized_ci_ms": [v["optimized"].ci_low_ms, v["optimized"].ci_high_ms],
-            "speedup_vs_compile": vs_compile.ratio,
-            "speedup_vs_compile_ci": [vs_compile.ci_low, vs_compile.ci_high],
-            "speedup_vs_eager": sp[("eager", "optimized")].ratio,
-            "dtype": sel.plan.dtype or "float32",
-            "passes_kept": _in_effect(where, sel, val),
-            "plan": sel.plan.proposals,
-            "rel_error": val.numerics.rel_err if val.numerics else None,
-            "validation": val.overall,
-            "target_ms": target_ms,
-            "target_ratio": target_ratio,
-            "meets_target": v["optimized"].median_ms <= target_ms
-            or vs_compile.ratio >= target_ratio,
-            "compile_seconds": opt.timing.compile_seconds,
-            "stage_seconds": stages.get(name),
-            "counters": _counters(base),
-            "source": str(where),
-            "gpu_time": _gpu_time(base, opt),
-            "child_seconds": child_seconds(where),
-            "processes": _processes(opt),
-        }
-        row["shortfall"] = shortfall(row, opt)
-        rows[name] = row
-    ratios = [r["speedup_vs_compile"] for r in rows.values() if "speedup_vs_compile" in r]
+    workloads: list[tuple[str, str, Path | None, tuple[float, float] | None]] = []
+    if ran_examples or not others:
+        for name, target in TARGETS.items():
+            found = next((p for f in folders if (p := _find(f, name))), None)
+            workloads.append((name, EXAMPLES, found, target))
+    workloads += [(name, MODELS, where, None) for name, where in others.items()]
+    for name, suite, at, aim in workloads:
+        if at is None:
+            rows[name] = {"suite": suite, "status": "missing"}
+        else:
+            rows[name] = workload_row(at, suite, stages.get(name), aim)
+    below = [
+        n
+        for n, r in rows.items()
+        if r.get("speedup_vs_stock_ci") and r["speedup_vs_stock_ci"][1] < 1.0
+    ]
     return {
         "workloads": rows,
-        "geomean_speedup_vs_compile": math.exp(sum(map(math.log, ratios)) / len(ratios))
-        if ratios
-        else None,
+        "geomean_speedup_vs_compile": geomean(_figures(rows, EXAMPLES, "speedup_vs_compile")),
+        "geomean_speedup_vs_stock": geomean(_figures(rows, EXAMPLES, "speedup_vs_stock")),
+        "models_geomean_speedup_vs_compile": geomean(_figures(rows, MODELS, "speedup_vs_compile")),
+        "models_geomean_speedup_vs_stock": geomean(_figures(rows, MODELS, "speedup_vs_stock")),
+        # the workloads the stock baseline beat beyond the timing's noise
+        "stock_below_one": below,
     }
+
+
+def _times(ratio: float | None, ci: list[float] | None) -> str:
+    """A speedup with its 95% CI (``2.74× (1.81–4.16)``), or — where the pair was not timed."""
+    if ratio is None or not ci:
+        return "—"
+    return f"{ratio:.2f}× ({ci[0]:.2f}–{ci[1]:.2f})"
+
+
+def _err(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1e}"
+
+
+def _geomeans(compile_gm: float | None, stock_gm: float | None, rows: list[dict[str, Any]]) -> str:
+    """The geometric means over torch.compile and over the stock baseline, in words; the one
+    over the stock baseline says how many workloads it averages where some were not timed
+    against it (the two are then over different workloads)."""
+    if compile_gm is None:
+        return ""
+    line = f"over torch.compile: {compile_gm:.2f}×"
+    if stock_gm is not None:
+        timed = [r for r in rows if r.get("speedup_vs_compile") is not None]
+        n = sum(r.get("speedup_vs_stock") is not None for r in timed)
+        part = f" ({n} of {len(timed)} workloads)" if n < len(timed) else ""
+        line += f"; over the stock baseline: {stock_gm:.2f}×{part}"
+    return line
 
 
 def markdown(result: dict[str, Any]) -> str:
-    lines = [
-        "| workload | eager ms | compile ms | optimized ms | × compile (95% CI) | target ms / × "
-        "| meets | dtype | rel. error | in effect |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    timed = {
-        n: r["stage_seconds"] for n, r in result["workloads"].items() if r.get("stage_seconds")
-    }
-    for name, r in result["workloads"].items():
+    every = result["workloads"]
+    suites: dict[str, dict[str, Any]] = {EXAMPLES: {}, MODELS: {}}
+    for name, r in every.items():  # a summary written before suites: all examples
+        suites[r.get("suite", EXAMPLES)][name] = r
+    examples, models = suites[EXAMPLES], suites[MODELS]
+    # A run that measured no stock baseline keeps the examples' table as it always was.
+    stock = any(r.get("speedup_vs_stock") is not None for r in every.values())
+    lines: list[str] = []
+    if examples:
+        lines += [
+            "| workload | eager ms | compile ms | optimized ms | × compile (95% CI) | "
+            + ("× stock (95% CI) | " if stock else "")
+            + "target ms / × | meets | dtype | rel. error | in effect |",
+            "|---|---|---|---|---|" + ("---|" if stock else "") + "---|---|---|---|---|",
+        ]
+    timed = {n: r["stage_seconds"] for n, r in every.items() if r.get("stage_seconds")}
+    for name, r in examples.items():
+        vs_stock = f"{_times(r.get('speedup_vs_stock'), r.get('speedup_vs_stock_ci'))} | "
         if "optimized_ms" not in r:
-            lines.append(f"| {name} | — | — | — | — | — | missing | | | |")
+            lines.append(f"| {name} | — | — | — | — | {'— | ' if stock else ''}— | missing | | | |")
             continue
-        lo, hi = r["speedup_vs_compile_ci"]
+        meets = r["meets_target"]
         lines.append(
-            f"| {name} | {r['eager_ms']:.3f} | {r['compile_ms']:.3f} | {r['optimized_ms']:.3f} "
-            f"| {r['speedup_vs_compile']:.2f}× ({lo:.2f}–{hi:.2f}) | {r['target_ms']} / "
-            f"{r['target_ratio']}× | {'yes' if r['meets_target'] else 'no'} | {r['dtype']} | "
-            f"{r['rel_error']:.1e} | {', '.join(r['passes_kept']) or '—'} |"
+            f"| {name} | {_ms(r['eager_ms'])} | {_ms(r['compile_ms'])} | "
+            f"{_ms(r['optimized_ms'])} | "
+            f"{_times(r['speedup_vs_compile'], r['speedup_vs_compile_ci'])} | "
+            + (vs_stock if stock else "")
+            + f"{r['target_ms']} / {r['target_ratio']}× | "
+            f"{'—' if meets is None else 'yes' if meets else 'no'} | {r['dtype']} | "
+            f"{_err(r['rel_error'])} | {', '.join(r['passes_kept']) or '—'} |"
         )
-    gm = result["geomean_speedup_vs_compile"]
-    lines.append("")
-    lines.append(f"Geometric mean over torch.compile: {gm:.2f}×" if gm else "")
+    if examples:
+        said = _geomeans(
+            result["geomean_speedup_vs_compile"],
+            result.get("geomean_speedup_vs_stock"),
+            list(examples.values()),
+        )
+        lines.append("")
+        lines.append(f"Geometric mean {said}" if said else "")
+    if models:
+        lines += [
+            "",
+            "Real-model suite (benchmarks/models; no hand-tuned targets: each held to "
+            "torch.compile and to the stock baseline, the faster stock recipe whose outputs "
+            "pass the validator):",
+            "",
+            "| workload | eager ms | compile ms | stock ms | optimized ms | × compile (95% CI) | "
+            "× stock (95% CI) | dtype | rel. error | in effect |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, r in models.items():
+            if "optimized_ms" not in r:
+                lines.append(f"| {name} | missing | — | — | — | — | — | | | |")
+                continue
+            lines.append(
+                f"| {name} | {_ms(r['eager_ms'])} | {_ms(r['compile_ms'])} | "
+                f"{_ms(r.get('stock_ms'))} | {_ms(r['optimized_ms'])} | "
+                f"{_times(r['speedup_vs_compile'], r['speedup_vs_compile_ci'])} | "
+                f"{_times(r.get('speedup_vs_stock'), r.get('speedup_vs_stock_ci'))} | "
+                f"{r['dtype']} | {_err(r['rel_error'])} | {', '.join(r['passes_kept']) or '—'} |"
+            )
+        said = _geomeans(
+            result.get("models_geomean_speedup_vs_compile"),
+            result.get("models_geomean_speedup_vs_stock"),
+            list(models.values()),
+        )
+        if said:
+            lines += ["", f"Real-model suite, geometric mean {said}."]
+    recipes = {
+        n: r.get("stock_recipe") or f"none passed ({r['stock_message']})"
+        for n, r in every.items()
+        if r.get("stock_recipe") or r.get("stock_message")
+    }
+    if recipes:
+        lines += [
+            "",
+            "Stock baseline recipe: "
+            + "; ".join(f"{n}, {how}" for n, how in recipes.items())
+            + ".",
+        ]
+    below = result.get("stock_below_one") or []
+    if below:
+        lines += [
+            "",
+            "Slower than the stock baseline (the 95% CI over stock wholly below 1×): "
+            + ", ".join(below)
+            + ".",
+        ]
     missed = {n: r for n, r in result["workloads"].items() if r.get("shortfall")}
     if missed:
         lines += [
@@ -624,10 +844,15 @@ def compare(first: dict[str, Any], second: dict[str, Any], names: tuple[str, str
         "|---|---|---|---|---|---|---|" + ("---|" if hosts else ""),
     ]
     overlap = close = 0
+    # A row without the figure (missing, or a model torch.compile failed on) is not compared.
     timed = [
         n
         for n in first["workloads"]
-        if all("speedup_vs_compile" in run["workloads"].get(n, {}) for run in (first, second))
+        if all(
+            run["workloads"].get(n, {}).get("speedup_vs_compile") is not None
+            and run["workloads"][n].get("speedup_vs_compile_ci")
+            for run in (first, second)
+        )
     ]
     untimed = [n for n in {**first["workloads"], **second["workloads"]} if n not in timed]
     for name in timed:

@@ -117,6 +117,249 @@ def test_the_committed_table_is_what_the_tool_writes() -> None:
     assert tool.markdown(tool.summarize([RESULTS], junit)) == written
 
 
+MODEL = "resnet18"
+"""A model of the suite (benchmarks/models) played by conv_block's artifacts, with a stock
+baseline slower than its optimized call."""
+OTHER_MODEL = "custom_model"
+"""A workload of no suite the script knows, found by its artifacts: gpt2's, without a stock
+baseline."""
+FAILED_MODEL = "vit_b16"
+"""A model of the suite whose folder holds logs but no profile_optimized.json."""
+
+
+def _with_stock(where: Path, over_optimized: float, half_width: float, recipe: str | None) -> None:
+    """Give a copied workload a stock baseline, as the recapture and the stock stage write it:
+    a ``stock`` variant at ``over_optimized`` times the optimized median, the pairs
+    (stock, optimized) with that ratio ± ``half_width`` and (compile, stock), and
+    stock_baseline.json naming ``recipe`` (None: none passed)."""
+    from pytest_opprof.pipeline import STOCK_FILE
+    from pytest_opprof.schema import (
+        Profile,
+        Speedup,
+        StockBaseline,
+        read_artifact,
+        write_artifact,
+    )
+
+    packed_profile = where / "profile_optimized.json.gz"
+    prof = read_artifact(packed_profile, Profile)
+    t = prof.timing
+    compile_ms, optimized_ms = t.variants["compile"].median_ms, t.variants["optimized"].median_ms
+    stock_ms = optimized_ms * over_optimized
+    stock = t.variants["compile"].model_copy(
+        update={"median_ms": stock_ms, "ci_low_ms": stock_ms * 0.98, "ci_high_ms": stock_ms * 1.02}
+    )
+    speedups = [
+        *t.speedups,
+        Speedup(
+            baseline="compile",
+            candidate="stock",
+            ratio=compile_ms / stock_ms,
+            ci_low=compile_ms / stock_ms * 0.95,
+            ci_high=compile_ms / stock_ms * 1.05,
+        ),
+        Speedup(
+            baseline="stock",
+            candidate="optimized",
+            ratio=over_optimized,
+            ci_low=over_optimized - half_width,
+            ci_high=over_optimized + half_width,
+        ),
+    ]
+    timing = t.model_copy(update={"variants": {**t.variants, "stock": stock}, "speedups": speedups})
+    write_artifact(where / "profile_optimized.json", prof.model_copy(update={"timing": timing}))
+    packed_profile.unlink()  # the plain file is the one read; leave no doubt
+    message = "" if recipe else "no stock recipe passed the validator"
+    chosen = StockBaseline(recipe=recipe, dtype="bfloat16" if recipe else None, message=message)
+    write_artifact(where / STOCK_FILE, chosen)
+
+
+@pytest.fixture
+def mixed_run(tmp_path: Path) -> Path:
+    """The committed run's seven examples (gpt2 with a stock baseline faster than its optimized
+    call, wholly below 1×) beside models: conv_block's artifacts as resnet18 (stock at 1.5×),
+    gpt2's as a workload the script knows only by its artifacts, a model that failed before
+    its profile, and a folder of no workload."""
+    run = tmp_path / "run"
+    for name in EXAMPLES:
+        shutil.copytree(RESULTS / name, run / name)
+    shutil.copytree(RESULTS / "conv_block", run / MODEL)
+    shutil.copytree(RESULTS / "gpt2", run / OTHER_MODEL)
+    _with_stock(run / MODEL, 1.5, 0.1, "cast")
+    _with_stock(run / "gpt2", 0.9, 0.05, "autocast")
+    (run / FAILED_MODEL / "profiler_output").mkdir(parents=True)
+    (run / FAILED_MODEL / "profiler_output" / "capture.log").write_text(
+        "[opprof] +  0.0 s  forked\n"
+    )
+    (run / "scratch").mkdir()
+    return run
+
+
+def test_the_suite_is_read_from_the_models_folder() -> None:
+    tool = _summarize()
+    names = tool.model_names()
+    folders = ROOT / "benchmarks" / "models"
+    assert names == sorted(d.name for d in folders.iterdir() if (d / f"{d.name}.py").is_file())
+    assert MODEL in names and FAILED_MODEL in names and OTHER_MODEL not in names
+
+
+def test_models_get_rows_of_their_own_without_targets(mixed_run: Path) -> None:
+    tool = _summarize()
+    result = tool.summarize([mixed_run], [RESULTS / "opprof-junit.xml"])
+    json.dumps(result)  # summary.json holds it as it is
+    rows = result["workloads"]
+    # examples first, in their order, then the other workloads by name; no row for a folder
+    # without artifacts that names no model
+    assert list(rows) == [*EXAMPLES, OTHER_MODEL, MODEL, FAILED_MODEL]
+    assert {n for n, r in rows.items() if r["suite"] == "examples"} == set(EXAMPLES)
+    assert rows[FAILED_MODEL] == {"suite": "models", "status": "missing"}
+    for name in (MODEL, OTHER_MODEL):
+        row = rows[name]
+        assert row["suite"] == "models"
+        assert row["target_ms"] is row["target_ratio"] is row["meets_target"] is None
+        assert row["shortfall"] is None
+        lo, hi = row["speedup_vs_compile_ci"]
+        assert lo <= row["speedup_vs_compile"] <= hi
+    # the same artifacts under a model's name give the same figures, without the targets
+    assert rows[MODEL]["speedup_vs_compile"] == rows["conv_block"]["speedup_vs_compile"]
+    assert rows["conv_block"]["meets_target"] is not None
+    # the examples' geometric mean keeps its meaning: the seven alone, as the committed run's
+    alone = tool.summarize([RESULTS], [RESULTS / "opprof-junit.xml"])
+    assert result["geomean_speedup_vs_compile"] == alone["geomean_speedup_vs_compile"]
+    models = [rows[n]["speedup_vs_compile"] for n in (OTHER_MODEL, MODEL)]
+    assert result["models_geomean_speedup_vs_compile"] == pytest.approx(
+        math.exp(sum(map(math.log, models)) / 2)
+    )
+
+
+def test_stock_figures_come_from_the_artifacts(mixed_run: Path) -> None:
+    from pytest_opprof.schema import Profile, read_artifact
+
+    tool = _summarize()
+    result = tool.summarize([mixed_run])
+    rows = result["workloads"]
+    for name, recipe in ((MODEL, "cast at bfloat16"), ("gpt2", "autocast at bfloat16")):
+        row = rows[name]
+        prof = read_artifact(mixed_run / name / "profile_optimized.json", Profile)
+        stock = prof.timing.variants["stock"]
+        sp = {(s.baseline, s.candidate): s for s in prof.timing.speedups}
+        assert row["stock_ms"] == stock.median_ms
+        assert row["stock_ci_ms"] == [stock.ci_low_ms, stock.ci_high_ms]
+        vs_stock = sp[("stock", "optimized")]
+        assert row["speedup_vs_stock"] == vs_stock.ratio
+        assert row["speedup_vs_stock_ci"] == [vs_stock.ci_low, vs_stock.ci_high]
+        assert row["stock_over_compile"] == sp[("compile", "stock")].ratio
+        assert row["stock_recipe"] == recipe and row["stock_message"] is None
+    for name in ("conv_block", OTHER_MODEL):  # no stock baseline: None, and nothing breaks
+        row = rows[name]
+        assert all(
+            row[k] is None
+            for k in (
+                "stock_ms",
+                "stock_ci_ms",
+                "speedup_vs_stock",
+                "speedup_vs_stock_ci",
+                "stock_over_compile",
+                "stock_recipe",
+            )
+        )
+    # each suite's mean over the stock baseline averages the workloads timed against it
+    assert result["geomean_speedup_vs_stock"] == pytest.approx(rows["gpt2"]["speedup_vs_stock"])
+    assert result["models_geomean_speedup_vs_stock"] == pytest.approx(
+        rows[MODEL]["speedup_vs_stock"]
+    )
+    # gpt2's CI over stock lies wholly below 1; resnet18's lies above
+    assert result["stock_below_one"] == ["gpt2"]
+
+
+def test_without_stock_or_models_the_means_are_none() -> None:
+    tool = _summarize()
+    result = tool.summarize([RESULTS])
+    assert result["geomean_speedup_vs_stock"] is None
+    assert result["models_geomean_speedup_vs_compile"] is None
+    assert result["models_geomean_speedup_vs_stock"] is None
+    assert result["stock_below_one"] == []
+    table = tool.markdown(result)
+    assert "× stock" not in table and "Real-model suite" not in table
+
+
+def test_the_markdown_shows_both_suites(mixed_run: Path) -> None:
+    tool = _summarize()
+    result = tool.summarize([mixed_run], [RESULTS / "opprof-junit.xml"])
+    rows = result["workloads"]
+    table = tool.markdown(result)
+    lines = table.splitlines()
+    assert lines[0].startswith(
+        "| workload | eager ms | compile ms | optimized ms | × compile (95% CI) | "
+        "× stock (95% CI) | target ms / × |"
+    )
+    gpt2 = next(line for line in lines if line.startswith("| gpt2 |"))
+    lo, hi = rows["gpt2"]["speedup_vs_stock_ci"]
+    assert f"| {rows['gpt2']['speedup_vs_stock']:.2f}× ({lo:.2f}–{hi:.2f}) |" in gpt2
+    conv = next(line for line in lines if line.startswith("| conv_block |"))
+    assert conv.split(" | ")[5] == "—"  # no stock baseline for it
+    assert all(line.count("|") == lines[0].count("|") for line in lines[: len(EXAMPLES) + 2])
+    examples = (
+        f"Geometric mean over torch.compile: {result['geomean_speedup_vs_compile']:.2f}×; over "
+        f"the stock baseline: {result['geomean_speedup_vs_stock']:.2f}× (1 of 7 workloads)"
+    )
+    assert examples in lines
+    suite = lines.index(next(line for line in lines if line.startswith("Real-model suite (")))
+    assert lines[suite + 2] == (
+        "| workload | eager ms | compile ms | stock ms | optimized ms | × compile (95% CI) | "
+        "× stock (95% CI) | dtype | rel. error | in effect |"
+    )
+    model = rows[MODEL]
+    assert lines[suite + 4].startswith(f"| {OTHER_MODEL} |")
+    assert lines[suite + 5].startswith(
+        f"| {MODEL} | {model['eager_ms']:.3f} | {model['compile_ms']:.3f} | "
+        f"{model['stock_ms']:.3f} | {model['optimized_ms']:.3f} |"
+    )
+    assert lines[suite + 6] == f"| {FAILED_MODEL} | missing | — | — | — | — | — | | | |"
+    assert (
+        "Real-model suite, geometric mean over torch.compile: "
+        f"{result['models_geomean_speedup_vs_compile']:.2f}×; over the stock baseline: "
+        f"{result['models_geomean_speedup_vs_stock']:.2f}× (1 of 2 workloads)."
+    ) in lines
+    assert "Stock baseline recipe: gpt2, autocast at bfloat16; resnet18, cast at bfloat16." in lines
+    assert "Slower than the stock baseline (the 95% CI over stock wholly below 1×): gpt2." in lines
+    # the sections after the tables hold every workload timed, the models included
+    assert f"| {MODEL} | optimized |" in table and "of them waiting for the GPU" in table
+
+
+def test_a_models_only_call_lists_no_examples(tmp_path: Path) -> None:
+    """A call of ``gpu_session.sh models`` holds no example's folder: its summary is the
+    suite's alone, not seven missing examples."""
+    tool = _summarize()
+    run = tmp_path / "run"
+    shutil.copytree(RESULTS / "conv_block", run / MODEL)
+    _with_stock(run / MODEL, 1.5, 0.1, None)  # timed, but no recipe's outputs passed
+    result = tool.summarize([run])
+    assert list(result["workloads"]) == [MODEL]
+    assert result["geomean_speedup_vs_compile"] is None
+    assert result["models_geomean_speedup_vs_compile"] is not None
+    row = result["workloads"][MODEL]
+    assert row["stock_recipe"] is None
+    assert row["stock_message"] == "no stock recipe passed the validator"
+    table = tool.markdown(result)
+    assert table.startswith("\nReal-model suite (")
+    assert "Geometric mean over" not in table
+    assert f"{MODEL}, none passed (no stock recipe passed the validator)." in table
+
+
+def test_compare_skips_rows_without_figures(mixed_run: Path) -> None:
+    """Two runs with models: a missing model and one not timed against torch.compile are named,
+    not compared."""
+    tool = _summarize()
+    one = json.loads(json.dumps(tool.summarize([mixed_run])))
+    two = json.loads(json.dumps(one))
+    two["workloads"][OTHER_MODEL].update(speedup_vs_compile=None, speedup_vs_compile_ci=None)
+    table = tool.compare(one, two, ("one", "two"))
+    assert f"| {MODEL} |" in table and f"| {OTHER_MODEL} |" not in table
+    assert "CIs overlap for 8 of 8; ratios within ±3% for 8 of 8." in table
+    assert f"Not timed against torch.compile in both runs: {OTHER_MODEL}, {FAILED_MODEL}." in table
+
+
 def test_gemm_bytes_from_shapes() -> None:
     tool = _summarize()
     # embedding_projection's logits: linear((64, 128, 512), weight (32000, 512)), fp32
