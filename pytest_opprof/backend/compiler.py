@@ -5,10 +5,11 @@ proposal's ``ir_level``, as ``backend.plan`` routes it):
 
 1. **functional** — on the Dynamo graph, before ``compile_fx``, with Dynamo's real example
    inputs (parameters arrive as ``nn.Parameter`` graph inputs on torch >= 2.5).
-2. **aten** — inside Inductor's inner compile, on the graph after AOT decomposition. The
-   example inputs there are fake tensors; the backend hands the passes the REAL parameter and
-   buffer tensors at the static-input positions (``static_input_idxs``), so weight-reading
-   passes such as ``bn_fold`` compute with real values. Backward graphs are left alone.
+2. **aten** — inside Inductor's inner compile, on the graph after AOT decomposition (with
+   freezing on: as ``freeze`` starts, on that same graph; see below). The example inputs there
+   are fake tensors; the backend hands the passes the REAL parameter and buffer tensors at the
+   static-input positions (``static_input_idxs``), so weight-reading passes such as
+   ``bn_fold`` compute with real values. Backward graphs are left alone.
 3. **inductor_config** — as ``compile_fx(config_patches=...)``.
 
 Interactions that shaped this module, checked on torch 2.13 and written for 2.11 as well:
@@ -19,8 +20,14 @@ Interactions that shaped this module, checked on torch 2.13 and written for 2.11
   ``is_parameter_freezing``). With ``freezing`` in the patches and autograd off, the backend
   therefore turns the parameter/buffer inputs back into graph attributes itself, so Inductor's
   ``freeze`` constant-folds them; the compiled function drops those arguments at call time.
-  Freezing runs *before* inner compile (``fw_compiler_freezing``), so the aten passes see the
-  frozen graph, whose weights are ``get_attr`` constants with real values.
+  Freezing runs *before* inner compile (``fw_compiler_freezing``) and rewrites the graph its
+  own way there: its ``freezing_passes`` fold a convolution's batch norm into frozen
+  constants and, on the CPU, swap ``aten.convolution`` / ``addmm`` for packed oneDNN ops. With
+  freezing on, the aten passes therefore run as ``freeze`` starts (the backend wraps it), on
+  the graph inner compile receives without freezing, with the real value of each input that
+  ``freeze`` is about to make a constant: every pass finds the pattern it finds without
+  freezing, and freezing then constant-folds what the passes produced. Inner compile does not
+  run them a second time on the frozen graph.
 * Freezing, and the folds of ``bn_fold`` / ``qkv_fusion``, bake the current weight values into
   the compiled code: later in-place updates of the model's parameters are not seen. That is the
   contract of inference (``eval()``, no autograd); under autograd the backend keeps weights as
@@ -42,6 +49,7 @@ import contextlib
 import hashlib
 import inspect
 import logging
+import weakref
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -49,6 +57,7 @@ import torch
 import torch.fx
 
 from pytest_opprof import devicelock
+from pytest_opprof.backend.plan import canonical_order
 from pytest_opprof.passes import get_pass, non_graph_apply
 from pytest_opprof.passes.base import (
     ALLOW_TF32,
@@ -79,14 +88,16 @@ def make_backend(
     passthrough: bool = False,
 ) -> Backend:
     """A Dynamo backend: ``functional`` passes on the Dynamo graph, then ``compile_fx`` with
-    ``aten`` passes run in inner compile and ``config_patches`` applied. Each ``PassResult`` is
-    appended to ``results`` (once per compiled graph). Unknown pass names raise ``KeyError``,
-    non-graph or config passes named as graph passes raise ``ValueError``.
+    ``aten`` passes run in inner compile (as freezing starts, where ``config_patches`` turn it
+    on) and ``config_patches`` applied. Each level's passes run in the canonical order
+    (``backend.plan.CANONICAL_ORDER``), whatever the order they are given in. Each
+    ``PassResult`` is appended to ``results`` (once per compiled graph). Unknown pass names
+    raise ``KeyError``, non-graph or config passes named as graph passes raise ``ValueError``.
 
     ``passthrough``: run the captured graph eagerly — what a generated backend does when
     measured selection found nothing faster than eager."""
-    functional_specs = _graph_specs(functional)
-    aten_specs = _graph_specs(aten)
+    functional_specs = _graph_specs(canonical_order(functional))
+    aten_specs = _graph_specs(canonical_order(aten))
     patches = supported_config(config_patches or {})
     allow_tf32 = bool(patches.pop(ALLOW_TF32, False))
     leftover = sorted(k for k in patches if k.startswith(OPPROF_PREFIX))
@@ -111,20 +122,29 @@ def make_backend(
         inputs = list(example_inputs)
         if patches.get("freezing") and not torch.is_grad_enabled():
             _lift_constants(gm, inputs)
+        # the graphs whose aten passes ran as freeze started: inner compile gets them frozen
+        before_freezing: weakref.WeakSet[torch.fx.GraphModule] = weakref.WeakSet()
+
+        def run_aten_passes(aten_gm: torch.fx.GraphModule, pass_inputs: list[Any]) -> None:
+            with compiling_for("inductor"), devicelock.on_gpu(_synchronize):
+                for spec in aten_specs:
+                    sink.append(spec.apply(aten_gm, pass_inputs))
+
+        def before_freeze(aot_gm: torch.fx.GraphModule, aot_inputs: Sequence[Any]) -> None:
+            if aten_specs:
+                run_aten_passes(aot_gm, _freezing_pass_inputs(aot_inputs))
+                before_freezing.add(aot_gm)
 
         def inner_compile(
             aten_gm: torch.fx.GraphModule, aten_inputs: Any, *a: Any, **kw: Any
         ) -> Any:
-            if aten_specs and not kw.get("is_backward", False):
-                pass_inputs = _aten_pass_inputs(aten_gm, aten_inputs, kw, inputs)
-                with compiling_for("inductor"), devicelock.on_gpu(_synchronize):
-                    for spec in aten_specs:
-                        sink.append(spec.apply(aten_gm, pass_inputs))
+            if aten_specs and not kw.get("is_backward", False) and aten_gm not in before_freezing:
+                run_aten_passes(aten_gm, _aten_pass_inputs(aten_gm, aten_inputs, kw, inputs))
             # looked up at call time, so a patched compile_fx_inner is honoured
             with _real_constants_allowed(aten_inputs):
                 return inductor.compile_fx_inner(aten_gm, aten_inputs, *a, **kw)
 
-        freezing = _freezing_on_gpu() if patches.get("freezing") else contextlib.nullcontext()
+        freezing = _freezing(before_freeze) if patches.get("freezing") else contextlib.nullcontext()
         with _no_autograd_cache(), _tf32(allow_tf32), freezing:
             compiled: Any = inductor.compile_fx(
                 gm, inputs, inner_compile=inner_compile, config_patches=dict(patches)
@@ -140,19 +160,25 @@ def _synchronize() -> None:
 
 
 @contextlib.contextmanager
-def _freezing_on_gpu() -> Iterator[None]:
-    """Inductor's freezing folds the weights on real tensors (GPU kernels) in a compile that
-    otherwise runs on fake ones: where the stage process let go of the GPU while it compiles
-    (``devicelock.off_gpu``), the fold takes it back for its span. torch 2.11 and 2.13 import
-    ``freeze`` from ``torch._inductor.freezing`` as they call it (``fw_compiler_freezing``), so
-    the module's attribute is where to wrap it."""
+def _freezing(
+    before: Callable[[torch.fx.GraphModule, Sequence[Any]], None],
+) -> Iterator[None]:
+    """Inductor's ``freeze(dynamo_gm, aot_gm, example_inputs)`` with ``before(aot_gm,
+    example_inputs)`` called as it starts (the aten passes, on the graph freezing is about to
+    rewrite). torch 2.11 and 2.13 import ``freeze`` from ``torch._inductor.freezing`` as they
+    call it (``fw_compiler_freezing``), so the module's attribute is where to wrap it.
+
+    Freezing folds the weights on real tensors (GPU kernels) in a compile that otherwise runs
+    on fake ones: where the stage process let go of the GPU while it compiles
+    (``devicelock.off_gpu``), the fold takes it back for its span."""
     from torch._inductor import freezing
 
     original = freezing.freeze
 
-    def freeze(*args: Any, **kwargs: Any) -> Any:
+    def freeze(dynamo_gm: Any, aot_autograd_gm: Any, example_inputs: Any) -> Any:
+        before(aot_autograd_gm, example_inputs)
         with devicelock.on_gpu(_synchronize):
-            return original(*args, **kwargs)
+            return original(dynamo_gm, aot_autograd_gm, example_inputs)
 
     freezing.freeze = freeze
     try:
@@ -295,6 +321,47 @@ def _aten_pass_inputs(
         if tuple(r.shape) == tuple(f.shape) and r.dtype == f.dtype and r.device == f.device:
             # plain buffers (our own constants, or a torch that does not mark buffers static)
             # are wrapped as aliasing Parameters: the passes' sign of a compile-time constant
+            if not is_constant_tensor(r):
+                with unset_fake_temporarily():
+                    r = torch.nn.Parameter(r, requires_grad=False)
+            out[index] = r
+    return out
+
+
+def _freezing_pass_inputs(fake_inputs: Sequence[Any]) -> list[Any]:
+    """The inputs the aten passes see as ``freeze`` starts: fake tensors, except the inputs that
+    ``freeze`` makes constants, which are the real tensors.
+
+    ``freeze`` turns each of the compiled module's own parameters and buffers
+    (``params_flat_unwrap_subclasses``, the first inputs of the graph) into a constant unless
+    the graph mutates it or an output aliases it (``replace_params_with_constants``, torch 2.11
+    / 2.13); the passes may bake exactly those values in. A mismatch in count, shape or dtype
+    keeps them fake.
+    """
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    out = list(fake_inputs)
+    context = torch._guards.TracingContext.try_get()
+    if context is None:
+        return out
+    params = list(getattr(context, "params_flat_unwrap_subclasses", None) or [])
+    meta = getattr(context, "fw_metadata", None)
+    if meta is None or len(params) > len(out):
+        return out
+    kept = {o.base_idx for o in meta.output_info if o.base_idx is not None}
+    kept.update(
+        i
+        for i, info in enumerate(meta.input_info)
+        if info.mutates_data
+        or info.mutates_metadata
+        or getattr(info, "mutation_inductor_storage_resize", False)
+    )
+    for index, (r, f) in enumerate(zip(params, out, strict=False)):
+        if index in kept or not isinstance(r, torch.Tensor) or is_fake(r):
+            continue
+        if not isinstance(f, torch.Tensor) or not all(isinstance(s, int) for s in f.shape):
+            continue
+        if tuple(r.shape) == tuple(f.shape) and r.dtype == f.dtype and r.device == f.device:
             if not is_constant_tensor(r):
                 with unset_fake_temporarily():
                     r = torch.nn.Parameter(r, requires_grad=False)

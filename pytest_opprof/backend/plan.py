@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import sys
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,14 +73,73 @@ def add_proposal(plan: BackendPlan, proposal: Proposal) -> BackendPlan:
         patches = {str(k): v for k, v in params.get("config_patches", {}).items()}
         update["config_patches"] = {**plan.config_patches, **patches}
     elif proposal.ir_level == "functional":
-        update["functional"] = [*plan.functional, kind]
+        update["functional"] = canonical_order([*plan.functional, kind])
     elif proposal.ir_level == "aten":
-        # gemm_algorithm last whatever the order its rung was kept in: it takes the mm nodes
-        # the other aten passes match (gemm_out_dtype, bn_fold).
-        update["aten"] = sorted([*plan.aten, kind], key=lambda k: k == "gemm_algorithm")
+        update["aten"] = canonical_order([*plan.aten, kind])
     else:
         return plan
     return plan.model_copy(update=update)
+
+
+CANONICAL_ORDER: tuple[str, ...] = (
+    "qkv_fusion",
+    "sdpa_replacement",
+    "bn_fold",
+    "dtype_promotion",
+    "memory_layout",
+    "gemm_out_dtype",
+    "gemm_epilogue",
+    "activation_substitution",
+    "attention_backend",
+    "gemm_algorithm",
+)
+"""The order in which the graph passes of one IR level run, whatever the order their rungs
+were added to a plan in (selection's second pass adds a rung after those kept above it): a
+pass runs after every pass that produces what it matches, and before every pass that consumes
+what it matches. A level runs the listed passes it holds in this order, then user passes by
+name. Pass by pass:
+
+- ``qkv_fusion`` before ``sdpa_replacement``: the fusion matches the linears that read one
+  activation, the attention pass the matmul chain after them whatever makes its q, k and v
+  (the split of one wide linear included), so both apply in this order, the ladder's.
+- ``bn_fold`` first of the aten passes: it matches a ``convolution`` / ``addmm`` / ``mm`` of a
+  constant weight (a linear's through a bare ``t`` / ``permute``) and the per-channel affine
+  after it, and leaves a plain ``convolution`` / ``addmm``, which the later passes match; only
+  then does a linear's activation follow its GEMM directly (``gemm_epilogue``). Run after
+  them, it would meet what they make of the GEMM, which it does not fold into: casts between
+  the weight and the GEMM (``dtype_promotion``), ``mm.dtype`` (``gemm_out_dtype``, where a
+  bf16 linear is cast to fp32 before its batch norm: one GEMM that only one of the two can
+  take, and the fold removes a pass over the output), ``_addmm_activation``, ``tuned_mm``.
+- ``dtype_promotion`` (the graph form) before the GEMM passes: ``gemm_out_dtype``,
+  ``gemm_algorithm`` and ``gemm_epilogue``'s exact GELU match only the bf16 / fp16 GEMMs it
+  makes, and ``gemm_epilogue`` follows its cast back up (``passes.gemm_epilogue``); run after
+  them, it would not lower the fp32 ``_addmm_activation`` the epilogue makes.
+- ``memory_layout`` (the graph form) after ``bn_fold`` and ``dtype_promotion``: it marks the
+  input of each ``convolution`` that remains, at the dtype it computes in; no later pass
+  matches convolutions.
+- ``gemm_out_dtype`` before ``gemm_algorithm``: it turns ``convert(mm(bf16), fp32)`` into
+  ``mm.dtype``, which ``gemm_algorithm`` tunes too, whereas ``tuned_mm`` would hide the
+  ``mm`` from it.
+- ``gemm_epilogue`` before ``activation_substitution`` (its aten form): the epilogue matches
+  the spelled-out tanh GELU after a biased GEMM, which ``activation_substitution`` would turn
+  into an ``aten.gelu`` the epilogue does not match.
+- ``attention_backend`` matches only cuDNN attention, which no other pass makes or matches.
+- ``gemm_algorithm`` last: it takes the ``mm`` nodes the other aten passes match.
+
+The functional-level order uses the same tuple: of its passes, ``activation_substitution``
+matches a GELU formula that neither of the attention passes touches. A plan applies
+``dtype_promotion`` and ``memory_layout`` to the model (``dtype``, ``channels_last``); their
+graph forms run only where a backend is made with them by name (``compiler.make_backend``),
+which runs its passes in this order too.
+"""
+
+
+def canonical_order(names: Iterable[str]) -> list[str]:
+    """``names`` without repeats (a pass rewrites every match it finds in one run) in
+    ``CANONICAL_ORDER``, then the names it does not list (user passes) sorted: the same list
+    whatever order ``names`` came in."""
+    known = {name: i for i, name in enumerate(CANONICAL_ORDER)}
+    return sorted(set(names), key=lambda n: (known.get(n, len(known)), n))
 
 
 def replaced_by_model_graph(plan: BackendPlan, kind: str, scope: Any) -> bool:

@@ -237,6 +237,21 @@ def worth_a_second_pass(reasons: list[str], revived: bool) -> bool:
     return revived and all(r.startswith("applied nowhere") for r in reasons)
 
 
+FIRST_PASS, SECOND_PASS = "first pass: ", "second pass: "
+
+
+def dropped_reason(first: str | None, reason: str, second_pass: bool) -> str:
+    """What a dropped rung's record says: ``reason``; on selection's second pass, after what
+    the first pass said (``first``), as ``"first pass: <first>; second pass: <reason>"``, so
+    that the record keeps the rung's whole history: why it was tried again and why it was
+    dropped again (``bn_fold`` made nothing faster, then applied nowhere on top of frozen
+    weights). The words a second pass is decided on (:func:`worth_a_second_pass`) are the
+    first pass's, read before the second pass writes."""
+    if not second_pass or first is None:
+        return reason
+    return f"{FIRST_PASS}{first}; {SECOND_PASS}{reason}"
+
+
 def applied_nowhere(proposals: Sequence[Proposal], results: Sequence[PassResult]) -> str | None:
     """What the passes said when every proposal of a rung has a pass record and none of them
     applied (the program is unchanged); None when any applied or one has no record (Inductor
@@ -298,6 +313,71 @@ def auto_cuda_graphs(scope: str = "graph") -> Proposal:
         "tried by measured selection on every GPU workload",
         params={"scope": scope},
     )
+
+
+def image_batch(inputs: Sequence[Any]) -> bool:
+    """Whether a floating input is 4-D (an image batch): the stock recipe goes channels-last."""
+    return any(
+        getattr(t, "dim", None) is not None and t.is_floating_point() and t.dim() == 4
+        for t in inputs
+    )
+
+
+def stock_recipe(image_batch: bool, device: str) -> tuple[Proposal, ...]:
+    """The stock recipe ``cast`` of ``backend.stock`` as one rung of proposals, which selection
+    builds in place of the ladder's plan (not on top of it) when the stock baseline is
+    measured: bf16 weights and inputs, channels-last for image batches, weight freezing,
+    max-autotune's settings (autotuned templates, coordinate-descent tuning) and, on a GPU,
+    Inductor's CUDA graphs. Kept where measured faster than the ladder's plan, so that the
+    backend shipped is never slower than what a user writes in three lines."""
+    why = "the stock recipe as a plan, tried in place of the ladder's (--opprof-stock)"
+    found = [
+        _tried_by_selection(
+            "stock-bf16",
+            "dtype_promotion",
+            "non_graph",
+            "the whole model",
+            "weights and floating inputs to bfloat16, outputs back",
+            why,
+            params={"dtype": "bfloat16"},
+        )
+    ]
+    if image_batch:
+        found.append(
+            _tried_by_selection(
+                "stock-channels_last",
+                "memory_layout",
+                "non_graph",
+                "4-D weights and inputs",
+                "channels-last memory format",
+                why,
+            )
+        )
+    found.append(
+        _tried_by_selection(
+            "stock-freezing",
+            "pretranspose_weights",
+            "inductor_config",
+            "the weights",
+            "Inductor weight freezing (freezing=True)",
+            why,
+        )
+    )
+    found.append(
+        _tried_by_selection(
+            "stock-max_autotune",
+            "algorithm_selection",
+            "inductor_config",
+            "GEMMs, convolutions and pointwise kernels",
+            "max_autotune=True, coordinate_descent_tuning=True",
+            why,
+            params={"config_patches": {"max_autotune": True, "coordinate_descent_tuning": True}},
+        )
+    )
+    if device == "cuda":
+        cuda_graphs = auto_cuda_graphs()
+        found.append(cuda_graphs.model_copy(update={"id": "stock-cuda_graphs", "rationale": why}))
+    return tuple(found)
 
 
 def _tried_by_selection(

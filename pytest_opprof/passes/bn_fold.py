@@ -13,11 +13,13 @@ constant weight (``nn.Linear``). A bf16/fp16 batch norm is decomposed in fp32 be
 casts; the casts are identity steps of the chain, the folded weights are rounded once to the
 layer's dtype, and the result is cast to the chain's last dtype where that differs.
 
-With Inductor freezing on, freezing runs before inner compile and already folds conv + bn on
-its own (``torch._inductor.fx_passes.freezing_patterns``), so this pass then reports
-``NOT_APPLIED``; its parameters are ``get_attr`` constants there and are read as such. Folding
-bakes the current weight values into the graph: the compiled model no longer sees later updates
-to them — the same contract as freezing, right for eval-mode inference only.
+With Inductor freezing on, the backend runs this pass as freezing starts, on the same graph
+as without it (``backend.compiler``): freezing's own patterns
+(``torch._inductor.fx_passes.freezing_patterns``) would fold conv + bn first and, on the CPU,
+leave oneDNN's packed convolutions, where this pass finds nothing. Weights that are ``get_attr``
+constants (a graph frozen already, a custom post-grad pass) are read as such. Folding bakes the
+current weight values into the graph: the compiled model no longer sees later updates to them —
+the same contract as freezing, right for eval-mode inference only.
 """
 
 from __future__ import annotations

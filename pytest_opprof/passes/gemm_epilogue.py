@@ -22,6 +22,13 @@ then views, each used only by the next, then ``relu``, the tanh-GELU formula
 decomposition of the exact GELU, ``(x * 0.5) * (erf(x * 0.7071...) + 1)`` (in fp32 between
 two casts for bf16). The GEMM's result may have no other use: the pre-activation values
 would still have to be written.
+
+Among the views there may be one cast of a bf16 / fp16 result up to fp32: what the graph form
+of ``dtype_promotion`` (which runs before this pass, ``backend.plan.CANONICAL_ORDER``) leaves
+after each GEMM it lowers. The fused result is then viewed and cast up the same way. For a
+ReLU that is exact (rounding keeps the sign); a GELU's output is rounded to the GEMM's dtype
+once more, an error of the size of the GEMM's own rounding, which a plan that computes the
+GEMM in bf16 / fp16 already allows.
 """
 
 from __future__ import annotations
@@ -54,6 +61,7 @@ from pytest_opprof.passes.dtype_promotion import _VIEWS, _cast_dtype, _is_cast
 
 NAME = "gemm_epilogue"
 aten = torch.ops.aten
+prims = torch.ops.prims
 FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 LOW = (torch.bfloat16, torch.float16)
 """Where the exact GELU may become the epilogue's tanh form: the dtype's rounding outweighs it."""
@@ -86,7 +94,7 @@ def _rewrite(gm: torch.fx.GraphModule, devices: tuple[str, ...]) -> tuple[int, s
         if site is None:
             continue
         src, final, dead, kind = site
-        gemm, views = _gemm_through_views(src)
+        gemm, views, widen = _gemm_under(src)
         if gemm is None or not _fits(gemm, devices, kind):
             continue
         with graph.inserting_before(gemm):
@@ -94,7 +102,12 @@ def _rewrite(gm: torch.fx.GraphModule, devices: tuple[str, ...]) -> tuple[int, s
             out = graph.call_function(aten._addmm_activation.default, tuple(gemm.args), kwargs)
             set_fake_value(out, key)
         with graph.inserting_before(final):  # the same views, now on the activated result
-            replacement = reapply_views(graph, out, views, key)
+            replacement = reapply_views(graph, out, [v for v in views if v is not widen], key)
+            if widen is not None:  # and the same cast up (a view commutes with it)
+                replacement = graph.call_function(
+                    prims.convert_element_type.default, (replacement, _cast_dtype(widen))
+                )
+                set_fake_value(replacement, key)
         final.replace_all_uses_with(replacement)
         erase_if_dead(graph, [final, *dead, *views, gemm])
         fused.append(kind)
@@ -150,41 +163,54 @@ def _around(
     x: torch.fx.Node, root: torch.fx.Node, nodes: list[torch.fx.Node], kind: str
 ) -> Site | None:
     """The site of a GELU computed from ``x`` by ``nodes`` up to ``root``: on the GEMM's
-    result itself, or on its fp32 copy with ``root`` cast back to the low dtype."""
-    inside = {*nodes, root}
+    result itself (a widened copy of it included, see ``_gemm_under``), or on its fp32 copy
+    with ``root`` cast back to the low dtype (Inductor's decomposition)."""
+    if not all(u in {*nodes, root} for u in x.users):
+        return None
     src, final, dead = x, root, [*nodes, root]
-    if _is_cast(x) and isinstance(x.args[0], torch.fx.Node):
-        back = single_user(root)
+    back = single_user(root)
+    if back is not None and _is_cast(back) and _is_cast(x) and isinstance(x.args[0], torch.fx.Node):
         low = fake_value(x.args[0])
-        if (
-            back is None
-            or not _is_cast(back)
-            or not isinstance(low, torch.Tensor)
-            or _cast_dtype(back) != low.dtype
-            or single_user(x.args[0]) is not x
-        ):
+        if not isinstance(low, torch.Tensor) or _cast_dtype(back) != low.dtype:
+            return None
+        if single_user(x.args[0]) is not x:
             return None
         src, final, dead = x.args[0], back, [*dead, x]
-    if not all(u in inside for u in x.users):
-        return None
     return src, final, dead, kind
 
 
-def _gemm_through_views(src: torch.fx.Node) -> tuple[torch.fx.Node | None, list[torch.fx.Node]]:
-    """The ``addmm`` under ``src`` and the views between them (outermost first), each used only
-    by the next; (None, []) where there is none."""
+def _gemm_under(
+    src: torch.fx.Node,
+) -> tuple[torch.fx.Node | None, list[torch.fx.Node], torch.fx.Node | None]:
+    """The ``addmm`` under ``src``, the views between them (outermost first), each used only
+    by the next, and among them at most one cast of a bf16 / fp16 result up to fp32 (the
+    ``widen``, else None): what the graph form of ``dtype_promotion`` leaves after each GEMM it
+    lowers. (None, [], None) where there is none."""
     views: list[torch.fx.Node] = []
+    widen: torch.fx.Node | None = None
     node: Any = src
-    while is_op(node, *_VIEWS):
+    while is_op(node, *_VIEWS) or (widen is None and _widens(node)):
         if views and single_user(node) is not views[-1]:
-            return None, []
+            return None, [], None
+        if not is_op(node, *_VIEWS):
+            widen = node
         views.append(node)
         node = node.args[0]
     if not is_op(node, aten.addmm) or len(node.args) != 3 or node.kwargs:
-        return None, []  # beta / alpha: the epilogue adds the bias as it is
+        return None, [], None  # beta / alpha: the epilogue adds the bias as it is
     if views and single_user(node) is not views[-1]:
-        return None, []
-    return node, views
+        return None, [], None
+    return node, views, widen
+
+
+def _widens(node: Any) -> bool:
+    """``node`` casts a bf16 / fp16 tensor up to fp32."""
+    if not _is_cast(node) or not isinstance(node.args[0], torch.fx.Node):
+        return False
+    low, wide = fake_value(node.args[0]), fake_value(node)
+    if not isinstance(low, torch.Tensor) or not isinstance(wide, torch.Tensor):
+        return False
+    return low.dtype in LOW and wide.dtype == torch.float32
 
 
 def _fits(gemm: torch.fx.Node, devices: tuple[str, ...], kind: str) -> bool:

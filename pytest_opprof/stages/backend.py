@@ -5,6 +5,7 @@ test file and the implementation notes (the parent half, ``run``).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -85,13 +86,16 @@ def task_select(spec: ChildSpec) -> None:
     import torch
 
     from pytest_opprof.backend.build import build
-    from pytest_opprof.backend.plan import add_proposal, cannot_change
+    from pytest_opprof.backend.plan import Rung, add_proposal, cannot_change
     from pytest_opprof.backend.selection import (
         applied_nowhere,
         climbed,
+        dropped_reason,
         faster_enough,
+        image_batch,
         over_twice_as_slow,
         second_pass,
+        stock_recipe,
         timed_rung,
         verdict,
         worth_a_second_pass,
@@ -162,16 +166,23 @@ def task_select(spec: ChildSpec) -> None:
         for pid, (kind, reason) in not_built.items()
     }
 
-    def attempt(rung: Rung, second_chance: bool) -> bool:
-        plan = state["plan"]
+    def drop(rung: Rung, reason: str, second_chance: bool) -> None:
+        """Record each of the rung's proposals as dropped for ``reason``; on the second pass
+        after what the first pass said (``dropped_reason``)."""
+        for p in rung.proposals:
+            before = dropped.get(p.id)
+            first = before.reason if before is not None else None
+            dropped[p.id] = DroppedProposal(
+                id=p.id, type=p.type, reason=dropped_reason(first, reason, second_chance)
+            )
+
+    def attempt(rung: Rung, second_chance: bool, on: BackendPlan | None = None) -> bool:
+        """Build ``rung`` on top of the plan so far (or of ``on``, in its place), check its
+        outputs, time it against the plan so far and keep it where measured faster."""
+        plan = state["plan"] if on is None else on
         moot = next(filter(None, (cannot_change(plan, p) for p in rung.proposals)), None)
         if moot is not None:
-            for p in rung.proposals:
-                before = dropped.get(p.id)
-                reason = (
-                    f"{before.reason}; not tried again: {moot}" if before else f"not tried: {moot}"
-                )
-                dropped[p.id] = DroppedProposal(id=p.id, type=p.type, reason=reason)
+            drop(rung, f"not tried: {moot}", second_chance)
             return False
         for p in rung.proposals:
             plan = add_proposal(plan, p)
@@ -183,18 +194,18 @@ def task_select(spec: ChildSpec) -> None:
         t1 = time.perf_counter()
         clock = common.compile_clock()
         common.compile_off_gpu(device)
+        # max-autotune times kernels on the GPU while it compiles: not beside a measurement
+        tuning = common.autotuning() if plan.config_patches.get("max_autotune") else None
         try:
-            built = build(fresh, w.inputs, plan)
+            with tuning or contextlib.nullcontext():
+                built = build(fresh, w.inputs, plan)
             with torch.no_grad():
                 got = [t.clone() for t in common.flat(built.fn(*check_in))]
             synchronize(device)
         except Exception as exc:  # a pass or Inductor failed on this rung: drop it, go on
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             variants.append(VariantResult(name=name, plan=plan, error=reason[:300]))
-            for p in rung.proposals:
-                dropped[p.id] = DroppedProposal(
-                    id=p.id, type=p.type, reason=f"failed to build: {reason[:200]}"
-                )
+            drop(rung, f"failed to build: {reason[:200]}", second_chance)
             return False
         note = common.compile_note(clock)
         common.phase(
@@ -206,10 +217,7 @@ def task_select(spec: ChildSpec) -> None:
         if unchanged is not None:
             # Timing an identical program only measures noise; a lucky CI must not keep it.
             variants.append(VariantResult(name=name, plan=plan, error="applied nowhere"))
-            for p in rung.proposals:
-                dropped[p.id] = DroppedProposal(
-                    id=p.id, type=p.type, reason=f"applied nowhere: {unchanged[:200]}"
-                )
+            drop(rung, f"applied nowhere: {unchanged[:200]}", second_chance)
             return False
         checked_as = numerics_dtype(plan.dtype, tf32=runs_tf32(eager, plan, device))
         rtol, atol = tolerance_for(checked_as, spec.overrides)
@@ -230,12 +238,7 @@ def task_select(spec: ChildSpec) -> None:
                     name=name, plan=plan, numerics=numerics, error="numerics out of tolerance"
                 )
             )
-            for p in rung.proposals:
-                dropped[p.id] = DroppedProposal(
-                    id=p.id,
-                    type=p.type,
-                    reason=(f"changed the output: {describe(numerics)}"),
-                )
+            drop(rung, f"changed the output: {describe(numerics)}", second_chance)
             return False
         with devicelock.measuring(share_after=False):
             s = time_interleaved(
@@ -265,20 +268,18 @@ def task_select(spec: ChildSpec) -> None:
         if faster_enough(gain):
             state.update(plan=plan, fn=built.fn, name=name)
             for p in rung.proposals:
-                dropped.pop(p.id, None)
+                before = dropped.pop(p.id, None)
+                if before is not None and second_chance:
+                    # what the first pass said: the kept records have no field for it
+                    common.phase(f"kept {p.id} on the second pass; first pass: {before.reason}")
             waterfall.append(step)
             return True
-        for p in rung.proposals:
-            dropped[p.id] = DroppedProposal(
-                id=p.id,
-                type=p.type,
-                reason=(
-                    verdict(gain) + f": {gain.ratio:.3f}x (95% CI {gain.ci_low:.3f}–"
-                    f"{gain.ci_high:.3f}) against the plan without it"
-                    + early
-                    + (", also on the second pass" if second_chance else "")
-                ),
-            )
+        drop(
+            rung,
+            verdict(gain) + f": {gain.ratio:.3f}x (95% CI {gain.ci_low:.3f}–"
+            f"{gain.ci_high:.3f}) against the plan without it" + early,
+            second_chance,
+        )
         return False
 
     kept = [attempt(r, second_chance=False) for r in rungs]
@@ -291,6 +292,20 @@ def task_select(spec: ChildSpec) -> None:
         reasons = [dropped[p.id].reason for p in rung.proposals]
         if worth_a_second_pass(reasons, revived) and attempt(rung, second_chance=True):
             revived = True
+    if common.measures_stock(spec):
+        # The stock recipe (backend.stock, "cast") as a plan in place of the ladder's: where it
+        # is measured faster, it is what ships, so the backend is never slower than it.
+        ladder_plan = state["plan"]
+        recipe = Rung("stock_recipe", stock_recipe(image_batch(w.inputs), device))
+        if attempt(recipe, second_chance=False, on=BackendPlan()):
+            for pid in set(ladder_plan.proposals) - set(state["plan"].proposals):
+                kind = next((p.type for p in opt.proposals if p.id == pid), pid)
+                dropped[pid] = DroppedProposal(
+                    id=pid,
+                    type=kind,
+                    reason="replaced: the stock recipe as a plan (stock_recipe) was measured "
+                    "faster than the plan with it",
+                )
     final = state["plan"]
     checked_as = numerics_dtype(final.dtype, tf32=runs_tf32(eager, final, device))
     selection = BackendSelection(

@@ -123,7 +123,8 @@ def test_tanh_gelu_inside_inductor_is_found_and_left() -> None:
 
 def test_freezing_makes_parameters_constants(monkeypatch: pytest.MonkeyPatch) -> None:
     """With ``freezing`` as a patch the parameters reach inner compile as constants, although
-    Dynamo (torch >= 2.5) traced them as graph inputs."""
+    Dynamo (torch >= 2.5) traced them as graph inputs; the aten passes ran before freezing
+    rewrote the graph, with the real weights."""
     model, x = ConvBnRelu().eval(), torch.randn(2, 3, 8, 8)
     seen: list[torch.fx.GraphModule] = []
     real_inner = torch._inductor.compile_fx.compile_fx_inner
@@ -144,8 +145,10 @@ def test_freezing_makes_parameters_constants(monkeypatch: pytest.MonkeyPatch) ->
     used = [n.name for n in aten_gm.graph.nodes if n.op == "placeholder" and n.users]
     assert len(used) == 1  # only x: the parameters were frozen into constants
     assert any(n.op == "get_attr" for n in aten_gm.graph.nodes)
-    # Inductor's freezing folded the batch norm before inner compile: nothing left for ours
-    assert _statuses(results) == [("bn_fold", "NOT_APPLIED")]
+    # folded by ours before freezing's own patterns could take the batch norm
+    assert _statuses(results) == [("bn_fold", "APPLIED")]
+    assert results[0].matches == 1
+    assert not any(n.target is torch.ops.aten.sub.Tensor for n in aten_gm.graph.nodes)
 
 
 def test_a_failing_pass_does_not_break_the_compile(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -281,8 +284,8 @@ def test_a_compile_off_the_gpu_takes_it_back_for_the_weights_it_folds(
         monkeypatch.setattr(devicelock, "_LOCK", None)
     assert held == [
         ("activation_substitution", "shared"),
+        ("dtype_promotion", "shared"),  # as freezing starts, on the graph it then freezes
         ("freeze", "shared"),
-        ("dtype_promotion", "shared"),
         ("codegen", None),
     ]
     assert freezing.freeze.__name__ == "wrapped"  # the backend's own wrapper is gone

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from pass_helpers import AtenTrace, count
 
-from pytest_opprof.passes import REGISTRY, gemm_epilogue
+from pytest_opprof.passes import REGISTRY, dtype_promotion, gemm_epilogue
 
 aten = torch.ops.aten
 CPU = ("cpu",)
@@ -57,6 +57,38 @@ def test_relu_folds_into_the_gemm(aten_graph: AtenTrace, dtype: torch.dtype) -> 
     assert count(gm, aten._addmm_activation) == 1
     assert count(gm, aten.addmm, aten.relu) == 0
     torch.testing.assert_close(gm(*args), before)
+
+
+@pytest.mark.parametrize("activation", ["relu", "exact_gelu", "tanh_gelu"])
+def test_after_dtype_promotions_cast_back_up(
+    aten_graph: AtenTrace, cpu_as_cuda: None, activation: str
+) -> None:
+    """The graph form of dtype_promotion (which runs first) leaves each GEMM in bf16 with its
+    result cast back up to fp32, where the activation then reads it: the epilogue still
+    applies, and its result is cast up the same way."""
+
+    def fn(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        h = F.linear(x, w, b)
+        if activation == "relu":
+            return F.relu(h) * 2
+        return F.gelu(h) if activation == "exact_gelu" else hand_gelu(h)
+
+    args = _args()
+    gm = aten_graph(fn, *args)
+    before = gm(*args)
+    assert dtype_promotion.apply(gm, args).status == "APPLIED"
+    promoted = gm(*args)
+    result = gemm_epilogue.apply(gm, args, devices=CPU)
+    assert (result.status, result.matches) == ("APPLIED", 1), result.detail
+    assert count(gm, aten._addmm_activation) == 1
+    assert count(gm, aten.addmm, aten.relu, aten.erf, aten.tanh) == 0
+    out = gm(*args)
+    assert out.dtype == torch.float32 and out.shape == before.shape
+    if activation == "relu":  # exact: rounding keeps the sign
+        torch.testing.assert_close(out, promoted, rtol=0, atol=0)
+    else:  # the CPU kernel's exact GELU, its result rounded to bf16 once more
+        torch.testing.assert_close(out, promoted, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out, before, rtol=3e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("spelled", ["by_hand", "decomposed"])

@@ -395,7 +395,7 @@ def test_gemm_algorithm_runs_after_the_other_aten_passes(make_proposal: Any) -> 
             make_proposal("bn_fold-1", "bn_fold", "aten"),
         ]
     )
-    assert plan.aten == ["gemm_out_dtype", "bn_fold", "gemm_algorithm"]
+    assert plan.aten == ["bn_fold", "gemm_out_dtype", "gemm_algorithm"]
 
 
 def test_notes_say_which_figures_are_measured_and_which_chained() -> None:

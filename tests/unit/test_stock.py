@@ -156,3 +156,26 @@ def test_dtypes_tried() -> None:
     assert stock.dtypes_to_try("bfloat16") == ["bfloat16"]
     assert stock.dtypes_to_try(None) == ["bfloat16", "float32"]
     assert stock.dtypes_to_try("float16") == ["bfloat16", "float16"]
+
+
+@pytest.mark.parametrize("device", ["cuda", "cpu"])
+def test_the_cast_recipe_as_a_plan_is_what_the_stock_recipe_does(device: str) -> None:
+    """Selection's stock rung (``selection.stock_recipe``) builds, on an empty plan, the cast
+    recipe's settings: bf16, channels-last for an image batch, freezing, max-autotune's
+    settings, and Inductor's CUDA graphs on a GPU."""
+    from pytest_opprof.backend.plan import add_proposal
+    from pytest_opprof.backend.selection import image_batch, stock_recipe
+    from pytest_opprof.schema import BackendPlan
+
+    _, x = _tiny()
+    assert image_batch((x,)) and not image_batch((torch.zeros(2, 3, dtype=torch.long),))
+    for batch in (True, False):
+        plan = BackendPlan()
+        for p in stock_recipe(batch, device):
+            plan = add_proposal(plan, p)
+        assert plan.dtype == "bfloat16" and plan.channels_last is batch
+        patches = plan.config_patches
+        assert patches["freezing"] and patches["max_autotune"]
+        assert patches["coordinate_descent_tuning"]
+        assert patches.get("triton.cudagraphs", False) is (device == "cuda")
+        assert all(pid.startswith("stock-") for pid in plan.proposals)

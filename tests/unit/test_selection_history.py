@@ -1,0 +1,158 @@
+"""A rung dropped on both of selection's passes keeps both reasons; one kept on the second pass
+leaves the first pass's reason in the stage log (``backend.selection.dropped_reason``, used
+by ``stages.backend.task_select``)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from pytest_opprof.backend.selection import dropped_reason, worth_a_second_pass
+
+NO_GAIN = "made nothing faster: 1.000x (95% CI 0.990–1.010) against the plan without it"
+
+
+def test_a_first_pass_reason_is_the_reason() -> None:
+    assert dropped_reason(None, NO_GAIN, second_pass=False) == NO_GAIN
+    # the first pass never meets an earlier record, but would not fold one in
+    assert dropped_reason("not tried: x", NO_GAIN, second_pass=False) == NO_GAIN
+
+
+def test_a_second_pass_reason_follows_the_first() -> None:
+    nowhere = "applied nowhere: bn_fold-1: no conv/linear followed by a constant per-channel affine"
+    reason = dropped_reason(NO_GAIN, nowhere, second_pass=True)
+    assert reason == f"first pass: {NO_GAIN}; second pass: {nowhere}"
+    # the record is read for a second pass before it is written: its first words decide
+    assert worth_a_second_pass([NO_GAIN], revived=False)
+
+
+# ------------------------------------------------------------------ through task_select
+
+
+class Model(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+class Variant:
+    """A built rung: computes what the model does; ``faster`` says how its timing goes."""
+
+    def __init__(self, model: torch.nn.Module, faster: bool) -> None:
+        self.model, self.faster = model, faster
+
+    def __call__(self, *args: Any) -> Any:
+        return self.model(*args)
+
+
+def _timings(calls: dict[str, Any], template: Any, **kw: Any) -> Any:
+    """Interleaved rounds: a candidate that is ``faster`` runs in 80% of the time of the plan
+    below it, any other as fast, with a little spread so that the statistics have some."""
+    from pytest_opprof.capture.timing import RoundSamples
+
+    rounds = int(kw["rounds"])
+    spread = [1.0 + 0.001 * ((i * 7) % 5 - 2) for i in range(rounds)]
+    samples = {}
+    for name, fn in calls.items():
+        base = 0.8 if isinstance(fn, Variant) and fn.faster and name == "candidate" else 1.0
+        samples[name] = [base * s for s in spread]
+    out = RoundSamples(samples, {name: 10 for name in calls})
+    out.host_us = [1.0] * rounds
+    return out
+
+
+def _proposals(make_proposal: Any) -> list[Any]:
+    return [
+        make_proposal("bn_fold-1", "bn_fold", "aten"),
+        make_proposal("memory_layout-1", "memory_layout", "non_graph"),
+        make_proposal("pretranspose_weights-1", "pretranspose_weights", "inductor_config"),
+    ]
+
+
+def test_task_select_keeps_each_dropped_rungs_history(
+    make_proposal: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The ladder on the CPU: bn_fold, memory_layout, pretranspose_weights. On the first pass
+    bn_fold and memory_layout make nothing faster and frozen weights are kept; on the second,
+    on top of them, bn_fold applies nowhere (as it did before its passes ran ahead of
+    freezing) and memory_layout is faster."""
+    from pytest_opprof.backend import build as build_module
+    from pytest_opprof.capture import timing
+    from pytest_opprof.options import OpprofOptions
+    from pytest_opprof.passes.base import PassResult, applied
+    from pytest_opprof.schema import (
+        BackendSelection,
+        ChildSpec,
+        Optimizations,
+        read_artifact,
+        write_artifact,
+    )
+    from pytest_opprof.stages import backend, common
+
+    torch.manual_seed(0)
+    model, x = Model().eval(), torch.randn(2, 4)
+    write_artifact(
+        tmp_path / "optimizations.json",
+        Optimizations(workload="w", device_type="cpu", proposals=_proposals(make_proposal)),
+    )
+    tried: list[tuple[str, ...]] = []
+
+    def build(fresh: torch.nn.Module, inputs: Any, plan: Any) -> Any:
+        tried.append(tuple(plan.proposals))
+        frozen = bool(plan.config_patches.get("freezing"))
+        results = []
+        if "bn_fold" in plan.aten:
+            said = "no conv/linear followed by ..."
+            results.append(
+                PassResult("bn_fold", "NOT_APPLIED", said) if frozen else applied("bn_fold", "", 1)
+            )
+        faster = (plan.channels_last and frozen) or plan.proposals == ["pretranspose_weights-1"]
+        return build_module.BuiltVariant(fn=Variant(fresh, faster), model=fresh, results=results)
+
+    monkeypatch.setattr(build_module, "build", build)
+    monkeypatch.setattr(timing, "time_interleaved", _timings)
+    monkeypatch.setattr(common, "setup_torch", lambda: None)
+    monkeypatch.setattr(
+        common, "load_baseline", lambda spec, device: SimpleNamespace(model=model, inputs=(x,))
+    )
+    monkeypatch.setattr(common, "compile_timed", lambda m, backend, inputs, device: (m, 0.0))
+    spec = ChildSpec(
+        task="select",
+        workload=str(tmp_path / "w.py"),
+        out_dir=str(tmp_path),
+        options=OpprofOptions.from_values({"out": str(tmp_path), "device": "cpu"}).to_child(),
+    )
+
+    backend.task_select(spec)
+
+    selection = read_artifact(
+        tmp_path / "profiler_output" / "backend_selection.json", BackendSelection
+    )
+    assert tried == [
+        ("bn_fold-1",),
+        ("memory_layout-1",),
+        ("pretranspose_weights-1",),
+        ("pretranspose_weights-1", "bn_fold-1"),
+        ("pretranspose_weights-1", "memory_layout-1"),
+    ]
+    assert selection.plan.proposals == ["pretranspose_weights-1", "memory_layout-1"]
+    (dropped,) = selection.dropped
+    assert dropped.id == "bn_fold-1"
+    first, second = dropped.reason.split("; second pass: ")
+    assert first.startswith("first pass: made nothing faster: ")
+    assert second == "applied nowhere: bn_fold-1: no conv/linear followed by ..."
+    assert "[second pass]" in selection.waterfall[-1].step
+    log = capsys.readouterr().out
+    assert "kept memory_layout-1 on the second pass; first pass: made nothing faster: " in log
+    json.loads((tmp_path / "profiler_output" / "backend_selection.json").read_text())
