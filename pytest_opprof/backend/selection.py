@@ -114,8 +114,8 @@ def gemm_writes_an_output(graph: FxGraphSummary | None) -> bool:
     building it to find out costs seconds (docs/design-notes.md#gemms-that-write-an-output)."""
     if graph is None:
         return True
+    from pytest_opprof.propose.gemm_patterns import find_output_gemms
     from pytest_opprof.propose.graph import views
-    from pytest_opprof.propose.patterns import find_output_gemms
 
     return any(find_output_gemms(v) for v in views(graph))
 
@@ -125,8 +125,8 @@ def has_tunable_gemm(graph: FxGraphSummary | None) -> bool:
     ``gemm_algorithm`` tunes. Without a graph summary, assume there may be one."""
     if graph is None:
         return True
+    from pytest_opprof.propose.gemm_patterns import find_tunable_gemms
     from pytest_opprof.propose.graph import views
-    from pytest_opprof.propose.patterns import find_tunable_gemms
 
     return any(find_tunable_gemms(v) for v in views(graph))
 

@@ -29,7 +29,7 @@ from pytest_opprof.passes.base import (
     run_graph_pass,
     set_fake_value,
 )
-from pytest_opprof.propose.patterns import MIN_TUNED_GFLOP
+from pytest_opprof.propose.gemm_patterns import MIN_TUNED_GFLOP
 
 NAME = "gemm_algorithm"
 aten = torch.ops.aten

@@ -1,4 +1,5 @@
-"""The rules over the FX graph: from pattern matches (``patterns.py``) to draft proposals.
+"""The rules over the FX graph: from pattern matches (``patterns.py``, ``gemm_patterns.py``) to
+draft proposals.
 
 BN folding, QKV fusion, SDPA formation, activation substitution, freezing, padding to tensor-core
 tiles and the stubs for what no pass can rewrite. Each rule reads the profile only to weigh a
@@ -8,7 +9,7 @@ match (the operators' share of time) and to estimate its impact.
 from __future__ import annotations
 
 from pytest_opprof import knowledge
-from pytest_opprof.propose import graph, patterns
+from pytest_opprof.propose import gemm_patterns, graph, patterns
 from pytest_opprof.propose.context import (
     MAX_EVIDENCE_PER_KIND,
     SCORE_HIGH,
@@ -269,7 +270,7 @@ def gemm_epilogue(ctx: Context) -> list[Draft]:
     outweighs the difference."""
     if not ctx.gpu:
         return []
-    matches = [m for v in ctx.views for m in patterns.find_gemm_activation(v)]
+    matches = [m for v in ctx.views for m in gemm_patterns.find_gemm_activation(v)]
     if not matches:
         return []
     data = sum(2 * m.info["numel"] * m.info["itemsize"] for m in matches)
@@ -343,7 +344,7 @@ def pretranspose_weights(ctx: Context) -> list[Draft]:
     (Dynamo traced nothing) Inductor never sees the weights, so nothing is proposed."""
     if ctx.graph is not None and not ctx.graph.graphs:
         return []
-    weight_ops = [m for v in ctx.views for m in patterns.find_weight_ops(v)]
+    weight_ops = [m for v in ctx.views for m in gemm_patterns.find_weight_ops(v)]
     gemms = top(
         [f for f in ctx.facts.values() if f.kind in ("gemm", "conv") and f.aggregate.share > 0]
     )
@@ -391,7 +392,7 @@ def batch_padding(ctx: Context) -> list[Draft]:
     multiple = knowledge.tile_multiple(ctx.spec, dtype)
     if not multiple:
         return []
-    found = [m for v in ctx.views for m in patterns.find_off_tile(v, multiple)]
+    found = [m for v in ctx.views for m in gemm_patterns.find_off_tile(v, multiple)]
     total = sum(g.flops for v in ctx.views for _, g in graph.gemm_nodes(v))
     gemm_share = sum(f.aggregate.share for f in ctx.facts.values() if f.gemm_like)
     padded = [m for m in found if m.info["waste_pct"] <= ctx.th.padding_max_waste_pct]

@@ -3,7 +3,8 @@
 Each detector reads one Dynamo graph as the capture stage summarised it and returns ``Match``
 records: the nodes it matched, the evidence it read — every value copied from ``graph.json``
 with the path it was read from — and the numbers the impact model needs. Detectors never decide
-whether a proposal is worth making; the rules do.
+whether a proposal is worth making; the rules do. The detectors over GEMM-like nodes (output
+GEMMs, tunable GEMMs, GEMM + activation, weight ops, off-tile dimensions) are ``gemm_patterns``.
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from pytest_opprof.propose.graph import (
     MATMUL_CALLS,
     GraphView,
     canon,
-    gemm_nodes,
     geometry,
     is_call,
     is_conv,
@@ -54,7 +54,8 @@ class Match:
     info: dict[str, Any] = field(default_factory=dict)
 
 
-def _ev(metric: str, value: Any, source: str, unit: str = "") -> Evidence:
+def ev(metric: str, value: Any, source: str, unit: str = "") -> Evidence:
+    """The evidence that ``value`` was read at ``source``; a list or tuple is kept as its text."""
     if isinstance(value, (list, tuple)):
         value = str(list(value))
     return Evidence(metric=metric, value=value, unit=unit, source=source)
@@ -79,11 +80,11 @@ def find_conv_bn(view: GraphView) -> list[Match]:
         if training not in ("False", None):
             continue
         evidence = [
-            _ev("producer", node.target, view.source(node, ".target")),
-            _ev("batch_norm", bn.target, view.source(bn, ".target")),
+            ev("producer", node.target, view.source(node, ".target")),
+            ev("batch_norm", bn.target, view.source(bn, ".target")),
         ]
         if where is not None:
-            evidence.append(_ev("batch_norm training", training, view.source(bn, where)))
+            evidence.append(ev("batch_norm training", training, view.source(bn, where)))
         matches.append(
             Match(
                 "conv_bn",
@@ -133,10 +134,10 @@ def find_shared_input_linears(view: GraphView) -> list[Match]:
             continue
         evidence = []
         for node, weight, shape in members:
-            evidence.append(_ev(f"{node.name} input", shared, view.source(node, ".args[0]")))
+            evidence.append(ev(f"{node.name} input", shared, view.source(node, ".args[0]")))
             if weight is not None:
                 evidence.append(
-                    _ev(f"{node.name} weight shape", shape, view.source(weight, ".shape"))
+                    ev(f"{node.name} weight shape", shape, view.source(weight, ".shape"))
                 )
         source = view.by_name.get(shared)
         info = {
@@ -172,10 +173,10 @@ def find_manual_attention(view: GraphView) -> list[Match]:
         if second is None:
             continue
         evidence = [
-            _ev("scores", first.target, view.source(first, ".target")),
-            _ev("softmax", soft.target, view.source(soft, ".target")),
-            _ev("scores shape", soft.shape or [], view.source(soft, ".shape")),
-            _ev("values", second.target, view.source(second, ".target")),
+            ev("scores", first.target, view.source(first, ".target")),
+            ev("softmax", soft.target, view.source(soft, ".target")),
+            ev("scores shape", soft.shape or [], view.source(soft, ".shape")),
+            ev("values", second.target, view.source(second, ".target")),
         ]
         masked = False
         scale = None
@@ -187,11 +188,11 @@ def find_manual_attention(view: GraphView) -> list[Match]:
                     if value is not None:
                         scale = 1.0 / value if op != "mul" else value
                         evidence.append(
-                            _ev(f"scale ({op})", node.args[i], view.source(node, f".args[{i}]"))
+                            ev(f"scale ({op})", node.args[i], view.source(node, f".args[{i}]"))
                         )
             elif op in ("where", "masked_fill", "add", "sub"):
                 masked = True
-                evidence.append(_ev("mask", node.target, view.source(node, ".target")))
+                evidence.append(ev("mask", node.target, view.source(node, ".target")))
         nodes = (first.name, *(n.name for n in between), soft.name, second.name)
         elements = numel(soft.shape)
         matches.append(
@@ -282,15 +283,13 @@ def find_tanh_gelu(view: GraphView) -> list[Match]:
         outer = _gelu_outer(view, tanh, x)
         nodes.extend(outer)
         evidence = [
-            _ev("tanh", tanh.target, view.source(tanh, ".target")),
-            _ev("sqrt(2/pi) constant", scaled.args[c1_at], view.source(scaled, f".args[{c1_at}]")),
-            _ev(
-                "cubic coefficient", cube_mul.args[c2_at], view.source(cube_mul, f".args[{c2_at}]")
-            ),
+            ev("tanh", tanh.target, view.source(tanh, ".target")),
+            ev("sqrt(2/pi) constant", scaled.args[c1_at], view.source(scaled, f".args[{c1_at}]")),
+            ev("cubic coefficient", cube_mul.args[c2_at], view.source(cube_mul, f".args[{c2_at}]")),
         ]
         if exp_at is not None:
             evidence.append(
-                _ev("exponent", power.args[exp_at], view.source(power, f".args[{exp_at}]"))
+                ev("exponent", power.args[exp_at], view.source(power, f".args[{exp_at}]"))
             )
         matches.append(
             Match(
@@ -307,136 +306,6 @@ def find_tanh_gelu(view: GraphView) -> list[Match]:
             )
         )
     return matches
-
-
-VIEW_CALLS = frozenset({"view", "reshape", "_unsafe_view", "flatten", "unflatten"})
-CAST_CALLS = frozenset({"to", "float", "type", "_to_copy", "convert_element_type"})
-
-
-def find_output_gemms(view: GraphView) -> list[Match]:
-    """GEMMs without a bias (``linear`` without one, ``matmul``/``mm``/``bmm``) whose result,
-    through views and casts, is an output of the graph: after bf16 these write the model's
-    float32 output, which ``gemm_out_dtype`` lets them write themselves (an ``addmm``'s bias
-    add keeps its cast apart)."""
-    out = next((n for n in view.nodes if n.op == "output"), None)
-    if out is None:
-        return []
-    names = re.findall(r"[A-Za-z_][A-Za-z0-9_]*", " ".join(out.args))
-    matches = []
-    for name in dict.fromkeys(names):
-        node = view.by_name.get(name)
-        while node is not None and is_call(node) and canon(node.target) in VIEW_CALLS | CAST_CALLS:
-            node = view.arg(node, 0)
-        if node is None or not is_call(node):
-            continue
-        bare_linear = is_linear(node) and node.op != "call_module" and not _has_bias(view, node)
-        if not (bare_linear or canon(node.target) in MATMUL_CALLS):
-            continue
-        evidence = [_ev(f"{node.name} (output GEMM)", node.target, view.source(node, ".target"))]
-        matches.append(Match("output_gemm", view.index, (node.name,), evidence))
-    return matches
-
-
-MIN_TUNED_GFLOP = 1.0
-"""2·M·N·K of the smallest GEMM ``gemm_algorithm`` tunes: about a microsecond at a Hopper
-GPU's dense bf16 peak (``knowledge``), where the tile shape matters less than the launch."""
-
-
-def find_tunable_gemms(view: GraphView, min_gflop: float = MIN_TUNED_GFLOP) -> list[Match]:
-    """GEMMs without a bias that lower to one 2-D ``mm`` (``linear`` without one, ``matmul`` /
-    ``mm`` of a 2-D right operand) of at least ``min_gflop``: what ``gemm_algorithm`` times
-    cuBLASLt's candidate algorithms for (an ``addmm``'s bias and ``bmm``'s batch it leaves)."""
-    matches = []
-    for node, geo in gemm_nodes(view):
-        if geo.kind == "linear":
-            if node.op == "call_module" or _has_bias(view, node):
-                continue
-        elif geo.kind == "matmul":
-            b = view.arg(node, 1)
-            if canon(node.target) not in ("matmul", "mm") or b is None or len(b.shape or []) != 2:
-                continue
-        else:
-            continue
-        if geo.flops < min_gflop * 1e9:
-            continue
-        evidence = [
-            _ev(f"{node.name} (GEMM)", node.target, view.source(node, ".target")),
-            _ev(f"{node.name} FLOPs", geo.flops, view.source(node, ".shape"), "FLOP"),
-        ]
-        matches.append(Match("tunable_gemm", view.index, (node.name,), evidence))
-    return matches
-
-
-RELU_CALLS = frozenset({"relu", "relu_"})
-
-
-def find_gemm_activation(view: GraphView) -> list[Match]:
-    """A biased linear (``linear`` with a bias, ``addmm``) whose result, through views used
-    only once, feeds nothing but a ReLU, a tanh-form GELU (``gelu(approximate='tanh')``, or
-    the formula spelled out: :func:`find_tanh_gelu`), or an exact GELU (``gelu``, which the
-    pass folds only once the GEMM runs in bf16 / fp16)."""
-    spelled = {m.info["input"]: m for m in find_tanh_gelu(view)}
-    matches = []
-    for gemm in view.nodes:
-        kind = canon(gemm.target) if is_call(gemm) else ""
-        if not (
-            (is_linear(gemm) and gemm.op != "call_module" and _has_bias(view, gemm))
-            or kind == "addmm"
-        ):
-            continue
-        out, chain = gemm, [gemm.name]
-        while len(users := view.users(out)) == 1 and canon(users[0].target) in VIEW_CALLS:
-            out = users[0]
-            chain.append(out.name)
-        users = view.users(out)
-        act, act_node = None, None
-        if len(users) == 1 and _is_relu(users[0]):
-            act, act_node = "relu", users[0]
-        elif len(users) == 1 and (approximation := _gelu_approximation(users[0])) is not None:
-            act, act_node = ("gelu_tanh" if approximation == "tanh" else "gelu_exact"), users[0]
-        elif out.name in spelled and all(u.name in spelled[out.name].nodes for u in users):
-            act = "gelu_tanh"
-        if act is None:
-            continue
-        nodes = (*chain, act_node.name) if act_node is not None else tuple(chain)
-        evidence = [_ev(f"{gemm.name} (biased GEMM)", gemm.target, view.source(gemm, ".target"))]
-        if act_node is not None:
-            evidence.append(_ev("activation", act_node.target, view.source(act_node, ".target")))
-        else:
-            evidence.extend(spelled[out.name].evidence[:1])
-        matches.append(
-            Match(
-                "gemm_activation",
-                view.index,
-                nodes,
-                evidence,
-                {
-                    "activation": act,
-                    "numel": numel(out.shape),
-                    "itemsize": itemsize(out.dtype),
-                },
-            )
-        )
-    return matches
-
-
-def _has_bias(view: GraphView, linear: FxNode) -> bool:
-    bias = view.arg(linear, 2) or view.by_name.get(str(linear.kwargs.get("bias", "")))
-    return bias is not None
-
-
-def _is_relu(node: FxNode) -> bool:
-    if node.op == "call_module":
-        return module_kind(node) == "ReLU"
-    return is_call(node) and canon(node.target) in RELU_CALLS
-
-
-def _gelu_approximation(node: FxNode) -> str | None:
-    """The ``approximate`` of an ``F.gelu`` call (``nn.GELU()`` as Dynamo inlines it):
-    ``"none"`` for the exact GELU, ``"tanh"``; None for any other node."""
-    if not (is_call(node) and canon(node.target) == "gelu"):
-        return None
-    return str(node.kwargs.get("approximate", "none")).strip("'\"")
 
 
 def _const_and_node(view: GraphView, node: FxNode) -> tuple[float | None, FxNode | None, int]:
@@ -510,9 +379,9 @@ def find_nchw_convolutions(view: GraphView) -> list[Match]:
         if not is_conv(node) or not node.shape or len(node.shape) != 4:
             continue
         x = view.arg(node, 0)
-        evidence = [_ev("conv output shape", node.shape, view.source(node, ".shape"))]
+        evidence = [ev("conv output shape", node.shape, view.source(node, ".shape"))]
         if x is not None and x.shape:
-            evidence.append(_ev("conv input shape", x.shape, view.source(x, ".shape")))
+            evidence.append(ev("conv input shape", x.shape, view.source(x, ".shape")))
         geo = geometry(view, node)
         matches.append(
             Match(
@@ -524,82 +393,6 @@ def find_nchw_convolutions(view: GraphView) -> list[Match]:
             )
         )
     return matches
-
-
-def find_weight_ops(view: GraphView) -> list[Match]:
-    """Linears and convolutions reading parameters: constants once the model is frozen."""
-    matches = []
-    for node in view.nodes:
-        if not (is_linear(node) or is_conv(node)):
-            continue
-        weight = view.arg(node, 1)
-        if node.op == "call_module":
-            matches.append(
-                Match(
-                    "weight_op",
-                    view.index,
-                    (node.name,),
-                    [_ev("module", node.target, view.source(node, ".target"))],
-                )
-            )
-            continue
-        if weight is None or weight.op not in ("placeholder", "get_attr"):
-            continue
-        if "parameters" not in weight.name and weight.op != "get_attr":
-            continue
-        matches.append(
-            Match(
-                "weight_op",
-                view.index,
-                (node.name,),
-                [_ev(f"{node.name} weight", weight.name, view.source(node, ".args[1]"))],
-            )
-        )
-    return matches
-
-
-def find_off_tile(view: GraphView, multiple: int) -> list[Match]:
-    """GEMM-like nodes whose N or K (channels / features) is not a multiple of ``multiple``."""
-    matches = []
-    for node, geo in gemm_nodes(view):
-        if geo.kind in ("sdpa", "matmul") or geo.groups > 1:
-            continue  # grouped / depthwise convs never run as tensor-core GEMMs
-        weight, shape = weight_shape(view, node)
-        if not shape:
-            continue
-        out_dim = shape[0]
-        in_dim = shape[1]
-        off = [d for d in (("N", out_dim), ("K", in_dim)) if d[1] % multiple]
-        if not off:
-            continue
-        padded = {name: _round_up(value, multiple) for name, value in off}
-        waste = max(padded[name] / value - 1.0 for name, value in off) * 100.0
-        evidence = []
-        if weight is not None:
-            evidence.append(_ev(f"{node.name} weight shape", shape, view.source(weight, ".shape")))
-        evidence.append(
-            _ev(f"{node.name} output shape", node.shape or [], view.source(node, ".shape"))
-        )
-        matches.append(
-            Match(
-                "off_tile",
-                view.index,
-                (node.name,),
-                evidence,
-                {
-                    "dims": {name: value for name, value in off},
-                    "padded": padded,
-                    "waste_pct": waste,
-                    "flops": geo.flops,
-                    "bytes": geo.bytes,
-                },
-            )
-        )
-    return matches
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def find_rnn_modules(summary: FxGraphSummary | None) -> list[Match]:
@@ -615,7 +408,7 @@ def find_rnn_modules(summary: FxGraphSummary | None) -> list[Match]:
                     "rnn_module",
                     -1,
                     (path,),
-                    [_ev("module type", kind, f"graph.json:module_types[{path}]")],
+                    [ev("module type", kind, f"graph.json:module_types[{path}]")],
                     {"cell": found.group(1)},
                 )
             )

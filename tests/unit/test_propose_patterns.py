@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pytest_opprof.propose import patterns
+from pytest_opprof.propose import gemm_patterns, patterns
 from pytest_opprof.propose.context import evidence_matches
 from pytest_opprof.propose.graph import GraphView, canon, geometry, views
 from pytest_opprof.schema import FxGraphSummary, FxNode
@@ -73,7 +73,7 @@ def test_canon_reads_every_spelling_of_a_target(target: str, expected: str) -> N
         (patterns.find_tanh_gelu, {"gpt2": 12}),
         (patterns.find_nchw_convolutions, {"conv_block": 3, "depthwise_separable_conv": 6}),
         (
-            patterns.find_weight_ops,
+            gemm_patterns.find_weight_ops,
             {
                 "conv_block": 4,
                 "depthwise_separable_conv": 6,
@@ -99,10 +99,10 @@ def test_detector_evidence_is_found_in_the_graph(name: str) -> None:
         patterns.find_manual_attention,
         patterns.find_tanh_gelu,
         patterns.find_nchw_convolutions,
-        patterns.find_weight_ops,
+        gemm_patterns.find_weight_ops,
     )
     matches = [m for v in views(g) for d in detectors for m in d(v)]
-    matches += patterns.find_off_tile(views(g)[0], 8) if g.graphs else []
+    matches += gemm_patterns.find_off_tile(views(g)[0], 8) if g.graphs else []
     matches += patterns.find_rnn_modules(g)
     for m in matches:
         for e in m.evidence:
@@ -117,13 +117,13 @@ def test_rnn_modules_from_module_types() -> None:
 
 
 def test_off_tile_dimensions_and_their_padding_waste() -> None:
-    found = patterns.find_off_tile(views(real("conv_block"))[0], 8)
+    found = gemm_patterns.find_off_tile(views(real("conv_block"))[0], 8)
     assert [(m.nodes, m.info["dims"], m.info["padded"]) for m in found] == [
         (("input_1",), {"K": 3}, {"K": 8}),
         (("linear",), {"N": 10}, {"N": 16}),
     ]
     assert found[0].info["waste_pct"] == pytest.approx(500 / 3)
-    assert count("depthwise_separable_conv", lambda v: patterns.find_off_tile(v, 8)) == 0
+    assert count("depthwise_separable_conv", lambda v: gemm_patterns.find_off_tile(v, 8)) == 0
 
 
 def test_geometry_of_linear_conv_matmul() -> None:

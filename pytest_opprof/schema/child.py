@@ -1,0 +1,62 @@
+"""What a stage process is given and what it answers when user code broke: ``ChildSpec``
+(``python -m pytest_opprof.runner SPEC.json``) and ``ChildFailure``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from pydantic import ConfigDict, Field
+
+from pytest_opprof.schema.base import Model
+
+
+class ChildSpec(Model):
+    """What a stage process is asked to do (``python -m pytest_opprof.runner SPEC.json``): the
+    task, the workload, the options, and each task's own inputs. Written by the parent
+    (``WorkloadRun.run_child``), read by the child's bootstrap; unknown keys are an error."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task: str
+    workload: str
+    out_dir: str = ""
+    options: dict[str, Any] = Field(default_factory=dict)
+    overrides: dict[str, Any] = Field(
+        default_factory=dict, description="the workload's OPPROF and the timing settings"
+    )
+    extra_passes: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="a record of the user passes (loaded by environment)"
+    )
+    generated: Path | None = Field(default=None, description="the generated file under test")
+    sha256: str | None = Field(
+        default=None, description="the generated file's validated hash: no other bytes are run"
+    )
+    dtype: str | None = Field(default=None, description="the compute dtype numerics are held to")
+    result: Path | None = Field(default=None, description="where the task writes its answer")
+    outputs: Path | None = Field(default=None, description="the candidate's outputs (validate)")
+    tests_log: Path | None = None
+    passes: list[dict[str, str]] = Field(
+        default_factory=list, description="LLM-written passes to check: proposal id and file"
+    )
+    shares_cpus: bool = False
+    siblings_lock: str | None = None
+    profile_name: str = "profile.json"
+    timeline_iters: int = 3
+    counters_labels: list[str] = Field(default_factory=list)
+    counters_label: str = "eager"
+    counters_warmup: int = 3
+
+    def need(self, name: str) -> Path:
+        """The path input ``name`` of this task, which its parent must have given."""
+        value = getattr(self, name)
+        if not isinstance(value, Path):
+            raise TypeError(f"the spec of task {self.task!r} has no {name}: a bug of the parent")
+        return value
+
+
+class ChildFailure(Model):
+    """What the runner writes when user code broke: read by the parent as one message."""
+
+    kind: str
+    message: str
