@@ -43,6 +43,7 @@ def apply_model_changes(
         dtype=plan.dtype,
         channels_last=plan.channels_last,
         pad_batch_to=plan.pad_batch_to,
+        autocast=plan.autocast,
     )
     return new_model, list(results)
 

@@ -55,6 +55,8 @@ def render_optimized(
     changes = []
     if plan.dtype:
         changes.append(f"dtype={plan.dtype!r}")
+    if plan.dtype and plan.autocast:
+        changes.append("autocast=True")
     if plan.channels_last:
         changes.append("channels_last=True")
     if plan.pad_batch_to:

@@ -214,12 +214,14 @@ def apply_non_graph(
     dtype: str | None = None,
     channels_last: bool = False,
     pad_batch_to: int | None = None,
+    autocast: bool = False,
 ) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], list[PassResult]]:
     """The non-graph changes in a fixed order: channels_last, then precision, then padding.
 
     The returned model takes the original inputs and returns outputs in the original dtype; the
     returned inputs are the ones to feed it for best speed (channels_last where requested).
-    ``dtype`` ``None`` / ``"float32"`` means no precision change.
+    ``dtype`` ``None`` / ``"float32"`` means no precision change; with ``autocast`` the model
+    keeps its dtype and runs under autocast at ``dtype``.
     """
     args = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
     results: list[PassResult] = []
@@ -228,7 +230,9 @@ def apply_non_graph(
         model, args, result = non_graph_apply("memory_layout")(model, args)
         results.append(result)
     if dtype is not None and dtype not in ("float32", "fp32"):
-        model, args, result = non_graph_apply("dtype_promotion")(model, args, dtype=dtype)
+        model, args, result = non_graph_apply("dtype_promotion")(
+            model, args, dtype=dtype, autocast=autocast
+        )
         results.append(result)
     if pad_batch_to is not None:
         model, args, result = non_graph_apply("batch_padding")(model, args, tile=pad_batch_to)

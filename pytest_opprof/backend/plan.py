@@ -54,6 +54,7 @@ def add_proposal(plan: BackendPlan, proposal: Proposal) -> BackendPlan:
         return plan
     if kind == "dtype_promotion":
         update["dtype"] = str(params.get("dtype", "bfloat16"))
+        update["autocast"] = params.get("mode") == "autocast"
     elif kind == "memory_layout":
         update["channels_last"] = True
     elif kind == "batch_padding":

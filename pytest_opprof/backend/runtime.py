@@ -74,13 +74,19 @@ def apply_non_graph(
     dtype: str | None = None,
     channels_last: bool = False,
     pad_batch_to: int | None = None,
+    autocast: bool = False,
     results: list[Any] | None = None,
 ) -> torch.nn.Module:
     """The model with the non-graph changes; it still takes the baseline's inputs. Each pass's
     ``PassResult`` is appended to ``results``."""
     args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     new_model, _, applied = compiler.apply_non_graph(
-        model, args, dtype=dtype, channels_last=channels_last, pad_batch_to=pad_batch_to
+        model,
+        args,
+        dtype=dtype,
+        channels_last=channels_last,
+        pad_batch_to=pad_batch_to,
+        autocast=autocast,
     )
     if results is not None:
         results.extend(applied)

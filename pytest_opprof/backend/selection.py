@@ -315,6 +315,27 @@ def auto_cuda_graphs(scope: str = "graph") -> Proposal:
     )
 
 
+def autocast_instead(rung: Rung) -> Rung | None:
+    """``rung`` with its precision change run under autocast instead of casting the model
+    (``dtype_promotion`` with ``mode="autocast"``: norms, softmax and reductions stay fp32),
+    for selection to try where the cast changed the output past the tolerance; None where the
+    rung has no cast to replace. The validator calibrates a low-precision backend by eager
+    under autocast, so where the cast exceeds that error autocast often does not."""
+    if not any(
+        p.type == "dtype_promotion" and p.params.get("mode") != "autocast" for p in rung.proposals
+    ):
+        return None
+    return Rung(
+        rung.name,
+        tuple(
+            p.model_copy(update={"params": {**p.params, "mode": "autocast"}})
+            if p.type == "dtype_promotion"
+            else p
+            for p in rung.proposals
+        ),
+    )
+
+
 def image_batch(inputs: Sequence[Any]) -> bool:
     """Whether a floating input is 4-D (an image batch): the stock recipe goes channels-last."""
     return any(

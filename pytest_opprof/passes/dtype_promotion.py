@@ -218,15 +218,43 @@ class LowPrecision(torch.nn.Module):
         return t.to(self.out_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
 
 
+class AutocastPrecision(torch.nn.Module):
+    """Runs ``inner``, unchanged, under ``torch.autocast`` at ``low``: matmuls and convolutions
+    in ``low``, what autocast keeps in fp32 (norms, softmax, reductions) in fp32; floating
+    outputs in ``out_dtype``. The precision change whose error is eager-under-autocast's,
+    which is what the validator calibrates a low-precision backend against
+    (``numerics.same_precision``): where casting the whole model to ``low`` exceeds that,
+    this does not (a pre-LN transformer's residual stream and norms stay fp32)."""
+
+    def __init__(
+        self, inner: torch.nn.Module, low: torch.dtype, out_dtype: torch.dtype, device_type: str
+    ) -> None:
+        super().__init__()
+        self.inner = inner
+        self.low = low
+        self.out_dtype = out_dtype
+        self.device_type = device_type
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        with torch.autocast(self.device_type, dtype=self.low):
+            found = self.inner(*args, **kwargs)
+        return tree_map(self._up, found)
+
+    def _up(self, t: Any) -> Any:
+        return t.to(self.out_dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+
 def apply_model(
     model: torch.nn.Module,
     inputs: tuple[torch.Tensor, ...],
     *,
     dtype: str | torch.dtype = "bfloat16",
+    autocast: bool = False,
     **_: Any,
 ) -> tuple[torch.nn.Module, tuple[torch.Tensor, ...], PassResult]:
     """Convert ``model`` (in place, like ``nn.Module.to``) to ``dtype`` and wrap it so that it
-    takes the original ``inputs`` and returns outputs in the original floating dtype."""
+    takes the original ``inputs`` and returns outputs in the original floating dtype; with
+    ``autocast``, leave it in its dtype and run it under autocast (:class:`AutocastPrecision`)."""
     try:
         low = resolve_dtype(dtype)
         floats: list[torch.Tensor] = [p for p in model.parameters() if p.is_floating_point()]
@@ -234,6 +262,14 @@ def apply_model(
         if not floats or all(t.dtype == low for t in floats):
             return model, inputs, not_applied(NAME, f"no floating parameters to convert to {low}")
         original = floats[0].dtype
+        if autocast:
+            device_type = floats[0].device.type
+            done = f"model run under autocast at {low} on {device_type}, I/O kept in {original}"
+            return (
+                AutocastPrecision(model, low, original, device_type),
+                inputs,
+                applied(NAME, done, 1),
+            )
         wrapped = LowPrecision(model.to(low), low, original)
     except Exception as exc:
         return model, inputs, failed(NAME, exc)

@@ -68,6 +68,11 @@ class BackendPlan(Model):
     functional: list[str] = Field(default_factory=list)
     aten: list[str] = Field(default_factory=list)
     config_patches: dict[str, Any] = Field(default_factory=dict)
+    autocast: bool = Field(
+        default=False,
+        description="the precision change runs the fp32 model under torch.autocast at dtype "
+        "(matmuls and convolutions low, norms and reductions fp32) instead of casting it",
+    )
     cuda_graph_model: bool = Field(
         default=False,
         description="record the whole optimized call as one CUDA graph and replay it "
@@ -83,7 +88,11 @@ class BackendPlan(Model):
     def without_dtype(self) -> BackendPlan:
         drop = {"dtype_promotion"}
         return self.model_copy(
-            update={"dtype": None, "aten": [p for p in self.aten if p not in drop]}
+            update={
+                "dtype": None,
+                "autocast": False,
+                "aten": [p for p in self.aten if p not in drop],
+            }
         )
 
 
@@ -180,8 +189,9 @@ class DroppedProposal(Model):
 class BackendSelection(Artifact):
     # 1.1: plan.extra_passes (user passes); 1.2: plan.cuda_graph_model; 1.3: numerics_dtype;
     # 1.4: a waterfall step's measured_ms, and a step's and a rung's paired ratio with the plan
-    # below's latency in the same rounds, so a report shows latencies measured (issue 37)
-    SCHEMA_VERSION: ClassVar[str] = "1.4"
+    # below's latency in the same rounds, so a report shows latencies measured (issue 37);
+    # 1.5: plan.autocast (the precision change under autocast, issue 38)
+    SCHEMA_VERSION: ClassVar[str] = "1.5"
 
     workload: str
     reference: str

@@ -89,6 +89,7 @@ def task_select(spec: ChildSpec) -> None:
     from pytest_opprof.backend.plan import Rung, add_proposal, cannot_change
     from pytest_opprof.backend.selection import (
         applied_nowhere,
+        autocast_instead,
         climbed,
         dropped_reason,
         faster_enough,
@@ -239,6 +240,10 @@ def task_select(spec: ChildSpec) -> None:
                 )
             )
             drop(rung, f"changed the output: {describe(numerics)}", second_chance)
+            under_autocast = autocast_instead(rung)
+            if under_autocast is not None:
+                common.phase(f"{name}: the cast changed the output; trying it under autocast")
+                return attempt(under_autocast, second_chance, on)
             return False
         with devicelock.measuring(share_after=False):
             s = time_interleaved(

@@ -139,3 +139,22 @@ def test_apply_model_on_a_model_already_low() -> None:
     assert (same, inputs, result.status) == (model, (x,), "NOT_APPLIED")
     _, _, bad = dtype_promotion.apply_model(model, (x,), dtype="fp8")
     assert bad.status == "FAILED" and "unknown dtype 'fp8'" in bad.detail
+
+
+def test_apply_model_under_autocast_keeps_the_weights_and_matches_eager_autocast() -> None:
+    """``autocast=True``: the model keeps its fp32 weights, its matmuls run in bf16 and its
+    norm in fp32 — exactly eager under autocast, whose error the validator calibrates by."""
+    model = TokenModel().eval()
+    ids, scale = torch.randint(0, 10, (2, 5)), torch.rand(1)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, _ = model(ids, scale)
+    with torch.no_grad():
+        new_model, new_inputs, result = dtype_promotion.apply_model(
+            model, (ids, scale), autocast=True
+        )
+        out, id_sum = new_model(*new_inputs)
+    assert result.status == "APPLIED" and "autocast" in result.detail
+    assert isinstance(new_model, dtype_promotion.AutocastPrecision)
+    assert model.proj.weight.dtype == torch.float32  # nothing cast
+    assert out.dtype == torch.float32 and id_sum.dtype == torch.int64
+    torch.testing.assert_close(out, expected.float(), rtol=0, atol=0)

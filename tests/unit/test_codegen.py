@@ -450,3 +450,11 @@ def test_notes_say_which_figures_are_measured_and_which_chained() -> None:
         "| +cuda_graphs_model (cuda_graphs-model) | 2.8750 | 4.4010 | 1.531x (1.500–1.560) "
         "| 1.531x |" in notes
     )
+
+
+def test_a_precision_change_under_autocast_is_written_as_such(tmp_path: Path) -> None:
+    plan = BackendPlan(dtype="bfloat16", autocast=True, proposals=["d-1"])
+    text = _render(tmp_path, "d-1", plan)
+    assert "dtype='bfloat16', autocast=True" in text
+    cast = _render(tmp_path, "d-1", plan.model_copy(update={"autocast": False}))
+    assert "autocast" not in cast

@@ -156,3 +156,85 @@ def test_task_select_keeps_each_dropped_rungs_history(
     log = capsys.readouterr().out
     assert "kept memory_layout-1 on the second pass; first pass: made nothing faster: " in log
     json.loads((tmp_path / "profiler_output" / "backend_selection.json").read_text())
+
+
+def test_a_cast_past_the_tolerance_is_kept_under_autocast_and_the_stock_recipe_is_tried(
+    make_proposal: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """bf16 by casting the model changes the output past the calibrated limit; the same rung
+    under autocast computes what eager under autocast does and is kept. With the stock
+    baseline measured, the stock recipe is then built as a plan in place of the ladder's (its
+    cast, too, tried again under autocast) and, no faster, not kept."""
+    from pytest_opprof.backend import build as build_module
+    from pytest_opprof.capture import timing
+    from pytest_opprof.options import OpprofOptions
+    from pytest_opprof.schema import (
+        BackendSelection,
+        ChildSpec,
+        Optimizations,
+        read_artifact,
+        write_artifact,
+    )
+    from pytest_opprof.stages import backend, common
+
+    torch.manual_seed(0)
+    model, x = Model().eval(), torch.randn(2, 4)
+    proposals = [make_proposal("dtype_promotion-1", "dtype_promotion", "non_graph")]
+    write_artifact(
+        tmp_path / "optimizations.json",
+        Optimizations(workload="w", device_type="cpu", proposals=proposals),
+    )
+    tried: list[tuple[tuple[str, ...], bool]] = []
+
+    class Computes(torch.nn.Module):
+        def __init__(self, autocast: bool) -> None:
+            super().__init__()
+            self.autocast = autocast
+
+        def forward(self, t: torch.Tensor) -> torch.Tensor:
+            if self.autocast:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    return model(t).float()
+            return model(t) * 1.1  # a cast's error, well past bf16's own
+
+    def build(fresh: torch.nn.Module, inputs: Any, plan: Any) -> Any:
+        tried.append((tuple(plan.proposals), plan.autocast))
+        faster = plan.autocast and not plan.config_patches
+        fn = Variant(Computes(plan.autocast), faster)
+        return build_module.BuiltVariant(fn=fn, model=fresh, results=[])
+
+    monkeypatch.setattr(build_module, "build", build)
+    monkeypatch.setattr(timing, "time_interleaved", _timings)
+    monkeypatch.setattr(common, "setup_torch", lambda: None)
+    monkeypatch.setattr(
+        common, "load_baseline", lambda spec, device: SimpleNamespace(model=model, inputs=(x,))
+    )
+    monkeypatch.setattr(common, "compile_timed", lambda m, backend, inputs, device: (m, 0.0))
+    options = {"out": str(tmp_path), "device": "cpu", "stock": "true"}
+    spec = ChildSpec(
+        task="select",
+        workload=str(tmp_path / "w.py"),
+        out_dir=str(tmp_path),
+        options=OpprofOptions.from_values(options).to_child(),
+    )
+
+    backend.task_select(spec)
+
+    selection = read_artifact(
+        tmp_path / "profiler_output" / "backend_selection.json", BackendSelection
+    )
+    stock = ("stock-bf16", "stock-freezing", "stock-max_autotune")
+    assert tried == [
+        (("dtype_promotion-1",), False),
+        (("dtype_promotion-1",), True),
+        (stock, False),
+        (stock, True),
+    ]
+    assert selection.plan.proposals == ["dtype_promotion-1"] and selection.plan.autocast
+    failed = [v for v in selection.variants if v.error == "numerics out of tolerance"]
+    assert len(failed) == 2 and all(not v.plan.autocast for v in failed)
+    assert {d.id for d in selection.dropped} == set(stock)
+    assert "the cast changed the output; trying it under autocast" in capsys.readouterr().out

@@ -179,3 +179,26 @@ def test_the_cast_recipe_as_a_plan_is_what_the_stock_recipe_does(device: str) ->
         assert patches["coordinate_descent_tuning"]
         assert patches.get("triton.cudagraphs", False) is (device == "cuda")
         assert all(pid.startswith("stock-") for pid in plan.proposals)
+
+
+def test_a_cast_that_changed_the_output_is_tried_again_under_autocast(
+    make_proposal: Any,
+) -> None:
+    """Selection's fallback (``selection.autocast_instead``): the rung's dtype_promotion with
+    mode autocast, the other proposals as they were; the plan keeps the weights' dtype."""
+    from pytest_opprof.backend.plan import Rung, add_proposal
+    from pytest_opprof.backend.selection import autocast_instead
+    from pytest_opprof.schema import BackendPlan
+
+    cast = make_proposal("dtype_promotion-1", "dtype_promotion", "non_graph")
+    other = make_proposal("pretranspose_weights-1", "pretranspose_weights", "inductor_config")
+    again = autocast_instead(Rung("dtype_promotion", (cast, other)))
+    assert again is not None
+    assert [p.params.get("mode") for p in again.proposals] == ["autocast", None]
+    assert [p.id for p in again.proposals] == [cast.id, other.id]
+    assert autocast_instead(again) is None  # tried once
+    assert autocast_instead(Rung("pretranspose_weights", (other,))) is None
+    plan = add_proposal(BackendPlan(), again.proposals[0])
+    assert plan.dtype == "bfloat16" and plan.autocast
+    assert not plan.without_dtype().autocast
+    assert not add_proposal(BackendPlan(), cast).autocast
