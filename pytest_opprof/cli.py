@@ -47,9 +47,16 @@ NCU = ("ncu", "ncu_sudo", "ncu_clock_control", "ncu_replay")
 STAGE_OPTIONS: dict[str, tuple[str, ...]] = {
     "capture": ("compile_backend", *TIMING, *NCU),
     "propose": ("min_confidence", "max_opts", "llm"),
-    "backend": ("compile_backend", *TIMING),
+    "backend": ("compile_backend", *TIMING, "stock"),
     "validate": (),
-    "recapture": ("compile_backend", *TIMING, "timing_processes", "fresh_timing", "timing_servers"),
+    "recapture": (
+        "compile_backend",
+        *TIMING,
+        "timing_processes",
+        "fresh_timing",
+        "timing_servers",
+        "stock",
+    ),
     "report": (
         "min_speedup",
         "baseline",

@@ -197,14 +197,14 @@ OWN_OPTIONS = {
         *("out", "device", "timeout", "compile-backend", "profile-name"),
         *TIMING,
         *("ncu", "ncu-sudo", "ncu-clock-control", "ncu-replay"),
-        *("timing-processes", "fresh-timing", "timing-servers"),
+        *("timing-processes", "fresh-timing", "timing-servers", "stock"),
     },
     "report": {
         *("out", "device", "timeout", "min-speedup", "baseline", "strict-gate", "gate-on-cpu"),
         *("save", "compare", "compare-fail", "storage"),
     },
     "propose": {"min-confidence", "max-opts", "llm", "out"},
-    "backend": {"device", "timeout", "compile-backend", *TIMING},
+    "backend": {"device", "timeout", "compile-backend", "stock", *TIMING},
     "validate": {"device", "timeout"},
     "merge": {"out"},
     "preflight": set(),
@@ -254,7 +254,7 @@ def test_the_help_names_the_choices(
 ) -> None:
     monkeypatch.setenv("COLUMNS", "1000")
     text = _help("optimize", capsys)
-    assert "(default: best; one of: eager, compile, best)" in text
+    assert "(default: best; one of: eager, compile, best, stock)" in text
     assert "(default: auto; one of: auto, cuda, cpu)" in text
     assert "(default: 15; an integer ≥ 3)" in text
     assert "--opprof-" not in text
