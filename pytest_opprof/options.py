@@ -252,6 +252,15 @@ OPTIONS: tuple[OptionSpec, ...] = (
         accepted="a number > 0",
     ),
     _opt(
+        "progress",
+        parse_count("--opprof-progress", minimum=0),
+        30,
+        "every S seconds, a line in the terminal per stage process running longer than that: "
+        "its workload, task, seconds so far and what it last did (0: none)",
+        metavar="S",
+        accepted="an integer ≥ 0",
+    ),
+    _opt(
         "strict-gate",
         lambda v: parse_bool(v, "--opprof-strict-gate"),
         False,
@@ -361,6 +370,7 @@ class OpprofOptions:
     fresh_timing: bool = False
     timing_servers: int = 1
     timeout: float = 900.0
+    progress: int = 30
     strict_gate: bool = False
     gate_on_cpu: bool = False
     llm: bool = False
@@ -419,7 +429,7 @@ class OpprofOptions:
         return STAGES
 
 
-PARENT_ONLY: tuple[str, ...] = ("save", "compare", "compare_fail", "storage")
+PARENT_ONLY: tuple[str, ...] = ("save", "compare", "compare_fail", "storage", "progress")
 """Options no stage process needs: ``to_child`` leaves them out."""
 
 

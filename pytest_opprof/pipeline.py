@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from pytest_opprof import STAGES, __version__, forkserver
+from pytest_opprof import STAGES, __version__, forkserver, progress
 from pytest_opprof.backend.plan import EXTRA_PASSES_ENV, PassRegistry
 from pytest_opprof.devicelock import WAITING
 from pytest_opprof.errors import StageError, WorkloadError
@@ -339,12 +339,13 @@ class WorkloadRun:
             log = self.profiler_output / f"{log_name or task}.log"
             timeout = float(self.setting("timeout"))
             try:
-                code = _start_child(spec_path, log, env, timeout, fresh=fresh, server=server)
+                with progress.running(self.options.out, self.name, log_name or task, log):
+                    code = _start_child(spec_path, log, env, timeout, fresh=fresh, server=server)
             except subprocess.TimeoutExpired:
                 why = (
                     "it was waiting for its GPU, which other processes shared — run fewer "
                     "pytest-xdist workers per GPU or raise --opprof-timeout"
-                    if _last_phase(log) == WAITING
+                    if progress.last_phase(log) == WAITING
                     else "the workload hangs or is too slow — raise --opprof-timeout or "
                     "OPPROF['timeout']"
                 )
@@ -373,16 +374,6 @@ class WorkloadRun:
                 f"{self.spec.path.name}: the {stage} process failed (exit {code}); this is "
                 f"likely a bug in pytest-opprof or torch. Last lines of {rel_path(log)}:\n{tail}"
             )
-
-
-def _last_phase(log: Path) -> str | None:
-    """The last ``[opprof] +  N s  what`` line of a stage log: what its process was doing."""
-    try:
-        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError:
-        return None
-    marks = [line.split(" s  ", 1)[-1] for line in lines if line.startswith("[opprof] +")]
-    return marks[-1] if marks else None
 
 
 def _device_identity() -> str | None:

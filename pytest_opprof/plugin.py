@@ -19,12 +19,14 @@ from pytest_opprof.options import OPTIONS, OpprofOptions
 from pytest_opprof.workload import WorkloadSpec, discover, is_generated
 
 if TYPE_CHECKING:
+    from pytest_opprof.progress import Ticker  # noqa: F401 (used in a string)
     from pytest_opprof.schema import SessionSummary
     from pytest_opprof.session import OpprofSession, Optimizer  # noqa: F401 (used in a string)
 
 SESSION_KEY = pytest.StashKey["OpprofSession"]()
 RECORDER_KEY = pytest.StashKey["StageRecorder"]()
 WRITTEN_KEY = pytest.StashKey[tuple[Path, "SessionSummary"]]()
+TICKER_KEY = pytest.StashKey["Ticker"]()
 """The session report's path and ``session.json`` as written at the session's end."""
 
 
@@ -333,11 +335,33 @@ def pytest_unconfigure(config: pytest.Config) -> None:
         forkserver.shutdown()
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Live progress of long stages (``--opprof-progress``) in the terminal's process: pytest's,
+    or xdist's controller, which reads the workers' progress files (``progress``)."""
+    config = session.config
+    if SESSION_KEY not in config.stash or hasattr(config, "workerinput"):
+        return
+    options = config.stash[SESSION_KEY].options
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if not options.progress or reporter is None:
+        return
+    from pytest_opprof import progress
+
+    def write(line: str) -> None:
+        reporter.write_line(f"opprof: {line}")
+
+    where = progress.folder(options.out)
+    config.stash[TICKER_KEY] = progress.Ticker(where, options.progress, write).start()
+
+
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     """The session's report and ``session.json`` (on the controller, from every worker's
     summaries), and its exit status: a session whose gate did not pass exits 1 whatever was
     selected, even where no failed item said so (runs before the terminal summary)."""
     config = session.config
+    ticker = config.stash.get(TICKER_KEY, None)
+    if ticker is not None:
+        ticker.stop()
     if SESSION_KEY not in config.stash or hasattr(config, "workerinput"):
         return
     opprof = config.stash[SESSION_KEY]

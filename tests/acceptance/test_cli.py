@@ -189,7 +189,8 @@ def test_version(capsys: pytest.CaptureFixture[str]) -> None:
     assert capsys.readouterr().out.strip() == f"opprof {__version__}"
 
 
-PIPELINE = {spec.noun for spec in OPTIONS} - {"junit", "shard"}  # those two are pytest's own
+# pytest's own: its JUnit file, its shards, its terminal's progress lines
+PIPELINE = {spec.noun for spec in OPTIONS} - {"junit", "shard", "progress"}
 TIMING = {"warmup-iters", "measure-iters", "rounds"}
 OWN_OPTIONS = {
     "optimize": PIPELINE,
