@@ -125,7 +125,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "measure the stock baseline too: the faster of two stock PyTorch recipes at bf16 "
         "(autocast, or the model cast with weight freezing; both torch.compile mode="
         '"max-autotune", which compiles for minutes on a large model); selection then tries '
-        "the cast recipe as a plan, so the backend shipped is never slower than it",
+        "the faster recipe in place of its own plan and ships it where measured faster",
         flag=True,
     ),
     _one_of(

@@ -56,7 +56,13 @@ def build(
     backend_name: str | None = None,
 ) -> BuiltVariant:
     """Compile ``model`` as ``plan`` says. With ``backend_name`` the registered backend of that
-    name is used (a generated file registered it); otherwise one is made for the plan."""
+    name is used (a generated file registered it); otherwise one is made for the plan. A stock
+    recipe's plan is that recipe, compiled on its first call (``backend.stock.Compiled``)."""
+    if plan.stock_recipe is not None:
+        from pytest_opprof.backend.stock import Compiled
+
+        recipe = Compiled(plan.stock_recipe, model, inputs, plan.dtype or "float32")
+        return BuiltVariant(fn=recipe, model=model, results=[])
     new_model, results = apply_model_changes(model, inputs, plan)
     if backend_name is not None:
         backend: Any = backend_name

@@ -67,7 +67,19 @@ def render_optimized(
         if changes
         else ""
     )
-    if selection.chosen == "eager" and plan == BackendPlan():
+    if plan.stock_recipe is not None:
+        body = (
+            f"    model = runtime.stock_recipe(model, x, {plan.stock_recipe!r}, "
+            f"{plan.dtype or 'float32'!r})\n"
+        )
+        registration = (
+            "# Measured selection found the stock recipe faster than its own plan: the model is\n"
+            "# that recipe, compiled as torch.compile(mode='max-autotune') on its first call\n"
+            "# (COMPILE = False: compiling it again would wrap a compiled model).\n"
+            "COMPILE = False\n"
+            "runtime.register_backend(BACKEND, passthrough=True, results=PASS_RESULTS)"
+        )
+    elif selection.chosen == "eager" and plan == BackendPlan():
         registration = (
             "# Measured selection found nothing faster than eager: the backend runs the captured\n"
             "# graph as it is, and the pipeline times the model uncompiled (COMPILE = False),\n"

@@ -52,7 +52,10 @@ def add_proposal(plan: BackendPlan, proposal: Proposal) -> BackendPlan:
     update: dict[str, object] = {"proposals": [*plan.proposals, proposal.id]}
     if kind in REPORT_ONLY_TYPES:
         return plan
-    if kind == "dtype_promotion":
+    if kind == "stock_recipe":
+        update["dtype"] = str(params["dtype"])
+        update["stock_recipe"] = str(params["recipe"])
+    elif kind == "dtype_promotion":
         update["dtype"] = str(params.get("dtype", "bfloat16"))
         update["autocast"] = params.get("mode") == "autocast"
     elif kind == "memory_layout":

@@ -93,6 +93,15 @@ def apply_non_graph(
     return new_model
 
 
+def stock_recipe(model: torch.nn.Module, inputs: Any, recipe: str, dtype: str) -> torch.nn.Module:
+    """The stock recipe ``recipe`` of ``model`` at ``dtype``, compiled on its first call: what a
+    generated file ships where selection measured it faster than its own plan."""
+    from pytest_opprof.backend.stock import Compiled
+
+    args = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    return Compiled(recipe, model, args, dtype)
+
+
 def optimize(
     model: torch.nn.Module,
     backend: str | Callable[..., Any],

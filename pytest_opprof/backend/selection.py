@@ -4,6 +4,7 @@ which get a second pass. Pure Python; ``runner.task_select`` builds and times th
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence, Set
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_opprof.backend.plan import LADDER_ORDER, Rung, ladder
@@ -336,69 +337,30 @@ def autocast_instead(rung: Rung) -> Rung | None:
     )
 
 
-def image_batch(inputs: Sequence[Any]) -> bool:
-    """Whether a floating input is 4-D (an image batch): the stock recipe goes channels-last."""
-    return any(
-        getattr(t, "dim", None) is not None and t.is_floating_point() and t.dim() == 4
-        for t in inputs
-    )
+def stock_rung(path: Path) -> Rung | None:
+    """The rung that tries the stock recipe the stock task kept (``path``: its
+    ``stock_baseline.json``) in place of the ladder's plan: one proposal of type
+    ``stock_recipe``, which ``plan.add_proposal`` turns into a plan that is that recipe (built by
+    ``backend.stock.Compiled``, no pass of this package). None where no recipe passed or the
+    file is missing. Kept where measured faster than the ladder's plan, so that a workload where
+    a user's three lines beat the ladder ships those lines."""
+    from pytest_opprof.schema import StockBaseline, read_artifact
 
-
-def stock_recipe(image_batch: bool, device: str) -> tuple[Proposal, ...]:
-    """The stock recipe ``cast`` of ``backend.stock`` as one rung of proposals, which selection
-    builds in place of the ladder's plan (not on top of it) when the stock baseline is
-    measured: bf16 weights and inputs, channels-last for image batches, weight freezing,
-    max-autotune's settings (autotuned templates, coordinate-descent tuning) and, on a GPU,
-    Inductor's CUDA graphs. Kept where measured faster than the ladder's plan, so that the
-    backend shipped is never slower than what a user writes in three lines."""
-    why = "the stock recipe as a plan, tried in place of the ladder's (--opprof-stock)"
-    found = [
-        _tried_by_selection(
-            "stock-bf16",
-            "dtype_promotion",
-            "non_graph",
-            "the whole model",
-            "weights and floating inputs to bfloat16, outputs back",
-            why,
-            params={"dtype": "bfloat16"},
-        )
-    ]
-    if image_batch:
-        found.append(
-            _tried_by_selection(
-                "stock-channels_last",
-                "memory_layout",
-                "non_graph",
-                "4-D weights and inputs",
-                "channels-last memory format",
-                why,
-            )
-        )
-    found.append(
-        _tried_by_selection(
-            "stock-freezing",
-            "pretranspose_weights",
-            "inductor_config",
-            "the weights",
-            "Inductor weight freezing (freezing=True)",
-            why,
-        )
+    if not path.is_file():
+        return None
+    chosen = read_artifact(path, StockBaseline)
+    if chosen.recipe is None or chosen.dtype is None:
+        return None
+    proposal = _tried_by_selection(
+        "stock-recipe",
+        "stock_recipe",
+        "non_graph",
+        "the whole model",
+        chosen.description or chosen.recipe,
+        "the stock recipe, tried in place of the ladder's plan (--opprof-stock)",
+        params={"recipe": chosen.recipe, "dtype": chosen.dtype},
     )
-    found.append(
-        _tried_by_selection(
-            "stock-max_autotune",
-            "algorithm_selection",
-            "inductor_config",
-            "GEMMs, convolutions and pointwise kernels",
-            "max_autotune=True, coordinate_descent_tuning=True",
-            why,
-            params={"config_patches": {"max_autotune": True, "coordinate_descent_tuning": True}},
-        )
-    )
-    if device == "cuda":
-        cuda_graphs = auto_cuda_graphs()
-        found.append(cuda_graphs.model_copy(update={"id": "stock-cuda_graphs", "rationale": why}))
-    return tuple(found)
+    return Rung("stock_recipe", (proposal,))
 
 
 def _tried_by_selection(

@@ -68,6 +68,11 @@ class BackendPlan(Model):
     functional: list[str] = Field(default_factory=list)
     aten: list[str] = Field(default_factory=list)
     config_patches: dict[str, Any] = Field(default_factory=dict)
+    stock_recipe: str | None = Field(
+        default=None,
+        description="the plan is a stock recipe of backend.stock at dtype, compiled as a user "
+        "writes it (no pass of this package): selection measured it faster than the ladder's",
+    )
     autocast: bool = Field(
         default=False,
         description="the precision change runs the fp32 model under torch.autocast at dtype "
@@ -190,7 +195,7 @@ class BackendSelection(Artifact):
     # 1.1: plan.extra_passes (user passes); 1.2: plan.cuda_graph_model; 1.3: numerics_dtype;
     # 1.4: a waterfall step's measured_ms, and a step's and a rung's paired ratio with the plan
     # below's latency in the same rounds, so a report shows latencies measured (issue 37);
-    # 1.5: plan.autocast (the precision change under autocast, issue 38)
+    # 1.5: plan.autocast (the precision change under autocast) and plan.stock_recipe (issue 38)
     SCHEMA_VERSION: ClassVar[str] = "1.5"
 
     workload: str

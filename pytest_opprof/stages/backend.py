@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_opprof import devicelock
 from pytest_opprof.backend.plan import extra_targets
-from pytest_opprof.pipeline import WorkloadRun
+from pytest_opprof.pipeline import STOCK_FILE, WorkloadRun
 from pytest_opprof.schema import (
     BackendSelection,
     ChildSpec,
@@ -36,6 +36,9 @@ def run(run: WorkloadRun) -> str:
     from pytest_opprof.tolerances import tolerance_for
 
     optimizations = read_artifact(run.out_dir / "optimizations.json", Optimizations)
+    (run.out_dir / STOCK_FILE).unlink(missing_ok=True)  # a former run's choice is not this one's
+    if run.measures_stock():
+        run.run_child("stock", "backend")
     run.run_child("select", "backend")
     sel_path = run.profiler_output / "backend_selection.json"
     selection = read_artifact(sel_path, BackendSelection)
@@ -86,17 +89,16 @@ def task_select(spec: ChildSpec) -> None:
     import torch
 
     from pytest_opprof.backend.build import build
-    from pytest_opprof.backend.plan import Rung, add_proposal, cannot_change
+    from pytest_opprof.backend.plan import add_proposal, cannot_change
     from pytest_opprof.backend.selection import (
         applied_nowhere,
         autocast_instead,
         climbed,
         dropped_reason,
         faster_enough,
-        image_batch,
         over_twice_as_slow,
         second_pass,
-        stock_recipe,
+        stock_rung,
         timed_rung,
         verdict,
         worth_a_second_pass,
@@ -196,7 +198,8 @@ def task_select(spec: ChildSpec) -> None:
         clock = common.compile_clock()
         common.compile_off_gpu(device)
         # max-autotune times kernels on the GPU while it compiles: not beside a measurement
-        tuning = common.autotuning() if plan.config_patches.get("max_autotune") else None
+        autotunes = plan.config_patches.get("max_autotune") or plan.stock_recipe
+        tuning = common.autotuning() if autotunes else None
         try:
             with tuning or contextlib.nullcontext():
                 built = build(fresh, w.inputs, plan)
@@ -297,19 +300,19 @@ def task_select(spec: ChildSpec) -> None:
         reasons = [dropped[p.id].reason for p in rung.proposals]
         if worth_a_second_pass(reasons, revived) and attempt(rung, second_chance=True):
             revived = True
-    if common.measures_stock(spec):
-        # The stock recipe (backend.stock, "cast") as a plan in place of the ladder's: where it
-        # is measured faster, it is what ships, so the backend is never slower than it.
+    recipe = stock_rung(out_dir / STOCK_FILE) if common.measures_stock(spec) else None
+    if recipe is not None:
+        # The stock recipe the stock task kept, compiled as a user writes it, in place of the
+        # ladder's plan: where it is measured faster, it is what ships.
         ladder_plan = state["plan"]
-        recipe = Rung("stock_recipe", stock_recipe(image_batch(w.inputs), device))
         if attempt(recipe, second_chance=False, on=BackendPlan()):
             for pid in set(ladder_plan.proposals) - set(state["plan"].proposals):
                 kind = next((p.type for p in opt.proposals if p.id == pid), pid)
                 dropped[pid] = DroppedProposal(
                     id=pid,
                     type=kind,
-                    reason="replaced: the stock recipe as a plan (stock_recipe) was measured "
-                    "faster than the plan with it",
+                    reason="replaced: the stock recipe (stock-recipe) was measured faster "
+                    "than the plan with it",
                 )
     final = state["plan"]
     checked_as = numerics_dtype(final.dtype, tf32=runs_tf32(eager, final, device))
@@ -325,6 +328,60 @@ def task_select(spec: ChildSpec) -> None:
         numerics_dtype=checked_as if checked_as == TF32 else None,
     )
     write_artifact(out_dir / "profiler_output" / "backend_selection.json", selection)
+
+
+def task_stock(spec: ChildSpec) -> None:
+    """Stage 3's first step where the stock baseline is measured: each stock recipe built
+    (``backend.stock``), its outputs held to the validator's checks at the recipe's dtype
+    (bf16, else fp32), the passing ones timed briefly side by side; the choice goes to
+    ``STOCK_FILE``, where selection tries it against its plan and every timing process of the
+    recapture reads which recipe to time."""
+    from pytest_opprof.backend import stock
+    from pytest_opprof.capture.system import resolve_device
+    from pytest_opprof.capture.timing import time_interleaved
+    from pytest_opprof.numerics import anti_cheat_checks, calibrated
+    from pytest_opprof.tolerances import numerics_dtype, tolerance_for
+
+    common.setup_torch()
+    device = resolve_device(common.options(spec).device)
+    out_dir = Path(spec.out_dir)
+    w = common.load_baseline(spec, device)
+
+    def check(fn: Callable[..., Any], dtype: str) -> tuple[Any, list[str]]:
+        # an fp32 recipe may run its convolutions on TF32 (cuDNN's default)
+        checked_as = numerics_dtype(dtype, tf32=device == "cuda")
+        rtol, atol = tolerance_for(checked_as, spec.overrides)
+        numerics, checks = anti_cheat_checks(
+            w.model,
+            fn,
+            w.inputs,
+            dtype=checked_as,
+            rtol=rtol,
+            atol=atol,
+            calibrate=calibrated(spec.overrides),
+        )
+        return numerics, [f"{k}: {c.detail}" for k, c in checks.items() if c.status == "fail"]
+
+    def time_brief(calls: dict[str, Callable[..., Any]]) -> dict[str, float]:
+        import statistics
+
+        with devicelock.measuring():
+            s = time_interleaved(
+                calls, w.inputs, device=device, warmup=3, calls_per_round=10, rounds=5
+            )
+        return {k: statistics.median(v) for k, v in s.items()}
+
+    with common.autotuning():
+        chosen = stock.choose(
+            w.model,
+            w.inputs,
+            None,
+            check=check,
+            first_call=common.first_call(w, device),
+            time_brief=time_brief,
+        )
+    common.phase(f"stock baseline: {chosen.message}")
+    write_artifact(out_dir / STOCK_FILE, chosen)
 
 
 def pristine_copy(model: Any, reload: Callable[[], Any]) -> Any:
@@ -359,5 +416,5 @@ def runs_tf32(model: Any, plan: Any, device: str) -> bool:
     return bool(convs and torch.backends.cudnn.allow_tf32)
 
 
-TASKS: dict[str, Callable[[ChildSpec], None]] = {"select": task_select}
+TASKS: dict[str, Callable[[ChildSpec], None]] = {"select": task_select, "stock": task_stock}
 """The child halves, by the task name a spec carries (``runner`` dispatches them)."""

@@ -276,6 +276,21 @@ def compile_timed(
     return fn, seconds
 
 
+def first_call(w: Any, device: str) -> Any:
+    """A call of a compiled callable on ``w``'s inputs under no_grad, waiting for the device:
+    the ``first_call`` that ``backend.stock.build`` compiles a recipe by."""
+    import torch
+
+    from pytest_opprof.capture.timing import synchronize
+
+    def call(fn: Any) -> None:
+        with torch.no_grad():
+            fn(*w.inputs)
+        synchronize(device)
+
+    return call
+
+
 def flat(value: Any) -> list[Any]:
     from pytest_opprof.workload import flatten_tensors
 

@@ -66,11 +66,6 @@ def run(run: WorkloadRun) -> str:
     together = processes > 1 and side_by_side(baseline, processes)
     fresh = bool(run.setting("fresh_timing"))
     generated = str(run.generated.resolve())
-    stock_path = run.out_dir / STOCK_FILE
-    stock_path.unlink(missing_ok=True)  # a former run's choice is not this run's
-    if run.measures_stock():
-        # chosen once, before the timing processes start: each builds only the recipe kept
-        run.run_child("stock", "recapture")
     with tempfile.TemporaryDirectory(prefix="opprof-retime-") as tmp:
         if together:
             # Each process compiles while the others do; they measure one at a time, none
@@ -307,78 +302,11 @@ def _stock_call(spec: ChildSpec, out_dir: Path, w: Any, device: str) -> tuple[An
         return None, 0.0
     with common.autotuning():
         built = stock.build(
-            chosen.recipe, w.model, w.inputs, chosen.dtype, first_call=_first_call(w, device)
+            chosen.recipe, w.model, w.inputs, chosen.dtype, first_call=common.first_call(w, device)
         )
     common.phase(f"compiled the stock recipe ({chosen.message}) in {built.compile_s:.1f} s")
     common.step_done(device)
     return built.fn, built.compile_s
-
-
-def _first_call(w: Any, device: str) -> Callable[[Callable[..., Any]], None]:
-    import torch
-
-    from pytest_opprof.capture.timing import synchronize
-
-    def call(fn: Callable[..., Any]) -> None:
-        with torch.no_grad():
-            fn(*w.inputs)
-        synchronize(device)
-
-    return call
-
-
-def task_stock(spec: ChildSpec) -> None:
-    """Stage 4's first step where the stock baseline is measured: each stock recipe built
-    (``backend.stock``), its outputs held to the validator's checks at the recipe's dtype,
-    the passing ones timed briefly side by side; the choice goes to ``STOCK_FILE``."""
-    from pytest_opprof.backend import stock
-    from pytest_opprof.capture.system import resolve_device
-    from pytest_opprof.capture.timing import time_interleaved
-    from pytest_opprof.numerics import anti_cheat_checks, calibrated
-    from pytest_opprof.schema import read_artifact
-    from pytest_opprof.tolerances import numerics_dtype, tolerance_for
-
-    common.setup_torch()
-    device = resolve_device(common.options(spec).device)
-    out_dir = Path(spec.out_dir)
-    w = common.load_baseline(spec, device)
-    plan = read_artifact(out_dir / "profiler_output" / "backend_selection.json", BackendSelection)
-
-    def check(fn: Callable[..., Any], dtype: str) -> tuple[Any, list[str]]:
-        # an fp32 recipe may run its convolutions on TF32 (cuDNN's default)
-        checked_as = numerics_dtype(dtype, tf32=device == "cuda")
-        rtol, atol = tolerance_for(checked_as, spec.overrides)
-        numerics, checks = anti_cheat_checks(
-            w.model,
-            fn,
-            w.inputs,
-            dtype=checked_as,
-            rtol=rtol,
-            atol=atol,
-            calibrate=calibrated(spec.overrides),
-        )
-        return numerics, [f"{k}: {c.detail}" for k, c in checks.items() if c.status == "fail"]
-
-    def time_brief(calls: dict[str, Callable[..., Any]]) -> dict[str, float]:
-        import statistics
-
-        with devicelock.measuring():
-            s = time_interleaved(
-                calls, w.inputs, device=device, warmup=3, calls_per_round=10, rounds=5
-            )
-        return {k: statistics.median(v) for k, v in s.items()}
-
-    with common.autotuning():
-        chosen = stock.choose(
-            w.model,
-            w.inputs,
-            plan.plan.dtype,
-            check=check,
-            first_call=_first_call(w, device),
-            time_brief=time_brief,
-        )
-    common.phase(f"stock baseline: {chosen.message}")
-    write_artifact(out_dir / STOCK_FILE, chosen)
 
 
 def task_recapture(spec: ChildSpec) -> None:
@@ -444,6 +372,5 @@ def task_retime(spec: ChildSpec) -> None:
 TASKS: dict[str, Callable[[ChildSpec], None]] = {
     "recapture": task_recapture,
     "retime": task_retime,
-    "stock": task_stock,
 }
 """The child halves, by the task name a spec carries (``runner`` dispatches them)."""

@@ -158,7 +158,7 @@ def test_task_select_keeps_each_dropped_rungs_history(
     json.loads((tmp_path / "profiler_output" / "backend_selection.json").read_text())
 
 
-def test_a_cast_past_the_tolerance_is_kept_under_autocast_and_the_stock_recipe_is_tried(
+def test_a_cast_past_the_tolerance_is_kept_under_autocast_and_a_faster_stock_recipe_ships(
     make_proposal: Any,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
@@ -166,15 +166,17 @@ def test_a_cast_past_the_tolerance_is_kept_under_autocast_and_the_stock_recipe_i
 ) -> None:
     """bf16 by casting the model changes the output past the calibrated limit; the same rung
     under autocast computes what eager under autocast does and is kept. With the stock
-    baseline measured, the stock recipe is then built as a plan in place of the ladder's (its
-    cast, too, tried again under autocast) and, no faster, not kept."""
+    baseline measured, the recipe the stock task kept is then built in place of the ladder's
+    plan and, measured faster, is what ships; the ladder's proposal is recorded as replaced."""
     from pytest_opprof.backend import build as build_module
     from pytest_opprof.capture import timing
     from pytest_opprof.options import OpprofOptions
+    from pytest_opprof.pipeline import STOCK_FILE
     from pytest_opprof.schema import (
         BackendSelection,
         ChildSpec,
         Optimizations,
+        StockBaseline,
         read_artifact,
         write_artifact,
     )
@@ -187,6 +189,7 @@ def test_a_cast_past_the_tolerance_is_kept_under_autocast_and_the_stock_recipe_i
         tmp_path / "optimizations.json",
         Optimizations(workload="w", device_type="cpu", proposals=proposals),
     )
+    write_artifact(tmp_path / STOCK_FILE, StockBaseline(recipe="autocast", dtype="bfloat16"))
     tried: list[tuple[tuple[str, ...], bool]] = []
 
     class Computes(torch.nn.Module):
@@ -202,8 +205,8 @@ def test_a_cast_past_the_tolerance_is_kept_under_autocast_and_the_stock_recipe_i
 
     def build(fresh: torch.nn.Module, inputs: Any, plan: Any) -> Any:
         tried.append((tuple(plan.proposals), plan.autocast))
-        faster = plan.autocast and not plan.config_patches
-        fn = Variant(Computes(plan.autocast), faster)
+        recipe = plan.stock_recipe == "autocast"
+        fn = Variant(Computes(plan.autocast or recipe), plan.autocast or recipe)
         return build_module.BuiltVariant(fn=fn, model=fresh, results=[])
 
     monkeypatch.setattr(build_module, "build", build)
@@ -226,15 +229,14 @@ def test_a_cast_past_the_tolerance_is_kept_under_autocast_and_the_stock_recipe_i
     selection = read_artifact(
         tmp_path / "profiler_output" / "backend_selection.json", BackendSelection
     )
-    stock = ("stock-bf16", "stock-freezing", "stock-max_autotune")
     assert tried == [
         (("dtype_promotion-1",), False),
         (("dtype_promotion-1",), True),
-        (stock, False),
-        (stock, True),
+        (("stock-recipe",), False),
     ]
-    assert selection.plan.proposals == ["dtype_promotion-1"] and selection.plan.autocast
     failed = [v for v in selection.variants if v.error == "numerics out of tolerance"]
-    assert len(failed) == 2 and all(not v.plan.autocast for v in failed)
-    assert {d.id for d in selection.dropped} == set(stock)
+    assert len(failed) == 1 and not failed[0].plan.autocast
     assert "the cast changed the output; trying it under autocast" in capsys.readouterr().out
+    assert selection.plan.stock_recipe == "autocast" and selection.chosen == "stock-recipe"
+    (replaced,) = selection.dropped
+    assert replaced.id == "dtype_promotion-1" and replaced.reason.startswith("replaced")

@@ -4,6 +4,7 @@ the faster one whose outputs pass the validator's checks."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -158,27 +159,59 @@ def test_dtypes_tried() -> None:
     assert stock.dtypes_to_try("float16") == ["bfloat16", "float16"]
 
 
-@pytest.mark.parametrize("device", ["cuda", "cpu"])
-def test_the_cast_recipe_as_a_plan_is_what_the_stock_recipe_does(device: str) -> None:
-    """Selection's stock rung (``selection.stock_recipe``) builds, on an empty plan, the cast
-    recipe's settings: bf16, channels-last for an image batch, freezing, max-autotune's
-    settings, and Inductor's CUDA graphs on a GPU."""
+def test_the_stock_rung_is_the_kept_recipe_and_builds_it_as_a_user_writes_it(
+    tmp_path: Path,
+) -> None:
+    """Selection's stock rung (``selection.stock_rung``) is one ``stock_recipe`` proposal; on an
+    empty plan it makes a plan that is the recipe, which ``build`` compiles with
+    ``torch.compile(mode="max-autotune")`` and no pass of this package, and a generated file
+    ships uncompiled (it is compiled already)."""
+    from pytest_opprof.backend.build import build
+    from pytest_opprof.backend.codegen import render_optimized
     from pytest_opprof.backend.plan import add_proposal
-    from pytest_opprof.backend.selection import image_batch, stock_recipe
-    from pytest_opprof.schema import BackendPlan
+    from pytest_opprof.backend.selection import stock_rung
+    from pytest_opprof.schema import (
+        BackendPlan,
+        BackendSelection,
+        StockBaseline,
+        write_artifact,
+    )
 
-    _, x = _tiny()
-    assert image_batch((x,)) and not image_batch((torch.zeros(2, 3, dtype=torch.long),))
-    for batch in (True, False):
-        plan = BackendPlan()
-        for p in stock_recipe(batch, device):
-            plan = add_proposal(plan, p)
-        assert plan.dtype == "bfloat16" and plan.channels_last is batch
-        patches = plan.config_patches
-        assert patches["freezing"] and patches["max_autotune"]
-        assert patches["coordinate_descent_tuning"]
-        assert patches.get("triton.cudagraphs", False) is (device == "cuda")
-        assert all(pid.startswith("stock-") for pid in plan.proposals)
+    path = tmp_path / "stock_baseline.json"
+    assert stock_rung(path) is None
+    write_artifact(path, StockBaseline(message="no stock recipe passed"))
+    assert stock_rung(path) is None
+    write_artifact(path, StockBaseline(recipe="cast", dtype="bfloat16", message="cast"))
+    rung = stock_rung(path)
+    assert rung is not None and [p.id for p in rung.proposals] == ["stock-recipe"]
+    plan = add_proposal(BackendPlan(), rung.proposals[0])
+    assert (plan.stock_recipe, plan.dtype, plan.proposals) == ("cast", "bfloat16", ["stock-recipe"])
+    model, x = _tiny()
+    built = build(model, (x,), plan)
+    assert isinstance(built.fn, stock.Compiled) and built.results == []
+    with torch.no_grad():
+        got, want = built.fn(x), model(x)
+    assert got.dtype == torch.float32
+    assert float((got - want).norm() / want.norm()) < 2e-2
+    selection = BackendSelection(
+        workload="w",
+        reference="compile",
+        reference_ms=1.0,
+        variants=[],
+        chosen="stock-recipe",
+        plan=plan,
+    )
+    text = render_optimized(
+        stem="w",
+        workload=tmp_path / "w.py",
+        out_file=tmp_path / "out" / "w_optimized.py",
+        selection=selection,
+        proposals=list(rung.proposals),
+        rtol=1.6e-2,
+        atol=1e-3,
+    )
+    assert "model = runtime.stock_recipe(model, x, 'cast', 'bfloat16')" in text
+    assert "COMPILE = False" in text and "CUDA_GRAPH = False" in text
 
 
 def test_a_cast_that_changed_the_output_is_tried_again_under_autocast(
