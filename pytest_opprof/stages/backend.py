@@ -197,13 +197,13 @@ def task_select(spec: ChildSpec) -> None:
         t1 = time.perf_counter()
         clock = common.compile_clock()
         common.compile_off_gpu(device)
-        # max-autotune times kernels on the GPU while it compiles: not beside a measurement
+        # max-autotune times kernels on the GPU while it compiles (at the first call): not
+        # beside another process's measurement
         autotunes = plan.config_patches.get("max_autotune") or plan.stock_recipe
         tuning = common.autotuning() if autotunes else None
         try:
-            with tuning or contextlib.nullcontext():
+            with tuning or contextlib.nullcontext(), torch.no_grad():
                 built = build(fresh, w.inputs, plan)
-            with torch.no_grad():
                 got = [t.clone() for t in common.flat(built.fn(*check_in))]
             synchronize(device)
         except Exception as exc:  # a pass or Inductor failed on this rung: drop it, go on
