@@ -39,12 +39,13 @@ RECIPES: dict[str, str] = {
 MODE = "max-autotune"
 LOW_PRECISION = "bfloat16"
 """The stock recipes' precision, unless it fails the tolerance on the workload; then the
-optimized backend's own dtype (``dtypes_to_try``)."""
+fallback of ``dtypes_to_try``."""
 
 
 def dtypes_to_try(plan_dtype: str | None) -> list[str]:
-    """bf16 first; where its outputs fail the tolerance, the dtype the optimized backend
-    computes in (fp32 where the plan keeps the baseline's)."""
+    """bf16 first; where its outputs fail the tolerance, ``plan_dtype``, the dtype a plan
+    computes in where one is known, else fp32 (the stock task runs before selection, so for it
+    fp32)."""
     fallback = plan_dtype or "float32"
     return [LOW_PRECISION] if fallback == LOW_PRECISION else [LOW_PRECISION, fallback]
 
