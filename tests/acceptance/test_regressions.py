@@ -60,8 +60,9 @@ FAST = [
     "no:cacheprovider",
 ]
 # generous thresholds: a 2-core machine shared with other jobs moves a latency between
-# sessions by far more than a GPU does, and the extra layers are far past them
-RULES = "--opprof-compare-fail=latency:100%,speedup:75%"
+# sessions by far more than a GPU does, at times more than twice
+# (docs/regressions.md#compare), and the extra layers are far past four times
+RULES = "--opprof-compare-fail=latency:300%,speedup:75%"
 
 
 def _pytest(cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
@@ -101,7 +102,7 @@ def test_save_compare_warn_and_fail_on_a_slower_workload(
     # the unchanged workload, measured again, against the stored run: noise alone passes
     same = _pytest(tmp_path, "tiny.py", "--opprof-out=same", "--opprof-compare=base", RULES)
     assert same.returncode == 0, same.stdout + same.stderr
-    assert "comparing with stored run #1 base; fail: latency:100%,speedup:75%" in same.stdout
+    assert "comparing with stored run #1 base; fail: latency:300%,speedup:75%" in same.stdout
     [w] = _session(tmp_path / "same")["workloads"]
     figures = {(c["metric"], c["name"]) for c in w["comparison"]["changes"]}
     assert {("latency", "eager"), ("latency", "optimized"), ("speedup", "eager")} <= figures
@@ -138,11 +139,11 @@ def test_save_compare_warn_and_fail_on_a_slower_workload(
     [eager] = [
         c for c in w["comparison"]["changes"] if (c["metric"], c["name"]) == ("latency", "eager")
     ]
-    assert eager["failed"] and eager["ci_low"] > 2.0, eager
+    assert eager["failed"] and eager["ci_low"] > 4.0, eager
     shown = (
         f"tiny: eager latency {eager['before']:.4g} → {eager['after']:.4g} ms, "
         f"{eager['ratio']:.2f}× run #1 base's (95% CI {eager['ci_low']:.2f}–"
-        f"{eager['ci_high']:.2f}), wholly past 2.00× (--opprof-compare-fail=latency:100%)"
+        f"{eager['ci_high']:.2f}), wholly past 4.00× (--opprof-compare-fail=latency:300%)"
     )
     assert shown in out
     assert "regression against run #1 base" in w["message"]

@@ -111,7 +111,7 @@ def test_selection_written_now_reads_back_and_one_written_before_still_loads(
     )
     path = write_artifact(tmp_path / "backend_selection.json", selection)
     back = read_artifact(path, BackendSelection)
-    assert back.schema_version == BackendSelection.SCHEMA_VERSION == "1.4"
+    assert back.schema_version == BackendSelection.SCHEMA_VERSION == "1.5"
     assert back.waterfall[1] == step and back.variants[0] == variant
     old = read_artifact(
         DATA / "conv_block" / "profiler_output" / "backend_selection.json", BackendSelection
