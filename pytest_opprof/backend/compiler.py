@@ -308,7 +308,6 @@ def _aten_pass_inputs(
     Dynamo's inputs (``aot_module_simplified``, torch 2.11 / 2.13); a mismatch in count, shape
     or dtype (duplicate-input dedup, tensor subclasses, a frozen graph) keeps them fake.
     """
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     out = list(fake_inputs)
     context = torch._guards.TracingContext.try_get()
@@ -322,14 +321,22 @@ def _aten_pass_inputs(
             continue
         if not all(isinstance(s, int) for s in f.shape):
             continue  # symbolic shapes: comparing would install guards
-        if tuple(r.shape) == tuple(f.shape) and r.dtype == f.dtype and r.device == f.device:
-            # plain buffers (our own constants, or a torch that does not mark buffers static)
-            # are wrapped as aliasing Parameters: the passes' sign of a compile-time constant
-            if not is_constant_tensor(r):
-                with unset_fake_temporarily():
-                    r = torch.nn.Parameter(r, requires_grad=False)
-            out[index] = r
+        out[index] = _real_for(r, f)
     return out
+
+
+def _real_for(real: torch.Tensor, fake: torch.Tensor) -> torch.Tensor:
+    """``real`` in place of ``fake`` where they match in shape, dtype and device (else
+    ``fake``). Plain buffers (our own constants, or a torch that does not mark buffers static)
+    are wrapped as aliasing Parameters: the passes' sign of a compile-time constant."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    if (tuple(real.shape), real.dtype, real.device) != (tuple(fake.shape), fake.dtype, fake.device):
+        return fake
+    if is_constant_tensor(real):
+        return real
+    with unset_fake_temporarily():
+        return torch.nn.Parameter(real, requires_grad=False)
 
 
 def _freezing_pass_inputs(fake_inputs: Sequence[Any]) -> list[Any]:
@@ -342,7 +349,6 @@ def _freezing_pass_inputs(fake_inputs: Sequence[Any]) -> list[Any]:
     / 2.13); the passes may bake exactly those values in. A mismatch in count, shape or dtype
     keeps them fake.
     """
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     out = list(fake_inputs)
     context = torch._guards.TracingContext.try_get()
@@ -365,11 +371,7 @@ def _freezing_pass_inputs(fake_inputs: Sequence[Any]) -> list[Any]:
             continue
         if not isinstance(f, torch.Tensor) or not all(isinstance(s, int) for s in f.shape):
             continue
-        if tuple(r.shape) == tuple(f.shape) and r.dtype == f.dtype and r.device == f.device:
-            if not is_constant_tensor(r):
-                with unset_fake_temporarily():
-                    r = torch.nn.Parameter(r, requires_grad=False)
-            out[index] = r
+        out[index] = _real_for(r, f)
     return out
 
 
