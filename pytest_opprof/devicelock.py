@@ -34,9 +34,10 @@ generation run on fake tensors. A process on CPUs of its own (:data:`OWN_CPUS_EN
 worker's slice, no sibling stage process on it) therefore lets go of its share while it compiles
 (:func:`off_gpu`), and a measurer does not wait for that compile to end. The compile's own GPU
 work (weights folded or converted on real tensors) takes the share back for its span
-(:func:`on_gpu`), and the process shares again, behind any measurer, before it runs what it
-compiled. A measurement therefore still runs beside no other GPU work, and beside no CPU work
-on its own CPUs.
+(:func:`on_gpu`), its own measurements (Inductor's autotuning under max-autotune) take the GPU
+alone for theirs (:func:`measuring_within`), and the process shares again, behind any
+measurer, before it runs what it compiled. A measurement therefore still runs beside no other
+GPU work, and beside no CPU work on its own CPUs.
 
 Neighbours' compiles on other CPUs still slow a launch-bound call by sharing the host (caches,
 memory, the hypervisor; docs/design-notes.md#quiet-measurements). So a measurement whose
@@ -360,15 +361,33 @@ def measuring(*, share_after: bool = True, quiet: bool = False) -> Iterator[None
 
 
 @contextlib.contextmanager
-def measuring_within() -> Iterator[None]:
-    """A measurement in the middle of this process's GPU work (``opprof::tuned_mm`` timing
-    cuBLASLt's algorithms on a shape's first call): the GPU to this process alone for the block,
-    then held as it was before. A no-op without a lock, while measuring already, or aside for a
-    compile (no GPU work of its own runs there). Tuned beside another process's GPU work,
-    ``tuned_mm`` kept slower GEMMs (docs/design-notes.md#tuning-with-the-gpu-alone)."""
+def measuring_within(sync: Callable[[], None] | None = None) -> Iterator[None]:
+    """A measurement in the middle of this process's work: ``opprof::tuned_mm`` timing
+    cuBLASLt's algorithms on a shape's first call, Inductor's autotuning inside a compile. The
+    GPU to this process alone for the block, then held as it was before: shared, nothing, or
+    aside for the compile under way (:func:`off_gpu`: ``sync``, where given, waits for the
+    block's GPU work before the GPU is let go of again). A no-op without a lock or while
+    measuring already. Tuned beside another process's GPU work, ``tuned_mm`` kept slower GEMMs
+    (docs/design-notes.md#tuning-with-the-gpu-alone)."""
     lock = _LOCK
-    if lock is None or lock.held == "exclusive" or lock.aside:
+    if lock is None or lock.held == "exclusive":
         yield
+        return
+    if lock.aside:  # the locks in their order: none of the compile's held while waiting
+        lock.compiled()
+        lock._siblings_unlock()
+        lock.aside = False
+        lock.exclusive()
+        try:
+            yield
+        finally:
+            if sync is not None:
+                with contextlib.suppress(Exception):  # a failed block: its error, not the sync's
+                    sync()
+            lock.release()
+            lock._siblings_compiling()
+            lock.compiling()
+            lock.aside = True
         return
     before = lock.held
     lock.exclusive()

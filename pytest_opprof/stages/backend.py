@@ -200,7 +200,7 @@ def task_select(spec: ChildSpec) -> None:
         # max-autotune times kernels on the GPU while it compiles (at the first call): not
         # beside another process's measurement
         autotunes = plan.config_patches.get("max_autotune") or plan.stock_recipe
-        tuning = common.autotuning() if autotunes else None
+        tuning = common.autotuning(device) if autotunes else None
         try:
             with tuning or contextlib.nullcontext(), torch.no_grad():
                 built = build(fresh, w.inputs, plan)
@@ -371,7 +371,7 @@ def task_stock(spec: ChildSpec) -> None:
             )
         return {k: statistics.median(v) for k, v in s.items()}
 
-    with common.autotuning():
+    with common.autotuning(device):
         chosen = stock.choose(
             w.model,
             w.inputs,

@@ -12,6 +12,7 @@ import importlib.util
 import sys
 import time
 import types
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -182,21 +183,93 @@ _OFF_GPU = contextlib.ExitStack()
 (Dynamo runs both once for nested compiles)."""
 
 
-_AUTOTUNING = False
-"""A compile under way times kernels on the GPU (max-autotune: :func:`autotuning`): it keeps
-the GPU shared, so that no measurement of another process runs beside its timings."""
+@contextlib.contextmanager
+def autotuning(device: str) -> Iterator[None]:
+    """Compiles in the block may time kernels on the GPU (Inductor's max-autotune): they go off
+    the GPU like any compile (:func:`compile_off_gpu`), and only their GPU work takes it back:
+    each of Inductor's benchmarks holds it alone for its span, the weights folded by freezing
+    hold it shared. So a minutes-long max-autotune compile holds no measurement of another
+    process back, and its kernel choices are timed beside no other process's GPU work."""
+    if device != "cuda":
+        yield
+        return
+    compile_off_gpu(device)
+    with _inductor_gpu_work():
+        yield
 
 
 @contextlib.contextmanager
-def autotuning() -> Any:
-    """Compiles in the block benchmark kernels on the GPU (Inductor's max-autotune): they
-    hold the GPU shared instead of letting go of it (:func:`compile_off_gpu`)."""
-    global _AUTOTUNING
-    before, _AUTOTUNING = _AUTOTUNING, True
+def _inductor_gpu_work() -> Iterator[None]:
+    """Inductor's own GPU work inside a compile, under the GPU's lock for the block: its
+    benchmarks (autotuning of templates and of Triton configs, fusion benchmarks) through
+    ``devicelock.measuring_within``, ``freeze``'s fold on real weights through
+    ``devicelock.on_gpu``. The entry points are looked up by name (torch 2.11 and 2.13 have
+    them); one that is missing is left as it is."""
+    import functools
+
+    from torch._inductor import freezing, select_algorithm
+    from torch._inductor.runtime import benchmarking, triton_heuristics
+
+    from pytest_opprof.capture.timing import synchronize
+
+    def sync() -> None:
+        synchronize("cuda")
+
+    def alone(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def measured(*args: Any, **kwargs: Any) -> Any:
+            with devicelock.measuring_within(sync):
+                return fn(*args, **kwargs)
+
+        return measured
+
+    def on_gpu(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def folded(*args: Any, **kwargs: Any) -> Any:
+            with devicelock.on_gpu(sync):
+                return fn(*args, **kwargs)
+
+        return folded
+
+    undo: list[Callable[[], None]] = []
+
+    Wrapper = Callable[[Callable[..., Any]], Callable[..., Any]]
+
+    def wrap(owner: Any, name: str, how: Wrapper) -> None:
+        found = vars(owner).get(name)  # a class's or a module's own attribute
+        if found is None:
+            return
+        if isinstance(found, (classmethod, staticmethod)):
+            setattr(owner, name, type(found)(how(found.__func__)))
+        else:
+            setattr(owner, name, how(found))
+        undo.append(lambda: setattr(owner, name, found))
+
+    # coarse entries first: one hold for all the choices of one op, nested holds are no-ops
+    wrap(select_algorithm.AlgorithmSelectorCache, "benchmark_in_current_process", alone)
+    wrap(triton_heuristics.CachingAutotuner, "benchmark_all_configs", alone)
+    bench = benchmarking.benchmarker  # one instance, imported by name across Inductor
+
+    def wrap_bound(name: str) -> None:
+        original = getattr(bench, name, None)
+        if not callable(original):
+            return
+        shadowed = name in vars(bench)
+        setattr(bench, name, alone(original))
+        undo.append(
+            functools.partial(setattr, bench, name, original)
+            if shadowed
+            else functools.partial(delattr, bench, name)
+        )
+
+    wrap_bound("benchmark_gpu")
+    wrap_bound("benchmark_gpu_with_cuda_graph")
+    wrap(freezing, "freeze", on_gpu)
     try:
         yield
     finally:
-        _AUTOTUNING = before
+        for step in reversed(undo):
+            step()
 
 
 def _off_gpu_start(args: Any) -> None:
@@ -204,8 +277,6 @@ def _off_gpu_start(args: Any) -> None:
 
     from pytest_opprof.capture.timing import synchronize
 
-    if _AUTOTUNING:
-        return
     if args.callback_trigger is CallbackTrigger.DYNAMO:  # not a CUDA-graph recording
         # first the work queued before the compile (a graph before a break)
         _OFF_GPU.enter_context(devicelock.off_gpu(lambda: synchronize("cuda")))

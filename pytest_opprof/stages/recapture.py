@@ -300,7 +300,7 @@ def _stock_call(spec: ChildSpec, out_dir: Path, w: Any, device: str) -> tuple[An
     chosen = read_artifact(path, StockBaseline)
     if chosen.recipe is None or chosen.dtype is None:
         return None, 0.0
-    with common.autotuning():
+    with common.autotuning(device):
         built = stock.build(
             chosen.recipe, w.model, w.inputs, chosen.dtype, first_call=common.first_call(w, device)
         )

@@ -655,3 +655,34 @@ def test_each_measurement_says_as_it_ends_how_long_it_held_the_gpu_alone(
     finally:
         lock.close()
         monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+def test_a_measurement_within_a_compile_holds_the_gpu_alone_then_goes_aside_again(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Inductor's autotuning inside a compile that let go of the GPU: alone for the block,
+    after the compile's locks are let go of (their order), then aside again, ``sync`` first."""
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    path = tmp_path / "gpu.lock"
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
+    lock = devicelock.join()
+    assert lock is not None
+    synced: list[str | None] = []
+    try:
+        with devicelock.off_gpu(lambda: None):
+            assert lock.held is None and lock.aside
+            with devicelock.measuring_within(lambda: synced.append(lock.held)):
+                assert lock.held == "exclusive" and not lock.aside
+                other = DeviceLock(path)
+                assert not other._at_once(fcntl.LOCK_SH)  # nobody works beside it
+                other.close()
+            assert synced == ["exclusive"]  # its GPU work waited for before letting go
+            assert lock.held is None and lock.aside
+            quiet = DeviceLock(path)
+            with pytest.raises(BlockingIOError):  # the compile holds path.cpu again
+                fcntl.flock(quiet._cpu, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            quiet.close()
+        assert lock.held == "shared" and not lock.aside
+    finally:
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)

@@ -1,0 +1,79 @@
+"""Under max-autotune a compile goes off the GPU, and only Inductor's own GPU work takes it
+back: its benchmarks alone, freezing's fold shared (``stages.common.autotuning``)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_opprof import devicelock
+from pytest_opprof.stages import common
+
+pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="flock is POSIX")
+
+
+def test_inductor_benchmarks_hold_the_gpu_alone_and_freezing_shares_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from torch._inductor import freezing, select_algorithm
+    from torch._inductor.runtime import benchmarking
+
+    seen: dict[str, tuple[str | None, bool]] = {}
+    lock_holder: list[Any] = []
+
+    def record(name: str) -> Any:
+        def fn(*args: Any, **kwargs: Any) -> str:
+            lock = lock_holder[0]
+            seen[name] = (lock.held, lock.aside)
+            return name
+
+        return fn
+
+    bench = benchmarking.benchmarker
+    monkeypatch.setattr(bench, "benchmark_gpu", record("benchmark_gpu"), raising=False)
+    monkeypatch.setattr(freezing, "freeze", record("freeze"))
+    cache = select_algorithm.AlgorithmSelectorCache
+    monkeypatch.setattr(
+        cache, "benchmark_in_current_process", classmethod(lambda cls: record("choices")())
+    )
+    originals = (bench.benchmark_gpu, freezing.freeze, vars(cache)["benchmark_in_current_process"])
+
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
+    lock = devicelock.join()
+    assert lock is not None
+    lock_holder.append(lock)
+    try:
+        with common._inductor_gpu_work(), devicelock.off_gpu(lambda: None):
+            b: Any = bench  # called with none of their arguments: the fakes take any
+            f: Any = freezing
+            c: Any = cache
+            assert b.benchmark_gpu() == "benchmark_gpu"
+            assert f.freeze() == "freeze"
+            assert c.benchmark_in_current_process() == "choices"
+            assert lock.held is None and lock.aside  # the compile off the GPU again
+        assert seen == {
+            "benchmark_gpu": ("exclusive", False),
+            "freeze": ("shared", False),
+            "choices": ("exclusive", False),
+        }
+        # as they were after the block
+        assert (
+            bench.benchmark_gpu,
+            freezing.freeze,
+            vars(cache)["benchmark_in_current_process"],
+        ) == originals
+    finally:
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+def test_autotuning_on_the_cpu_changes_nothing() -> None:
+    from torch._inductor import freezing
+
+    before = freezing.freeze
+    with common.autotuning("cpu"):
+        assert freezing.freeze is before
