@@ -77,3 +77,34 @@ def test_autotuning_on_the_cpu_changes_nothing() -> None:
     before = freezing.freeze
     with common.autotuning("cpu"):
         assert freezing.freeze is before
+
+
+@pytest.mark.gpu
+def test_a_max_autotune_compile_measures_alone_and_compiles_off_the_gpu(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On this torch's Inductor: the autotuning of a max-autotune compile under a lock holds
+    the GPU alone (each hold says so as it ends), and the compile ends sharing it again."""
+    import torch
+
+    notes: list[str] = []
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
+    lock = devicelock.join(note=notes.append)
+    assert lock is not None
+    monkeypatch.setattr(common, "_OWN_CPUS", True)
+    try:
+        model = torch.nn.Linear(512, 512).cuda().eval()
+        x = torch.randn(256, 512, device="cuda")
+        fn = torch.compile(model, mode="max-autotune-no-cudagraphs")
+        with common.autotuning("cuda"), torch.no_grad():
+            got = fn(x)
+        torch.cuda.synchronize()
+        torch.testing.assert_close(got, model(x), rtol=2e-2, atol=2e-2)
+        held = [n for n in notes if n.startswith(devicelock.MEASURED)]
+        assert held, notes  # the choices were timed with the GPU alone
+        assert lock.held == "shared" and not lock.aside
+    finally:
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+        torch._dynamo.reset()
