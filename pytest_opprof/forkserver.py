@@ -26,6 +26,7 @@ import atexit
 import contextlib
 import json
 import os
+import platform
 import select
 import signal
 import socket
@@ -60,6 +61,7 @@ def serve(socket_path: str, run: Callable[[str], int]) -> int:
 
     for name in PRELOAD:
         importlib.import_module(name)
+    warm_cpu_codegen()
     import torch
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -100,6 +102,41 @@ def serve(socket_path: str, run: Callable[[str], int]) -> int:
                 code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
                 with conn, contextlib.suppress(OSError):
                     conn.sendall((json.dumps({"exit": code}) + "\n").encode())
+
+
+def warm_cpu_codegen() -> None:
+    """Where the stages compile for the CPU (the session named no GPU lock: ``devicelock``),
+    Inductor's C++ backend first checks which vector ISAs the compiler builds and the CPU
+    loads: a test library per ISA, built one after another into its cache (seconds each where
+    the cache is empty), then loaded in a subprocess each, once per process. Checked here,
+    the ISAs side by side, before any fork, every stage process inherits the answer. Where
+    torch's internals differ from these (torch 2.13's ``cpu_vec_isa``), the stage processes
+    check for themselves, as they would have."""
+    from pytest_opprof.devicelock import LOCK_ENV
+
+    if os.environ.get(LOCK_ENV):
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    try:
+        from torch._inductor import cpu_vec_isa
+    except ImportError:
+        return
+    candidates = getattr(cpu_vec_isa, "supported_vec_isa_list", None)
+    flags_of = getattr(cpu_vec_isa, "x86_isa_checker", None)
+    valid = getattr(cpu_vec_isa, "valid_vec_isa_list", None)
+    if candidates is not None and flags_of is not None and platform.machine() in X86:
+        flags = flags_of()
+        wanted = [isa for isa in candidates if all(f in flags for f in str(isa).split())]
+        # each check is cached on its ISA object (functools.cache), which the list then reads
+        with ThreadPoolExecutor(max(len(wanted), 1)) as pool:
+            list(pool.map(bool, wanted))
+    if valid is not None:
+        valid()
+
+
+X86 = ("x86_64", "AMD64")
+"""``platform.machine()`` of the hosts whose ISAs Inductor checks from the CPU's own flags."""
 
 
 def _fork_one(

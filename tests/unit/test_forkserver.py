@@ -195,6 +195,81 @@ def test_children_die_with_the_server(server: forkserver.ForkServer, tmp_path: P
     assert errors and isinstance(errors[0], OSError)
 
 
+class _Isa:
+    """A stand-in for one of Inductor's vector ISAs: its flags, and whether it was checked."""
+
+    def __init__(self, flags: str) -> None:
+        self.flags = flags
+        self.checked = False
+
+    def __str__(self) -> str:
+        return self.flags
+
+    def __bool__(self) -> bool:
+        self.checked = True
+        return True
+
+
+@pytest.fixture
+def isas(monkeypatch: pytest.MonkeyPatch) -> tuple[_Isa, _Isa, list[str]]:
+    """Inductor's ISA check with two candidates, of which the CPU has the first's flags."""
+    from torch._inductor import cpu_vec_isa
+
+    has, lacks, listed = _Isa("avx2"), _Isa("avx512f avx512bw"), []
+    monkeypatch.setattr(cpu_vec_isa, "supported_vec_isa_list", [lacks, has])
+    monkeypatch.setattr(cpu_vec_isa, "x86_isa_checker", lambda: ["avx2"])
+    monkeypatch.setattr(cpu_vec_isa, "valid_vec_isa_list", lambda: listed.append("listed"))
+    monkeypatch.setattr(forkserver.platform, "machine", lambda: "x86_64")
+    return has, lacks, listed
+
+
+def test_a_cpu_session_server_checks_the_isas_the_cpu_has_before_it_forks(
+    isas: tuple[_Isa, _Isa, list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pytest_opprof.devicelock import LOCK_ENV
+
+    monkeypatch.delenv(LOCK_ENV, raising=False)
+    has, lacks, listed = isas
+    forkserver.warm_cpu_codegen()
+    assert has.checked and not lacks.checked
+    assert listed == ["listed"]  # Inductor's own list, cached for the children to inherit
+
+
+def test_a_gpu_session_server_checks_no_isa(
+    isas: tuple[_Isa, _Isa, list[str]], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from pytest_opprof.devicelock import LOCK_ENV
+
+    monkeypatch.setenv(LOCK_ENV, str(tmp_path / "gpu.lock"))
+    has, lacks, listed = isas
+    forkserver.warm_cpu_codegen()
+    assert not has.checked and not lacks.checked and listed == []
+
+
+def test_a_child_of_a_cpu_session_inherits_the_isa_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from pytest_opprof.devicelock import LOCK_ENV
+
+    monkeypatch.delenv(LOCK_ENV, raising=False)
+    out = tmp_path / "info.json"
+    body = (
+        "import json, os\n"
+        "from torch._inductor import cpu_vec_isa\n"
+        "def get_model_and_input():\n"
+        "    known = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize\n"
+        "    open(os.environ['OPPROF_TEST_OUT'], 'w').write(json.dumps(known))\n"
+        "    raise ValueError('recorded')\n"
+    )
+    server = forkserver.ForkServer()
+    try:
+        env = {**os.environ, "OPPROF_TEST_OUT": str(out)}
+        assert server.run(_spec(tmp_path, body), tmp_path / "log", env, timeout=120) == 3
+    finally:
+        server.close()
+    assert json.loads(out.read_text()) == 1  # answered before the fork, not by the child
+
+
 def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(forkserver.ENV_SWITCH, "0")
     assert forkserver.get() is None
