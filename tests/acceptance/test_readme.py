@@ -48,4 +48,5 @@ def test_the_readme_main_command_runs_the_pipeline(tmp_path: Path) -> None:
     )
     assert found.returncode == 0, found.stdout[-3000:] + found.stderr[-2000:]
     assert re.search(r"\b6 passed\b", found.stdout), found.stdout[-2000:]
-    assert (tmp_path / "conv_block" / "report.md").is_file()
+    workload = next(a for a in args if not a.startswith("-"))
+    assert (tmp_path / Path(workload).name / "report.md").is_file()
