@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_opprof import devicelock
 from pytest_opprof.backend.plan import extra_targets
+from pytest_opprof.errors import StageError
 from pytest_opprof.pipeline import STOCK_FILE, WorkloadRun
 from pytest_opprof.schema import (
     BackendSelection,
@@ -30,18 +31,27 @@ if TYPE_CHECKING:
 
 NAME = "backend"
 
+SELECTION_FILE = "profiler_output/backend_selection.json"
+STOCK_RUNG_PENDING = "profiler_output/stock_rung.pending"
+"""Present while selection times the stock recipe against the ladder's plan, whose selection
+is written already: a selection process that dies meanwhile leaves both behind."""
+
 
 def run(run: WorkloadRun) -> str:
     from pytest_opprof.backend.codegen import render_notes, render_optimized, render_test
     from pytest_opprof.tolerances import tolerance_for
 
     optimizations = read_artifact(run.out_dir / "optimizations.json", Optimizations)
-    (run.out_dir / STOCK_FILE).unlink(missing_ok=True)  # a former run's choice is not this one's
+    for former in (STOCK_FILE, STOCK_RUNG_PENDING, SELECTION_FILE):  # not this run's
+        (run.out_dir / former).unlink(missing_ok=True)
     if run.measures_stock():
         run.run_child("stock", "backend")
-    run.run_child("select", "backend")
-    sel_path = run.profiler_output / "backend_selection.json"
-    selection = read_artifact(sel_path, BackendSelection)
+    sel_path = run.out_dir / SELECTION_FILE
+    try:
+        run.run_child("select", "backend")
+        selection = read_artifact(sel_path, BackendSelection)
+    except StageError as exc:
+        selection = ladder_kept(run.out_dir, exc)
     user_passes = run.extra_passes()
     used = extra_targets(selection.plan, user_passes)
     if used:  # the plan names where its user passes come from (the child only routed them)
@@ -68,6 +78,34 @@ def run(run: WorkloadRun) -> str:
     )
     kept = ", ".join(selection.plan.proposals) or "none (the baseline is kept)"
     return f"kept {kept}; dropped {len(selection.dropped)}"
+
+
+def ladder_kept(out_dir: Path, failure: StageError) -> BackendSelection:
+    """The ladder's selection, where the selection process failed timing the stock recipe
+    against it (:data:`STOCK_RUNG_PENDING`): the stock rung is an addition to the ladder, and
+    its failure (say, a CUDA error in the recipe's CUDA graphs) loses none of the ladder's work.
+    The recipe is recorded as dropped, with the failure's first line. Any other failure is
+    raised as it was."""
+    from pytest_opprof.schema import DroppedProposal
+
+    pending, path = out_dir / STOCK_RUNG_PENDING, out_dir / SELECTION_FILE
+    if not (pending.exists() and path.exists()):
+        raise failure
+    selection = read_artifact(path, BackendSelection)
+    why = str(failure).splitlines()[0]
+    lines = [ln.strip() for ln in str(failure).splitlines() if "Error" in ln]
+    detail = lines[-1] if lines else why
+    selection.dropped.append(
+        DroppedProposal(
+            id="stock-recipe",
+            type="stock_recipe",
+            reason=f"not compared: the selection process failed timing it against the plan "
+            f"({detail[:200]})",
+        )
+    )
+    write_artifact(path, selection)
+    pending.unlink()
+    return selection
 
 
 def captured_graph(out_dir: Path) -> FxGraphSummary | None:
@@ -300,8 +338,31 @@ def task_select(spec: ChildSpec) -> None:
         reasons = [dropped[p.id].reason for p in rung.proposals]
         if worth_a_second_pass(reasons, revived) and attempt(rung, second_chance=True):
             revived = True
+
+    def record() -> None:
+        """The selection as it stands, written for the parent (atomically)."""
+        final = state["plan"]
+        checked_as = numerics_dtype(final.dtype, tf32=runs_tf32(eager, final, device))
+        selection = BackendSelection(
+            workload=Path(spec.workload).stem,
+            reference=ref_name,
+            reference_ms=ref_ms,
+            variants=variants,
+            chosen=state["name"],
+            plan=final,
+            dropped=list(dropped.values()),
+            waterfall=waterfall,
+            numerics_dtype=checked_as if checked_as == TF32 else None,
+        )
+        write_artifact(out_dir / SELECTION_FILE, selection)
+
     recipe = stock_rung(out_dir / STOCK_FILE) if common.measures_stock(spec) else None
     if recipe is not None:
+        # The ladder's result first: where this process dies timing the stock recipe (a CUDA
+        # error), the parent keeps it and says why the recipe was not compared (``run``).
+        record()
+        pending = out_dir / STOCK_RUNG_PENDING
+        pending.touch()
         # The stock recipe the stock task kept, compiled as a user writes it, in place of the
         # ladder's plan: where it is measured faster, it is what ships.
         ladder_plan = state["plan"]
@@ -314,20 +375,10 @@ def task_select(spec: ChildSpec) -> None:
                     reason="replaced: the stock recipe (stock-recipe) was measured faster "
                     "than the plan with it",
                 )
-    final = state["plan"]
-    checked_as = numerics_dtype(final.dtype, tf32=runs_tf32(eager, final, device))
-    selection = BackendSelection(
-        workload=Path(spec.workload).stem,
-        reference=ref_name,
-        reference_ms=ref_ms,
-        variants=variants,
-        chosen=state["name"],
-        plan=final,
-        dropped=list(dropped.values()),
-        waterfall=waterfall,
-        numerics_dtype=checked_as if checked_as == TF32 else None,
-    )
-    write_artifact(out_dir / "profiler_output" / "backend_selection.json", selection)
+        record()
+        pending.unlink()
+    else:
+        record()
 
 
 def task_stock(spec: ChildSpec) -> None:
