@@ -373,7 +373,7 @@ def _shortfall_line(name: str, r: dict[str, Any]) -> str:
     return line
 
 
-STAGE_LOGS = ("capture", "select", "validate", "recapture")
+STAGE_LOGS = ("capture", "stock", "select", "validate", "recapture")
 
 
 TASK_DONE = re.compile(
@@ -775,12 +775,13 @@ def markdown(result: dict[str, Any]) -> str:
         n: r["child_seconds"] for n, r in result["workloads"].items() if r.get("child_seconds")
     }
     if children:
-        names = ["capture", "counters", "select", "validate", "recapture", "retime"]
+        names = ["capture", "counters", "stock", "select", "validate", "recapture", "retime"]
         alone = any("alone" in st for st in children.values())
         lines += [
             "",
             "Stage children's own time (s, from their logs; counters is the Nsight Compute pass "
-            "inside capture, retime the recapture's extra timing processes summed, which run "
+            "inside capture, stock the stock baseline's task (--opprof-stock) before selection, "
+            "retime the recapture's extra timing processes summed, which run "
             "beside the recapture where they start together; waiting, the part of all of it "
             "spent waiting for the GPU's lock"
             + ("; alone, the part spent holding it exclusively, measuring" if alone else "")
