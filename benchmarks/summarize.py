@@ -887,6 +887,41 @@ def compare(first: dict[str, Any], second: dict[str, Any], names: tuple[str, str
     return "\n".join(lines) + "\n"
 
 
+def table_and_geomean(summary: Path) -> tuple[str, str]:
+    """A summary.md's table of the workloads (it ends at the first blank line) and its
+    geometric-mean line."""
+    lines = summary.read_text(encoding="utf-8").splitlines()
+    table = "\n".join(lines[: lines.index("")])
+    geomean = next(line for line in lines if line.startswith("Geometric mean"))
+    return table, geomean.rstrip(".")
+
+
+README_RUN = re.compile(r"\]\((benchmarks/results/[^)/]+)/?\)")
+
+
+def readme_differs(readme: Path) -> str | None:
+    """Where the README's results table or geometric mean is not that of the committed summary
+    of the one run it links (``benchmarks/results/<session>/summary.md``, as this script wrote
+    it), what differs, in words; None where they match. So the README shows no figure that no
+    run produced."""
+    text = readme.read_text(encoding="utf-8")
+    runs = sorted(set(README_RUN.findall(text)))
+    if len(runs) != 1:
+        return f"{readme}: links {len(runs)} runs under benchmarks/results ({runs}); link one"
+    summary = readme.parent / runs[0] / "summary.md"
+    if not summary.is_file():
+        return f"{readme}: links {runs[0]}, which has no summary.md"
+    try:
+        table, geomean = table_and_geomean(summary)
+    except (ValueError, StopIteration):
+        return f"{summary}: no table and geometric-mean line as summarize.py writes them"
+    if table not in text:
+        return f"{readme}: its results table is not {summary}'s; copy it from there"
+    if geomean not in text:
+        return f"{readme}: its geometric mean is not {summary}'s ({geomean!r})"
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("folders", nargs="*", type=Path)
@@ -902,7 +937,19 @@ def main() -> None:
         metavar=("FIRST", "SECOND"),
         help="print two runs' summary JSONs side by side instead",
     )
+    parser.add_argument(
+        "--check-readme",
+        type=Path,
+        metavar="README",
+        help="check that README's results table is the committed summary of the run it links",
+    )
     args = parser.parse_args()
+    if args.check_readme:
+        differs = readme_differs(args.check_readme)
+        if differs:
+            raise SystemExit(differs)
+        print(f"{args.check_readme}: its results table is its linked run's summary")
+        return
     if args.compare:
         runs = []
         for path in args.compare:

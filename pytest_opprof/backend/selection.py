@@ -169,8 +169,7 @@ def over_twice_as_slow(samples: Mapping[str, Sequence[float]]) -> bool:
     """Whether to stop timing a rung early: in each of at least ``EARLY_ROUNDS`` interleaved
     rounds so far, its call (``candidate``) took over twice the plan's (``current``). Such a
     rung cannot be kept (that needs its CI above 1), and the rest of its rounds are the slowest
-    of a selection: bf16 on a CPU without bf16 units ran 0.17x, 54 s of its timing in the
-    README's conv_block run."""
+    of a selection (bf16 on a CPU without bf16 units: docs/usage.md#quick-start)."""
     current, candidate = samples["current"], samples["candidate"]
     done = min(len(current), len(candidate))
     return done >= EARLY_ROUNDS and all(

@@ -902,30 +902,30 @@ def test_selection_stopped_building_what_could_not_pay() -> None:
     assert walls == [245, 204]
 
 
-def _table_and_geomean(summary: Path) -> tuple[str, str]:
-    """A summary.md's table of the workloads and its geometric-mean line."""
-    lines = summary.read_text(encoding="utf-8").splitlines()
-    table = "\n".join(lines[: lines.index("")])  # the table ends at the first blank line
-    geomean = next(line for line in lines if line.startswith("Geometric mean"))
-    return table, geomean.rstrip(".")
-
-
-def test_the_readme_shows_the_table_of_the_run_it_links() -> None:
-    """The README's results table and geometric mean are those of the committed summary of the
-    run it names (benchmarks/results/<session>/summary.md), as summarize.py wrote them."""
-    import re
-
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    (session,) = set(re.findall(r"\]\((benchmarks/results/h200[^)/]*)/?\)", readme))
-    table, geomean = _table_and_geomean(ROOT / session / "summary.md")
-    assert table in readme
-    assert geomean in readme
+def test_the_readme_check_finds_a_table_no_run_wrote(tmp_path: Path) -> None:
+    """``--check-readme`` (run by .ci/run on the real README): the README's table and geometric
+    mean must be those of the summary of the one run it links."""
+    tool = _summarize()
+    run = tmp_path / "benchmarks" / "results" / "h200-x"
+    run.mkdir(parents=True)
+    shutil.copyfile(RESULTS / "summary.md", run / "summary.md")
+    table, geomean = tool.table_and_geomean(run / "summary.md")
+    readme = tmp_path / "README.md"
+    link = "[the run](benchmarks/results/h200-x/)"
+    readme.write_text(f"# x\n\n{table}\n\n{geomean}.\n\n{link}\n", encoding="utf-8")
+    assert tool.readme_differs(readme) is None
+    readme.write_text(
+        f"# x\n\n{table.replace('|', '| ', 3)}\n\n{geomean}.\n\n{link}\n", encoding="utf-8"
+    )
+    assert "results table" in (tool.readme_differs(readme) or "")
+    readme.write_text(f"# x\n\n{table}\n\n{geomean}\n\nno link\n", encoding="utf-8")
+    assert "links 0 runs" in (tool.readme_differs(readme) or "")
 
 
 def test_the_results_page_shows_the_table_of_the_fixture_run() -> None:
     """docs/results.md's table of h200-2026-12-02c/counters-n7 is what summarize.py wrote from
     that run's artifacts (tests/data/h200)."""
-    table, geomean = _table_and_geomean(RESULTS / "summary.md")
+    table, geomean = _summarize().table_and_geomean(RESULTS / "summary.md")
     page = (DOCS / "results.md").read_text(encoding="utf-8")
     assert table in page
     assert geomean in page
