@@ -61,7 +61,10 @@ def serve(socket_path: str, run: Callable[[str], int]) -> int:
 
     for name in PRELOAD:
         importlib.import_module(name)
-    warm_cpu_codegen()
+    # a check that fails here (no working compiler) fails again in the stage process, which
+    # says so in the stage's own words: the server must start regardless
+    with contextlib.suppress(Exception):
+        warm_cpu_codegen()
     import torch
 
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -241,9 +244,11 @@ class ForkServer:
             readable, _, _ = select.select([self.proc.stdout], [], [], START_TIMEOUT_S)
             ready = self.proc.stdout.readline() if readable else ""
         if ready.strip() != "ready":
-            self.close()
+            log.flush()
             log.seek(0)
-            raise OSError(f"the fork server did not start: {log.read()[-500:]}")
+            said = log.read()[-500:]  # before close(), which closes the log
+            self.close()
+            raise OSError(f"the fork server did not start: {said}")
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -374,6 +379,9 @@ def _started_to_last() -> ForkServer:
             started.append(server)
         except OSError as exc:
             failed.append(exc)
+            return
+        except Exception as exc:  # its caller falls back to fresh interpreters on OSError
+            failed.append(OSError(f"the fork server did not start: {exc!r}"))
             return
         finally:
             done.set()

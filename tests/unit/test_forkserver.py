@@ -13,6 +13,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -447,3 +448,20 @@ def test_a_server_outlives_the_thread_that_asked_for_it() -> None:
     time.sleep(1.0)  # the kernel's signal, were it sent, has arrived
     assert server.alive()
     assert forkserver.get(1) is server
+
+
+def test_a_server_that_dies_starting_says_what_it_said(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A server that exits before "ready" (say, its imports fail): an OSError carrying the
+    end of its log, for the caller's fallback to fresh interpreters."""
+
+    real = subprocess.Popen
+
+    def dies(args: list[str], **kwargs: Any) -> Any:
+        script = "import sys; sys.stderr.write('no torch here\\n'); sys.exit(3)"
+        return real([sys.executable, "-c", script], **kwargs)
+
+    monkeypatch.setattr(forkserver.subprocess, "Popen", dies)
+    with pytest.raises(OSError, match="did not start: no torch here"):
+        forkserver.ForkServer()
