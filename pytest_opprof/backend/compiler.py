@@ -445,13 +445,13 @@ def _with_tf32(compiled: Any) -> Callable[..., Any]:
 
 
 def _pass_sources(names: Sequence[str]) -> bytes:
-    """The bytes that define what the named passes do: this module, ``base`` and each pass
-    module's source."""
-    from pytest_opprof.passes import base
+    """The bytes that define what the named passes do: this module, ``base``, ``matching``
+    (the matchers passes share) and each pass module's source."""
+    from pytest_opprof.passes import base, matching
 
     modules = [inspect.getmodule(get_pass(n).apply) for n in names]
     digest = hashlib.sha256("\0".join(names).encode())
-    for module in [inspect.getmodule(_pass_sources), base, *modules]:
+    for module in [inspect.getmodule(_pass_sources), base, matching, *modules]:
         if module is not None:
             digest.update(inspect.getsource(module).encode())
     return digest.digest()

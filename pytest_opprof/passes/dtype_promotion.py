@@ -32,23 +32,13 @@ from pytest_opprof.passes.base import (
     run_graph_pass,
     set_fake_value,
 )
+from pytest_opprof.passes.matching import VIEWS, cast_dtype, is_cast
 
 NAME = "dtype_promotion"
 aten = torch.ops.aten
 prims = torch.ops.prims
 
 _COMPUTE = (aten.mm, aten.bmm, aten.addmm, aten.baddbmm, aten.convolution, aten.matmul, aten.linear)
-_VIEWS = (
-    aten.view,
-    aten.reshape,
-    aten._unsafe_view,
-    aten.permute,
-    aten.t,
-    aten.transpose,
-    aten.unsqueeze,
-    aten.squeeze,
-    aten.expand,
-)
 DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
@@ -120,18 +110,6 @@ def _all_fp32(node: torch.fx.Node) -> bool:
     )
 
 
-def _is_cast(node: Any) -> bool:
-    return is_op(node, prims.convert_element_type) or (
-        is_op(node, aten._to_copy) and set(node.kwargs) == {"dtype"} and len(node.args) == 1
-    )
-
-
-def _cast_dtype(node: torch.fx.Node) -> Any:
-    if is_op(node, prims.convert_element_type):
-        return node.args[1]
-    return node.kwargs.get("dtype")
-
-
 def _lowered(
     graph: torch.fx.Graph,
     arg: Any,
@@ -154,21 +132,21 @@ def _cancel_cast_pairs(graph: torch.fx.Graph) -> int:
     count = 0
     key = meta_key(graph)
     for down in list(graph.nodes):
-        if not _is_cast(down):
+        if not is_cast(down):
             continue
-        target = _cast_dtype(down)
+        target = cast_dtype(down)
         views: list[torch.fx.Node] = []
         node = down.args[0]
-        while isinstance(node, torch.fx.Node) and is_op(node, *_VIEWS):
+        while isinstance(node, torch.fx.Node) and is_op(node, *VIEWS):
             views.append(node)
             node = node.args[0]
-        if not isinstance(node, torch.fx.Node) or not _is_cast(node):
+        if not isinstance(node, torch.fx.Node) or not is_cast(node):
             continue
         src = node.args[0]
         src_val = fake_value(src)
         if not isinstance(src_val, torch.Tensor) or src_val.dtype != target:
             continue
-        if not _lossless(src_val.dtype, _cast_dtype(node)):
+        if not _lossless(src_val.dtype, cast_dtype(node)):
             continue
         replacement: Any = src
         with graph.inserting_before(down):

@@ -17,7 +17,7 @@ differs from the exact GELU by an order of magnitude less than bf16 does
 
 Pattern (aten level, after Inductor's decompositions): ``addmm(bias, a, b)`` with a 1-D bias,
 then views, each used only by the next, then ``relu``, the tanh-GELU formula
-(``activation_substitution._match``: spelled out by hand or by Inductor's decomposition of
+(``matching.match_tanh_gelu``: spelled out by hand or by Inductor's decomposition of
 ``gelu(approximate='tanh')``, which computes it in fp32 between two casts), or Inductor's
 decomposition of the exact GELU, ``(x * 0.5) * (erf(x * 0.7071...) + 1)`` (in fp32 between
 two casts for bf16). The GEMM's result may have no other use: the pre-activation values
@@ -39,13 +39,6 @@ from typing import Any
 import torch
 import torch.fx
 
-from pytest_opprof.passes.activation_substitution import (
-    _close,
-    _is,
-    _match,
-    _product,
-    half_x_times_one_plus,
-)
 from pytest_opprof.passes.base import (
     PassResult,
     erase_if_dead,
@@ -57,7 +50,16 @@ from pytest_opprof.passes.base import (
     set_fake_value,
     single_user,
 )
-from pytest_opprof.passes.dtype_promotion import _VIEWS, _cast_dtype, _is_cast
+from pytest_opprof.passes.matching import (
+    VIEWS,
+    cast_dtype,
+    close_to,
+    flatten_product,
+    half_x_times_one_plus,
+    is_cast,
+    is_kind,
+    match_tanh_gelu,
+)
 
 NAME = "gemm_epilogue"
 aten = torch.ops.aten
@@ -105,7 +107,7 @@ def _rewrite(gm: torch.fx.GraphModule, devices: tuple[str, ...]) -> tuple[int, s
             replacement = reapply_views(graph, out, [v for v in views if v is not widen], key)
             if widen is not None:  # and the same cast up (a view commutes with it)
                 replacement = graph.call_function(
-                    prims.convert_element_type.default, (replacement, _cast_dtype(widen))
+                    prims.convert_element_type.default, (replacement, cast_dtype(widen))
                 )
                 set_fake_value(replacement, key)
         final.replace_all_uses_with(replacement)
@@ -133,9 +135,9 @@ def _relu_site(node: torch.fx.Node) -> Site | None:
 def _gelu_site(tanh: torch.fx.Node) -> Site | None:
     """The tanh-GELU around ``tanh``, on the low-precision result itself or, as Inductor's
     decomposition computes it, on its fp32 copy with the result cast back."""
-    if not _is(tanh, "tanh"):
+    if not is_kind(tanh, "tanh"):
         return None
-    match = _match(tanh)
+    match = match_tanh_gelu(tanh)
     if match is None:
         return None
     x, root, nodes = match
@@ -148,8 +150,12 @@ def _erf_gelu_site(erf: torch.fx.Node) -> Site | None:
     1))``), on the low-precision result itself or on its fp32 copy with the result cast back."""
     if not is_op(erf, aten.erf) or not isinstance(erf.args[0], torch.fx.Node):
         return None
-    factors, const, inner = _product(erf.args[0])
-    if len(factors) != 1 or not isinstance(factors[0], torch.fx.Node) or not _close(const, _RSQRT2):
+    factors, const, inner = flatten_product(erf.args[0])
+    if (
+        len(factors) != 1
+        or not isinstance(factors[0], torch.fx.Node)
+        or not close_to(const, _RSQRT2)
+    ):
         return None
     x = factors[0]
     outside = half_x_times_one_plus(erf, x)
@@ -169,9 +175,9 @@ def _around(
         return None
     src, final, dead = x, root, [*nodes, root]
     back = single_user(root)
-    if back is not None and _is_cast(back) and _is_cast(x) and isinstance(x.args[0], torch.fx.Node):
+    if back is not None and is_cast(back) and is_cast(x) and isinstance(x.args[0], torch.fx.Node):
         low = fake_value(x.args[0])
-        if not isinstance(low, torch.Tensor) or _cast_dtype(back) != low.dtype:
+        if not isinstance(low, torch.Tensor) or cast_dtype(back) != low.dtype:
             return None
         if single_user(x.args[0]) is not x:
             return None
@@ -189,10 +195,10 @@ def _gemm_under(
     views: list[torch.fx.Node] = []
     widen: torch.fx.Node | None = None
     node: Any = src
-    while is_op(node, *_VIEWS) or (widen is None and _widens(node)):
+    while is_op(node, *VIEWS) or (widen is None and _widens(node)):
         if views and single_user(node) is not views[-1]:
             return None, [], None
-        if not is_op(node, *_VIEWS):
+        if not is_op(node, *VIEWS):
             widen = node
         views.append(node)
         node = node.args[0]
@@ -205,7 +211,7 @@ def _gemm_under(
 
 def _widens(node: Any) -> bool:
     """``node`` casts a bf16 / fp16 tensor up to fp32."""
-    if not _is_cast(node) or not isinstance(node.args[0], torch.fx.Node):
+    if not is_cast(node) or not isinstance(node.args[0], torch.fx.Node):
         return False
     low, wide = fake_value(node.args[0]), fake_value(node)
     if not isinstance(low, torch.Tensor) or not isinstance(wide, torch.Tensor):

@@ -32,7 +32,7 @@ from pytest_opprof.passes.base import (
     run_graph_pass,
     set_fake_value,
 )
-from pytest_opprof.passes.dtype_promotion import _VIEWS, _cast_dtype, _is_cast
+from pytest_opprof.passes.matching import VIEWS, cast_dtype, is_cast
 
 NAME = "gemm_out_dtype"
 aten = torch.ops.aten
@@ -80,11 +80,11 @@ def _rewrite(gm: torch.fx.GraphModule, devices: tuple[str, ...]) -> tuple[int, s
     key = meta_key(graph)
     folded: list[str] = []
     for cast in list(graph.nodes):
-        if not _is_cast(cast) or _cast_dtype(cast) != torch.float32:
+        if not is_cast(cast) or cast_dtype(cast) != torch.float32:
             continue
         views: list[torch.fx.Node] = []
         node = cast.args[0]
-        while isinstance(node, torch.fx.Node) and is_op(node, *_VIEWS) and len(node.users) == 1:
+        while isinstance(node, torch.fx.Node) and is_op(node, *VIEWS) and len(node.users) == 1:
             views.append(node)
             node = node.args[0]
         if not isinstance(node, torch.fx.Node) or node.target not in pairs:

@@ -1,5 +1,6 @@
 """The package's import graph has no cycle: every module-level and function-level import of
-``pytest_opprof`` counts, except those under ``if TYPE_CHECKING:`` (issue #41)."""
+``pytest_opprof`` counts, except those under ``if TYPE_CHECKING:`` (issue #41). And no module
+imports another module's private (underscore) name: what several modules share is public."""
 
 from __future__ import annotations
 
@@ -93,3 +94,55 @@ def test_the_plugin_imports_no_stage() -> None:
     tree = ast.parse((PACKAGE / "plugin.py").read_text(encoding="utf-8"))
     top = [n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))]
     assert not any("stages" in ast.unparse(n) or "pipeline" in ast.unparse(n) for n in top)
+
+
+def private_imports(sources: dict[str, str]) -> list[tuple[str, str, str]]:
+    """``(importer, module, name)`` for each ``from <package module> import _name`` in
+    ``sources`` (file path relative to the repository -> source text), relative imports
+    resolved, at any depth and under ``TYPE_CHECKING`` too. Dunder names (``__version__``) are
+    not private; a module's import from itself is not another's."""
+    found = []
+    for file, text in sources.items():
+        parts = Path(file).with_suffix("").parts
+        package = list(parts[:-1])
+        name = ".".join(package if parts[-1] == "__init__" else parts)
+        for node in ast.walk(ast.parse(text)):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            module = node.module or ""
+            if node.level:
+                base = package[: len(package) - (node.level - 1)]
+                module = ".".join([*base, module] if module else base)
+            if module.split(".")[0] != "pytest_opprof" or module == name:
+                continue
+            for alias in node.names:
+                dunder = alias.name.startswith("__") and alias.name.endswith("__")
+                if alias.name.startswith("_") and not dunder:
+                    found.append((name, module, alias.name))
+    return found
+
+
+def test_no_module_imports_anothers_private_name() -> None:
+    sources = {
+        str(path.relative_to(PACKAGE.parent)): path.read_text(encoding="utf-8")
+        for path in sorted(PACKAGE.rglob("*.py"))
+    }
+    assert len(sources) > 50
+    assert private_imports(sources) == []
+
+
+def test_the_check_sees_a_private_import() -> None:
+    sources = {
+        "pytest_opprof/passes/a.py": "from pytest_opprof.passes.b import _helper, public\n",
+        "pytest_opprof/passes/c.py": "def f():\n    from .b import (\n        _VIEWS,\n    )\n",
+        "pytest_opprof/passes/__init__.py": "from .base import _guard\nfrom . import _x\n",
+        "pytest_opprof/report/d.py": "from pytest_opprof.report import plots as _plots\n",
+        "pytest_opprof/e.py": "from pytest_opprof import __version__\nfrom torch._ops import _F\n",
+        "pytest_opprof/f.py": "from pytest_opprof.f import _own\nfrom .passes.b import _out\n",
+    }
+    assert private_imports(sources) == [
+        ("pytest_opprof.passes.a", "pytest_opprof.passes.b", "_helper"),
+        ("pytest_opprof.passes.c", "pytest_opprof.passes.b", "_VIEWS"),
+        ("pytest_opprof.passes", "pytest_opprof.passes.base", "_guard"),
+        ("pytest_opprof.f", "pytest_opprof.passes.b", "_out"),
+    ]

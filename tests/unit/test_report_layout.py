@@ -5,7 +5,6 @@ the report fixtures of tests/data/report/."""
 
 from __future__ import annotations
 
-import ast
 import functools
 import re
 import shutil
@@ -298,22 +297,6 @@ def test_markdown_from_elsewhere_is_held_to_the_limit() -> None:
 # ------------------------------------------------------------------------------ the modules
 
 
-def _modules() -> dict[str, ast.Module]:
-    return {p.stem: ast.parse(p.read_text(encoding="utf-8")) for p in REPORT.glob("*.py")}
-
-
 def test_report_modules_stay_small() -> None:
     sizes = {p.name: len(p.read_text(encoding="utf-8").splitlines()) for p in REPORT.glob("*.py")}
     assert max(sizes.values()) < 600, sizes
-
-
-def test_no_report_module_imports_anothers_private_name() -> None:
-    private = [
-        (name, node.module, alias.name)
-        for name, tree in _modules().items()
-        for node in ast.walk(tree)
-        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pytest_opprof")
-        for alias in node.names
-        if alias.name.startswith("_")
-    ]
-    assert private == []
