@@ -1,7 +1,8 @@
 """``opprof``: the pipeline without pytest, over the same code (docs/usage.md#command-line).
 
     opprof optimize examples/conv_block/conv_block.py [more.py …] [--out DIR] [--from STAGE]
-    opprof capture workload.py [--profile-name=optimized]
+    opprof capture workload.py
+    opprof recapture workload.py
     opprof propose out/conv_block/profile.json [--out PATH]
     opprof backend workload.py out/conv_block/optimizations.json
     opprof validate out/conv_block/conv_block_optimized.py
@@ -41,13 +42,14 @@ if TYPE_CHECKING:
     from pytest_opprof.workload import WorkloadSpec
 
 # The options each stage reads (by field); a subcommand offers those of the stages it runs.
+# (The backend's selection times with a fixed warmup: it reads no --warmup-iters.)
 RUN = ("out", "device", "timeout")
 TIMING = ("warmup_iters", "measure_iters", "rounds")
 NCU = ("ncu", "ncu_sudo", "ncu_clock_control", "ncu_replay")
 STAGE_OPTIONS: dict[str, tuple[str, ...]] = {
     "capture": ("compile_backend", *TIMING, *NCU),
     "propose": ("min_confidence", "max_opts", "llm"),
-    "backend": ("compile_backend", *TIMING, "stock"),
+    "backend": ("compile_backend", "measure_iters", "rounds", "stock"),
     "validate": (),
     "recapture": (
         "compile_backend",
@@ -106,33 +108,41 @@ def _parser() -> argparse.ArgumentParser:
         (*RUN, "from", "stage", *_of(*STAGES)),
         inputs=["workloads"],
     )
-    p.add_argument("workloads", nargs="+", type=Path, metavar="WORKLOAD")
+    _workloads(p)
     p = _command(
         sub,
         "capture",
-        "stage 0: profile the workload (with --profile-name=optimized: its optimized backend)",
-        (*RUN, *_of("capture", "recapture")),
+        "stage 0: profile the workload (writes profile.json)",
+        (*RUN, *_of("capture")),
         inputs=["workloads"],
     )
-    p.add_argument("workloads", nargs="+", type=Path, metavar="WORKLOAD")
-    p.add_argument(
-        "--profile-name",
-        choices=("optimized",),
-        default=None,
-        metavar="NAME",
-        help="'optimized' writes profile_optimized.json, the recapture "
-        "(default: profile.json, the baseline's; one of: optimized)",
+    _workloads(p)
+    p = _command(
+        sub,
+        "recapture",
+        "stage 4: profile and time the workload's optimized backend against its baselines "
+        "(writes profile_optimized.json; the earlier stages are read from disk, or run where "
+        "missing)",
+        (*RUN, *_of("recapture")),
+        inputs=["workloads"],
     )
+    _workloads(p)
     p = _command(
         sub,
         "report",
-        "stage 5: write report.md from the artifacts on disk",
+        "stage 5: write report.md from the artifacts on disk (a backend file edited since "
+        "its validation is validated again first)",
         (*RUN, *_of("report")),
         inputs=["workloads"],
     )
-    p.add_argument("workloads", nargs="+", type=Path, metavar="WORKLOAD")
+    _workloads(p)
     p = _command(sub, "propose", "stage 1 from a profile.json", _of("propose"), inputs=["profile"])
-    p.add_argument("profile", type=Path)
+    p.add_argument(
+        "profile",
+        type=Path,
+        metavar="PROFILE",
+        help="a profile.json written by the capture (graph.json beside it is read too, if there)",
+    )
     p.add_argument(
         "--out",
         dest="destination",
@@ -149,8 +159,18 @@ def _parser() -> argparse.ArgumentParser:
         ("device", "timeout", *_of("backend")),
         inputs=["workload", "optimizations"],
     )
-    p.add_argument("workload", type=Path)
-    p.add_argument("optimizations", type=Path)
+    p.add_argument(
+        "workload",
+        type=Path,
+        metavar="WORKLOAD",
+        help="the workload file (a Python file with a top-level get_model_and_input())",
+    )
+    p.add_argument(
+        "optimizations",
+        type=Path,
+        metavar="OPTIMIZATIONS",
+        help="its optimizations.json, in <out>/<workload>/ beside the capture's artifacts",
+    )
     p = _command(
         sub,
         "validate",
@@ -158,7 +178,12 @@ def _parser() -> argparse.ArgumentParser:
         ("device", "timeout"),
         inputs=["file"],
     )
-    p.add_argument("file", type=Path)
+    p.add_argument(
+        "file",
+        type=Path,
+        metavar="FILE",
+        help="a backend file, <out>/<workload>/<workload>_optimized.py, generated or edited",
+    )
     p = _command(
         sub,
         "merge",
@@ -166,7 +191,13 @@ def _parser() -> argparse.ArgumentParser:
         ("out",),
         inputs=["dirs"],
     )
-    p.add_argument("dirs", nargs="+", type=Path, metavar="DIR")
+    p.add_argument(
+        "dirs",
+        nargs="+",
+        type=Path,
+        metavar="DIR",
+        help="a shard's --out folder, its --opprof-out under pytest (one or more)",
+    )
     _command(sub, "preflight", "check Python, torch, CUDA, the GPU, ncu and permissions", ())
     _command(sub, "runs", "list the stored runs (optimize --save)", ("storage",))
     p = _command(
@@ -193,9 +224,20 @@ def _parser() -> argparse.ArgumentParser:
         "run",
         nargs="?",
         default="last",
-        help="the run (default: last; last, NUMBER, NAME or PATH)",
+        metavar="RUN",
+        help="the stored run to export (default: last; last, NUMBER, NAME or PATH)",
     )
     return parser
+
+
+def _workloads(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "workloads",
+        nargs="+",
+        type=Path,
+        metavar="WORKLOAD",
+        help="a workload file, a Python file with a top-level get_model_and_input() (one or more)",
+    )
 
 
 def _positive(text: str) -> int:
@@ -292,8 +334,11 @@ def cmd_optimize(ns: argparse.Namespace, options: OpprofOptions) -> int:
 
 
 def cmd_capture(ns: argparse.Namespace, options: OpprofOptions) -> int:
-    stage = "recapture" if ns.profile_name == "optimized" else "capture"
-    return _run_stages(ns, options, [stage])
+    return _run_stages(ns, options, ["capture"])
+
+
+def cmd_recapture(ns: argparse.Namespace, options: OpprofOptions) -> int:
+    return _run_stages(ns, options, ["recapture"])
 
 
 def cmd_report(ns: argparse.Namespace, options: OpprofOptions) -> int:
@@ -525,6 +570,7 @@ COMMANDS = {
     "merge": cmd_merge,
     "optimize": cmd_optimize,
     "capture": cmd_capture,
+    "recapture": cmd_recapture,
     "report": cmd_report,
     "propose": cmd_propose,
     "backend": cmd_backend,

@@ -474,13 +474,25 @@ def parse_workload_overrides(raw: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
-_PYTEST_FLAG = re.compile(r"--opprof-([a-z][a-z-]*[a-z])")
+_PYTEST_FLAG = re.compile(
+    # a pytest command line (``pytest --opprof --opprof-save``, ``pytest: --opprof-ncu=off``):
+    # a hint to run pytest, whose options keep pytest's spelling
+    r"(?P<pytest>\bpytest:?(?: +--?[a-z][\w-]*(?:=[^\s,;)]*)?)+)"
+    r"|--opprof-(?P<noun>[a-z][a-z-]*[a-z])"
+)
 
 
 def cli_spelling(text: str) -> str:
     """``text`` with each ``--opprof-<noun>`` of an option spelled ``--<noun>``, as the
-    ``opprof`` command spells it: for the help and the messages that command prints."""
-    return _PYTEST_FLAG.sub(lambda m: f"--{m[1]}" if m[1] in BY_NOUN else m[0], text)
+    ``opprof`` command spells it: for the help and the messages that command prints. A
+    pytest command line in ``text`` (``pytest`` and the options after it) keeps pytest's
+    spelling: it tells the user what to run under pytest."""
+
+    def respell(m: re.Match[str]) -> str:
+        noun = m["noun"]
+        return f"--{noun}" if noun is not None and noun in BY_NOUN else m[0]
+
+    return _PYTEST_FLAG.sub(respell, text)
 
 
 BY_NOUN: dict[str, OptionSpec] = {spec.noun: spec for spec in OPTIONS}

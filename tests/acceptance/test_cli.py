@@ -195,17 +195,23 @@ TIMING = {"warmup-iters", "measure-iters", "rounds"}
 OWN_OPTIONS = {
     "optimize": PIPELINE,
     "capture": {
-        *("out", "device", "timeout", "compile-backend", "profile-name"),
+        *("out", "device", "timeout", "compile-backend"),
         *TIMING,
         *("ncu", "ncu-sudo", "ncu-clock-control", "ncu-replay"),
-        *("timing-processes", "fresh-timing", "timing-servers", "stock"),
     },
+    "recapture": {
+        *("out", "device", "timeout", "compile-backend", "stock"),
+        *TIMING,
+        *("timing-processes", "fresh-timing", "timing-servers"),
+    },
+    # device and timeout: a backend edited since its validation is validated again first
     "report": {
         *("out", "device", "timeout", "min-speedup", "baseline", "strict-gate", "gate-on-cpu"),
         *("save", "compare", "compare-fail", "storage"),
     },
     "propose": {"min-confidence", "max-opts", "llm", "out"},
-    "backend": {"device", "timeout", "compile-backend", "stock", *TIMING},
+    # the selection's timing has a fixed warmup: no --warmup-iters
+    "backend": {"device", "timeout", "compile-backend", "stock", "measure-iters", "rounds"},
     "validate": {"device", "timeout"},
     "merge": {"out"},
     "preflight": set(),
@@ -223,13 +229,40 @@ def test_each_subcommand_offers_only_its_own_options(
     assert offered == OWN_OPTIONS[command]
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["propose", "profile.json", "--rounds=5"],
+        # the recapture's options belong to recapture, not to capture
+        ["capture", "w.py", "--timing-processes=3"],
+        ["capture", "w.py", "--fresh-timing"],
+        ["capture", "w.py", "--stock"],
+        ["capture", "w.py", "--profile-name=optimized"],
+        ["backend", "w.py", "optimizations.json", "--warmup-iters=5"],
+    ],
+)
 def test_an_option_of_another_subcommand_is_refused(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    capsys: pytest.CaptureFixture[str], argv: list[str]
 ) -> None:
     with pytest.raises(SystemExit) as exited:
-        cli.main(["propose", str(tmp_path / "profile.json"), "--rounds=5"])
+        cli.main(argv)
     assert exited.value.code == 2
-    assert "unrecognized arguments: --rounds=5" in capsys.readouterr().err
+    assert f"unrecognized arguments: {argv[-1]}" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", sorted(OWN_OPTIONS))
+def test_every_positional_argument_has_help(
+    command: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "1000")
+    text = _help(command, capsys)
+    usage = re.sub(r"\[[^]]*\]", "", text.split("\n\n")[0])  # the usage less its options
+    names = set(re.findall(r"\b[A-Z][A-Z_]+\b", usage.split(command, 1)[1]))
+    listed = text.split("positional arguments:\n")[1].split("\n\n")[0] if names else ""
+    for name in names:
+        assert re.search(rf"^  {name} +\S", listed, re.MULTILINE), (name, text)
+    if command == "export":  # optional: only in brackets in the usage
+        assert re.search(r"^  RUN +the stored run .*\(default: last; ", text, re.MULTILINE)
 
 
 @pytest.mark.parametrize("command", sorted(OWN_OPTIONS))
@@ -282,6 +315,17 @@ def test_usage_errors_name_the_commands_own_options(
     assert "--opprof-" not in err
 
 
+def test_a_hint_to_run_pytest_keeps_the_pytest_option(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The hint names pytest's option (``--opprof-save``) beside the command's own
+    (``--save``): the respelling for the command leaves a pytest command line alone."""
+    assert cli.main(["trend", "--storage", str(tmp_path / "nonexistent_dir")]) == 1
+    err = capsys.readouterr().err
+    assert "opprof optimize --save, or pytest --opprof --opprof-save" in err, err
+    assert "pytest --opprof --save" not in err
+
+
 def test_propose_writes_where_out_says(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "run").mkdir()
     _h200_conv_block(tmp_path / "run")
@@ -311,6 +355,7 @@ def test_propose_writes_where_out_says(tmp_path: Path, capsys: pytest.CaptureFix
     [
         ["optimize", "nope.py"],
         ["capture", "nope.py"],
+        ["recapture", "nope.py"],
         ["report", "nope.py"],
         ["propose", "nope/profile.json"],
         ["backend", "nope.py", "optimizations.json"],

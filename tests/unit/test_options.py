@@ -192,3 +192,19 @@ def test_cli_spelling_names_the_commands_own_options() -> None:
         "--compare-fail needs --compare"
     )
     assert cli_spelling("pytest --opprof --opprof-nonsense") == "pytest --opprof --opprof-nonsense"
+
+
+def test_cli_spelling_leaves_a_pytest_command_line_alone() -> None:
+    """A hint to run pytest names pytest's options; the command's own are respelled."""
+    assert cli_spelling(
+        "save one with opprof optimize --opprof-save, or pytest --opprof --opprof-save"
+    ) == ("save one with opprof optimize --save, or pytest --opprof --opprof-save")
+    assert cli_spelling("pytest --opprof --opprof-save=main, then --opprof-compare") == (
+        "pytest --opprof --opprof-save=main, then --compare"
+    )
+    assert cli_spelling("run with --opprof-ncu-sudo=true (pytest: --opprof-ncu-sudo=true)") == (
+        "run with --ncu-sudo=true (pytest: --opprof-ncu-sudo=true)"
+    )
+    assert cli_spelling("pytest_opprof_select_baseline: --opprof-stock") == (
+        "pytest_opprof_select_baseline: --stock"
+    )
