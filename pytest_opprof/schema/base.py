@@ -103,7 +103,8 @@ def read_artifact(path: Path, model: type[A]) -> A:
             text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ArtifactError(
-            f"{path}: not found; run the stage that writes it (or drop --opprof-from)"
+            f"{path}: not found; run the stage that writes it first (a plain pytest --opprof "
+            "run, or opprof optimize WORKLOAD, runs every stage)"
         ) from None
     except (OSError, EOFError, UnicodeDecodeError) as exc:
         why = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)

@@ -78,8 +78,9 @@ def _run_stage(run: WorkloadRun, stage: str) -> StageOutcome:
             for path in run.artifact_paths(stage):
                 if not path.exists():
                     raise ArtifactError(
-                        f"{path}: not found, but --opprof-from/--opprof-stage reuses it; run "
-                        f"the {stage} stage first (drop --opprof-from)"
+                        f"{path}: not found, and this run reuses the {stage} stage's files "
+                        f"instead of running it; run it first (opprof {stage} WORKLOAD, or "
+                        f"pytest --opprof --opprof-from={stage})"
                     )
             _check_artifacts(run, stage)
             outcome = StageOutcome(stage, "passed", "reused from disk", cached=True)
@@ -136,7 +137,8 @@ def _check_artifacts(run: WorkloadRun, stage: str) -> None:
             read_artifact(path, model)
     if stage == "backend" and not run.generated.exists():
         raise ArtifactError(
-            f"{run.generated}: the generated backend is missing; re-run with --opprof-from=backend"
+            f"{run.generated}: the generated backend is missing; run the backend stage again "
+            "(opprof backend WORKLOAD, or pytest --opprof --opprof-from=backend)"
         )
     if stage == "validate":
         report = read_artifact(run.profiler_output / "validation_report.json", ValidationReport)

@@ -378,3 +378,17 @@ def test_a_missing_input_says_not_found(
     missing = next(a for a in argv[1:] if a.startswith("nope"))
     assert cli.main(argv) == 1
     assert capsys.readouterr().err == f"opprof: {missing}: not found\n"
+
+
+def test_a_stage_reused_but_never_run_names_what_to_run_in_the_cli_s_words(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``opprof report`` on a workload whose stages never ran: the message says which command
+    runs the missing stage, and names no option that ``report`` does not offer."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "w.py").write_text(textwrap.dedent(WORKLOAD))
+    assert cli.main(["report", "w.py", "--out", str(tmp_path / "out")]) == 1
+    said = capsys.readouterr().out
+    hint = "run it first (opprof capture WORKLOAD, or pytest --opprof --opprof-from=capture)"
+    assert hint in said
+    assert " --from" not in said and "--stage" not in said
