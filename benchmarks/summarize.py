@@ -373,7 +373,9 @@ def _shortfall_line(name: str, r: dict[str, Any]) -> str:
     return line
 
 
-STAGE_LOGS = ("capture", "stock", "select", "validate", "recapture")
+STAGE_LOGS = ("capture", "stock", "backend", "validate", "recapture")
+FORMER_LOGS = {"backend": "select"}
+"""A stage whose child logged under another name in runs before: read where its own is absent."""
 
 
 TASK_DONE = re.compile(
@@ -389,8 +391,17 @@ def child_seconds(where: Path) -> dict[str, float]:
     ``waiting``: the seconds all of them waited for the GPU's lock (runs sharing a GPU), and
     ``alone``: the seconds they held it exclusively, measuring."""
     out: dict[str, float] = {}
-    logs = [(s, where / "profiler_output" / f"{s}.log") for s in STAGE_LOGS]
-    logs += [("retime", p) for p in sorted((where / "profiler_output").glob("retime*.log"))]
+    folder = where / "profiler_output"
+    logs = [
+        (
+            s,
+            log
+            if (log := folder / f"{s}.log").exists() or s not in FORMER_LOGS
+            else folder / f"{FORMER_LOGS[s]}.log",
+        )
+        for s in STAGE_LOGS
+    ]
+    logs += [("retime", p) for p in sorted(folder.glob("retime*.log"))]
     for stage, log in logs:
         if not log.exists():
             continue
@@ -775,7 +786,7 @@ def markdown(result: dict[str, Any]) -> str:
         n: r["child_seconds"] for n, r in result["workloads"].items() if r.get("child_seconds")
     }
     if children:
-        names = ["capture", "counters", "stock", "select", "validate", "recapture", "retime"]
+        names = ["capture", "counters", "stock", "backend", "validate", "recapture", "retime"]
         alone = any("alone" in st for st in children.values())
         lines += [
             "",

@@ -48,7 +48,7 @@ def run(run: WorkloadRun) -> str:
         run.run_child("stock", "backend")
     sel_path = run.out_dir / SELECTION_FILE
     try:
-        run.run_child("select", "backend")
+        run.run_child(NAME, NAME)
         selection = read_artifact(sel_path, BackendSelection)
     except StageError as exc:
         selection = ladder_kept(run.out_dir, exc)
@@ -467,5 +467,7 @@ def runs_tf32(model: Any, plan: Any, device: str) -> bool:
     return bool(convs and torch.backends.cudnn.allow_tf32)
 
 
-TASKS: dict[str, Callable[[ChildSpec], None]] = {"select": task_select, "stock": task_stock}
-"""The child halves, by the task name a spec carries (``runner`` dispatches them)."""
+TASKS: dict[str, Callable[[ChildSpec], None]] = {NAME: task_select, "stock": task_stock}
+"""The child halves, by the task name a spec carries (``runner`` dispatches them): measured
+selection under the stage's own name (its log ``backend.log``), and the stock baseline's task
+that runs before it where it is measured."""

@@ -282,8 +282,8 @@ def test_reported_measurements_wait_for_the_hosts_compiles_and_selection_does_no
             fcntl.flock(fd, fcntl.LOCK_UN)
 
     def neighbour() -> None:
-        compiling("capture.log", devicelock.WAITING_QUIET, "select.log")
-        compiling("select.log", "task select done", "validate.log")
+        compiling("capture.log", devicelock.WAITING_QUIET, "backend.log")
+        compiling("backend.log", "task backend done", "validate.log")
         compiling("recapture.log", devicelock.WAITING_QUIET, "speedup.log")
 
     thread = threading.Thread(target=neighbour, daemon=True)
@@ -296,10 +296,10 @@ def test_reported_measurements_wait_for_the_hosts_compiles_and_selection_does_no
         thread.join(10)
         os.close(fd)
     result.stdout.fnmatch_lines(["*tiny.py::speedup PASSED*"])
-    assert seen == {"capture.log": True, "select.log": True, "recapture.log": True}
+    assert seen == {"capture.log": True, "backend.log": True, "recapture.log": True}
     for log in ("capture.log", "recapture.log"):
         text = (logs / log).read_text()
         waited = float(text.split("the host was quiet after ")[1].split()[0])
         assert waited >= 0.4, log  # it waited for the compile, and measured only after it
-    select = (logs / "select.log").read_text()
+    select = (logs / "backend.log").read_text()
     assert "timed " in select and devicelock.WAITING_QUIET not in select

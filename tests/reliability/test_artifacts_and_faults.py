@@ -184,7 +184,7 @@ def test_interrupted_backend_leaves_no_artifact_and_only_it_reruns(tmp_path: Pat
     out = tmp_path / "opprof-results" / "slow"
     before = {f: (out / f).stat().st_mtime_ns for f in ("profile.json", "optimizations.json")}
     (tmp_path / "slow-now").touch()
-    interrupt(tmp_path, out / "profiler_output" / "select.log", "--opprof-stage=backend")
+    interrupt(tmp_path, out / "profiler_output" / "backend.log", "--opprof-stage=backend")
     time.sleep(4)  # a runaway child would write the selection by now
     assert not (out / "profiler_output" / "backend_selection.json").exists()
     assert not (out / "slow_optimized.py").exists()

@@ -36,20 +36,20 @@ def test_an_unwritable_progress_folder_costs_the_lines_not_the_stage(tmp_path: P
 
 
 def test_the_lines_name_workload_task_time_and_last_phase(tmp_path: Path) -> None:
-    log = tmp_path / "select.log"
+    log = tmp_path / "backend.log"
     log.write_text(
         "[opprof] +    1.2 s  torch imported\nnoise\n"
         "[opprof] +   40.0 s  timed cuda_graphs-model: 1.023x\nmore noise\n"
     )
     where = progress.folder(tmp_path)
     with (
-        progress.running(tmp_path, "gpt2", "select", log),
+        progress.running(tmp_path, "gpt2", "backend", log),
         progress.running(tmp_path, "mlp", "capture", tmp_path / "missing.log"),
     ):
         now = time.time()
         assert progress.lines(where, now, older_than=60) == []
         later = progress.lines(where, now + 95, older_than=60)
-    assert later == ["gpt2 select 95 s: timed cuda_graphs-model: 1.023x", "mlp capture 95 s"]
+    assert later == ["gpt2 backend 95 s: timed cuda_graphs-model: 1.023x", "mlp capture 95 s"]
     (where / "torn.json").write_text("{")
     assert progress.lines(where, time.time(), 0) == []
 

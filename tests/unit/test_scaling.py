@@ -40,9 +40,9 @@ JUNIT = """<?xml version="1.0" encoding="utf-8"?>
 def _run(folder: Path, name: str, finished: bool, waiting: float, alone: float) -> str:
     logs = folder / "run" / name / "profiler_output"
     logs.mkdir(parents=True)
-    (logs / "select.log").write_text(
+    (logs / "backend.log").write_text(
         "[opprof] +    0.0 s  forked from the fork server of pid 1 at 10:00:00.000 UTC\n"
-        f"[opprof] +   30.0 s  task select done, {waiting} s of it waiting for the GPU, "
+        f"[opprof] +   30.0 s  task backend done, {waiting} s of it waiting for the GPU, "
         f"{alone} s with the GPU to itself\n",
         encoding="utf-8",
     )

@@ -128,7 +128,7 @@ def test_task_select_keeps_each_dropped_rungs_history(
     )
     monkeypatch.setattr(common, "compile_timed", lambda m, backend, inputs, device: (m, 0.0))
     spec = ChildSpec(
-        task="select",
+        task="backend",
         workload=str(tmp_path / "w.py"),
         out_dir=str(tmp_path),
         options=OpprofOptions.from_values({"out": str(tmp_path), "device": "cpu"}).to_child(),
@@ -218,7 +218,7 @@ def test_a_cast_past_the_tolerance_is_kept_under_autocast_and_a_faster_stock_rec
     monkeypatch.setattr(common, "compile_timed", lambda m, backend, inputs, device: (m, 0.0))
     options = {"out": str(tmp_path), "device": "cpu", "stock": "true"}
     spec = ChildSpec(
-        task="select",
+        task="backend",
         workload=str(tmp_path / "w.py"),
         out_dir=str(tmp_path),
         options=OpprofOptions.from_values(options).to_child(),

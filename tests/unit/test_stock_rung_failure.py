@@ -14,7 +14,7 @@ from pytest_opprof.stages.backend import SELECTION_FILE, STOCK_RUNG_PENDING, lad
 
 FAILURE = StageError(
     "w.py: the backend process failed (exit 1); this is likely a bug in pytest-opprof or "
-    "torch. Last lines of select.log:\n  File ...\n"
+    "torch. Last lines of backend.log:\n  File ...\n"
     "torch.AcceleratorError: CUDA error: unspecified launch failure\nSearch for ..."
 )
 
