@@ -9,6 +9,12 @@ spent waiting for the GPU, and the wall time per stage summed over the workloads
 
     python benchmarks/scaling.py models --counts 1,4,8,16 --out scaling [-- pytest args]
     CUDA_VISIBLE_DEVICES=0,1 python benchmarks/scaling.py models --counts 8 --label "2 GPUs"
+    python benchmarks/scaling.py --table a/scaling.json b/scaling.json --out merged
+
+The runs (artifacts, compile caches) go under ``--work``; ``--out`` gets only the table
+(``scaling.json``, ``scaling.md``), small enough to bring back from a lent GPU machine. Counts
+run in separate calls (one run of 16 workloads can take a call's whole time) are put in one
+table by ``--table``, their growth figures computed anew over all of them.
 
 A suite is ``models`` (benchmarks/models), ``examples`` (the seven), or a folder of workload
 folders (``NAME/NAME.py``). A count past the suite's size repeats its workloads as copies
@@ -225,14 +231,26 @@ def main(argv: list[str] | None = None) -> int:
         at = args.index("--")
         args, extra = args[:at], args[at + 1 :]
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("suite", help="models, examples, or a folder of NAME/NAME.py folders")
+    parser.add_argument(
+        "suite", nargs="?", help="models, examples, or a folder of NAME/NAME.py folders"
+    )
+    parser.add_argument(
+        "--table", type=Path, nargs="+", help="only tabulate these scaling.json files, merged"
+    )
     parser.add_argument("--counts", default="1,4,8,16", help="workload counts (default 1,4,8,16)")
     parser.add_argument("--workers", type=int, default=0, help="-n per run (default: per count)")
     parser.add_argument("--max-workers", type=int, default=8, help="default -n's cap (default 8)")
     parser.add_argument("--budget", type=float, default=540.0, help="seconds per run (540)")
-    parser.add_argument("--out", type=Path, default=Path("scaling"), help="folder (./scaling)")
+    parser.add_argument("--out", type=Path, default=Path("scaling"), help="table's folder")
+    parser.add_argument(
+        "--work", type=Path, default=Path("/tmp/opprof-scaling"), help="runs' folder"
+    )
     parser.add_argument("--label", default="one GPU", help="what the runs ran on, for the table")
     ns = parser.parse_args(args)
+    if ns.table:
+        return write_table(merged(ns.table), ns.label, ns.out)
+    if ns.suite is None:
+        parser.error("name a suite (models, examples or a folder), or --table FILES")
     try:
         counts = [int(c) for c in ns.counts.split(",") if c.strip()]
     except ValueError:
@@ -243,7 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     points = []
     for count in counts:
         workers = ns.workers or min(count, ns.max_workers)
-        folder = ns.out / f"n{count}"
+        folder = ns.work / f"n{count}"
         point = run_point(files, count, workers, folder, ns.budget, extra)
         points.append(measure_point(point, folder))
         print(
@@ -251,12 +269,34 @@ def main(argv: list[str] | None = None) -> int:
             f"{len(points[-1]['finished'])} finished",
             flush=True,
         )
+    return write_table(points, ns.label, ns.out)
+
+
+def merged(files: list[Path]) -> list[dict[str, Any]]:
+    """The points of several ``scaling.json`` files, one per count (a later file's replaces an
+    earlier one's), by count."""
+    by_count: dict[int, dict[str, Any]] = {}
+    for path in files:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+            points = data["points"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise SystemExit(f"scaling: {path}: not a scaling.json ({exc})") from None
+        for p in points:
+            by_count[int(p["count"])] = p
+    return [by_count[c] for c in sorted(by_count)]
+
+
+def write_table(points: list[dict[str, Any]], label: str, out: Path) -> int:
+    """``scaling.json`` and ``scaling.md`` of ``points`` (their growth computed anew) in
+    ``out``; the table printed."""
     points = with_growth(points)
-    (ns.out / "scaling.json").write_text(
-        json.dumps({"label": ns.label, "points": points}, indent=1), encoding="utf-8"
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "scaling.json").write_text(
+        json.dumps({"label": label, "points": points}, indent=1), encoding="utf-8"
     )
-    (ns.out / "scaling.md").write_text(markdown(points, ns.label), encoding="utf-8")
-    print(markdown(points, ns.label))
+    (out / "scaling.md").write_text(markdown(points, label), encoding="utf-8")
+    print(markdown(points, label))
     return 0
 
 

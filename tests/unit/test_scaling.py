@@ -79,3 +79,36 @@ def test_the_table_counts_what_finished_and_the_gpu_s_measuring_share(tmp_path: 
     points[1]["count"] = 2
     points[1] = tool.measure_point({**points[1], "finished": []}, tmp_path / "n3")
     assert tool.with_growth([points[0], points[1]])[1]["per_added_s"] == 60.0
+
+
+def test_counts_from_separate_calls_make_one_table(tmp_path: Path) -> None:
+    """``--table``: points of several runs' scaling.json, one per count, the growth computed
+    over all of them (a run of one workload in one call, of four in another)."""
+    import json
+
+    tool = _scaling()
+
+    def point(count: int, wall: float) -> dict[str, Any]:
+        names = [f"w{i}" for i in range(count)]
+        return {
+            "count": count,
+            "workers": count,
+            "workloads": names,
+            "wall_s": wall,
+            "exit": 0,
+            "stopped": False,
+            "finished": names,
+            "stage_s": {"capture": 10.0 * count},
+            "waiting_s": 0.0,
+            "measuring_s": 5.0,
+            "measuring_share": round(5.0 / wall, 3),
+        }
+
+    first, second = tmp_path / "a.json", tmp_path / "b.json"
+    first.write_text(json.dumps({"label": "one GPU", "points": [point(1, 100.0)]}))
+    second.write_text(json.dumps({"label": "one GPU", "points": [point(4, 190.0)]}))
+    assert tool.main(["--table", str(second), str(first), "--out", str(tmp_path / "t")]) == 0
+    table = json.loads((tmp_path / "t" / "scaling.json").read_text())
+    assert [p["count"] for p in table["points"]] == [1, 4]
+    assert table["points"][1]["per_added_s"] == 30.0  # (190 - 100) / 3
+    assert "| 4 | 4 | 190 | 4 of 4 | 30.0 |" in (tmp_path / "t" / "scaling.md").read_text()
