@@ -243,6 +243,21 @@ class DeviceLock:
     def compiled(self) -> None:
         fcntl.flock(self._cpu, fcntl.LOCK_UN)
 
+    def go_aside(self) -> None:
+        """Holding nothing of the GPU, start CPU-only work (a compile): the siblings' lock
+        and ``path.cpu`` held shared, in the order of the locks."""
+        self.release()
+        self._siblings_compiling()
+        self.compiling()
+        self.aside = True
+
+    def leave_aside(self) -> None:
+        """End CPU-only work: ``path.cpu`` and the siblings' lock let go of, so that nothing
+        of the compile is held while the caller waits for the GPU."""
+        self.compiled()
+        self._siblings_unlock()
+        self.aside = False
+
     def exclusive(self) -> None:
         if self.held != "exclusive":
             self.release()
@@ -373,10 +388,8 @@ def measuring_within(sync: Callable[[], None] | None = None) -> Iterator[None]:
     if lock is None or lock.held == "exclusive":
         yield
         return
-    if lock.aside:  # the locks in their order: none of the compile's held while waiting
-        lock.compiled()
-        lock._siblings_unlock()
-        lock.aside = False
+    if lock.aside:
+        lock.leave_aside()
         lock.exclusive()
         try:
             yield
@@ -384,10 +397,7 @@ def measuring_within(sync: Callable[[], None] | None = None) -> Iterator[None]:
             if sync is not None:
                 with contextlib.suppress(Exception):  # a failed block: its error, not the sync's
                     sync()
-            lock.release()
-            lock._siblings_compiling()
-            lock.compiling()
-            lock.aside = True
+            lock.go_aside()
         return
     before = lock.held
     lock.exclusive()
@@ -412,16 +422,11 @@ def off_gpu(sync: Callable[[], None]) -> Iterator[None]:
         yield
         return
     sync()
-    lock.release()
-    lock._siblings_compiling()
-    lock.compiling()
-    lock.aside = True
+    lock.go_aside()
     try:
         yield
     finally:
-        lock.compiled()  # never held while waiting for the GPU
-        lock._siblings_unlock()
-        lock.aside = False
+        lock.leave_aside()
         lock.share()
 
 
@@ -434,19 +439,14 @@ def on_gpu(sync: Callable[[], None]) -> Iterator[None]:
     if lock is None or not lock.aside:
         yield
         return
-    lock.compiled()  # never held while waiting for the GPU
-    lock._siblings_unlock()
+    lock.leave_aside()
     lock.share()
-    lock.aside = False
     try:
         yield
     finally:
         with contextlib.suppress(Exception):  # a failed block: its error, not the sync's
             sync()
-        lock.release()
-        lock._siblings_compiling()
-        lock.compiling()
-        lock.aside = True
+        lock.go_aside()
 
 
 @contextlib.contextmanager
