@@ -84,17 +84,17 @@ def ladder_kept(out_dir: Path, failure: StageError) -> BackendSelection:
     """The ladder's selection, where the selection process failed timing the stock recipe
     against it (:data:`STOCK_RUNG_PENDING`): the stock rung is an addition to the ladder, and
     its failure (say, a CUDA error in the recipe's CUDA graphs) loses none of the ladder's work.
-    The recipe is recorded as dropped, with the failure's first line. Any other failure is
-    raised as it was."""
+    The recipe is recorded as dropped, with the failure's last error line (else its first
+    line). Any other failure is raised as it was."""
     from pytest_opprof.schema import DroppedProposal
 
     pending, path = out_dir / STOCK_RUNG_PENDING, out_dir / SELECTION_FILE
     if not (pending.exists() and path.exists()):
         raise failure
     selection = read_artifact(path, BackendSelection)
-    why = str(failure).splitlines()[0]
-    lines = [ln.strip() for ln in str(failure).splitlines() if "Error" in ln]
-    detail = lines[-1] if lines else why
+    said = str(failure).splitlines()
+    errors = [ln.strip() for ln in said if "Error" in ln]
+    detail = errors[-1] if errors else said[0]
     selection.dropped.append(
         DroppedProposal(
             id="stock-recipe",
