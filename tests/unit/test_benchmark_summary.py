@@ -1090,3 +1090,17 @@ def test_one_run_met_every_criterion_at_once_on_a_steady_host() -> None:
     assert int((run / "wall_seconds.txt").read_text().split()[0]) == 176
     said = _summarize().compare(one, two, ("run", "retimed")).splitlines()
     assert "CIs overlap for 7 of 7; ratios within ±3% for 7 of 7." in said
+
+
+def test_the_stock_task_s_log_counts_among_the_stage_children(tmp_path: Path) -> None:
+    """The stock baseline's task waits for and holds the GPU like the other children: its
+    log's seconds go to the ``stock`` column and to the run's waiting and measuring totals."""
+    tool = _summarize()
+    logs = tmp_path / "profiler_output"
+    logs.mkdir()
+    (logs / "stock.log").write_text(
+        "[opprof] +   40.0 s  task stock done, 30.0 s of it waiting for the GPU, "
+        "2.0 s with the GPU to itself\n",
+        encoding="utf-8",
+    )
+    assert tool.child_seconds(tmp_path) == {"stock": 40.0, "waiting": 30.0, "alone": 2.0}
