@@ -27,6 +27,10 @@ LINE = re.compile(r"^\[opprof\] \+\s*([\d.]+) s  (.*)$")
 START = re.compile(r"(?:forked from the fork server of pid \d+|started) at ([\d:.]+) UTC$")
 WAITED = re.compile(r"^had the GPU after ([\d.]+) s$")
 QUIET = re.compile(r"^the host was quiet after ([\d.]+) s$")
+"""A quiet measurement's wait for the host's compiles with the GPU held (logs before the wait
+came first): the GPU idled through it."""
+HUSHED = re.compile(rf"^{re.escape(devicelock.QUIETED)} ([\d.]+) s$")
+"""The same wait holding nothing of the GPU (``devicelock.QUIETED``)."""
 MEASURED = re.compile(rf"^{re.escape(devicelock.MEASURED)} ([\d.]+) s$")
 
 Span = tuple[float, float]
@@ -40,6 +44,7 @@ class Process:
     waits: list[Span] = field(default_factory=list)
     alone: list[Span] = field(default_factory=list)
     quiet_waits: list[Span] = field(default_factory=list)
+    host_waits: list[Span] = field(default_factory=list)
 
 
 def _seconds(clock: str) -> float:
@@ -67,6 +72,7 @@ def read(log: Path, name: str) -> Process | None:
             (WAITED, proc.waits),
             (MEASURED, proc.alone),
             (QUIET, proc.quiet_waits),
+            (HUSHED, proc.host_waits),
         ):
             w = pattern.match(what)
             if w is not None:
@@ -84,7 +90,7 @@ def past_midnight(procs: list[Process]) -> None:
         if p.start < day / 2:
             p.start += day
             p.end += day
-            for spans in (p.waits, p.alone, p.quiet_waits):
+            for spans in (p.waits, p.alone, p.quiet_waits, p.host_waits):
                 spans[:] = [(a + day, b + day) for a, b in spans]
 
 
@@ -131,9 +137,11 @@ def main(root: Path) -> int:
         f"for {busy:.0f} s of it ({busy / (t1 - t0):.0%})\n"
     )
     idle = overlap((t0, t1), [s for p in procs for s in p.quiet_waits])
+    hushed = overlap((t0, t1), [s for p in procs for s in p.host_waits])
     print(
         f"Held alone but idle, a quiet measurement waiting for the host's compiles to end: "
-        f"{idle:.0f} s\n"
+        f"{idle:.0f} s; quiet measurements waiting for them holding nothing of the GPU: "
+        f"{hushed:.0f} s\n"
     )
     print(
         "| workload | ends at s | waited s | behind another process's measurement | behind a "

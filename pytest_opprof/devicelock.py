@@ -43,18 +43,24 @@ Neighbours' compiles on other CPUs still slow a launch-bound call by sharing the
 memory, the hypervisor; docs/design-notes.md#quiet-measurements). So a measurement whose
 figures are reported (``measuring(quiet=True)``) also waits until no compile runs off the GPU:
 compiles hold a fourth file, ``path.cpu``, shared while they run off it (never while they wait
-for the GPU), and a quiet measurer takes it exclusively once it holds the GPU. Selection's
+for the GPU), and a quiet measurer takes it exclusively *before* it asks for the GPU. It waits
+for the compiles under way holding nothing of the GPU, so the GPU's other work (selection's
+measurements, Inductor's autotuning, validation) goes on meanwhile; held the other way round,
+the GPU idled through every such wait and all of that queued behind it
+(docs/design-notes.md#quiet-before-the-gpu). New compiles pass a turnstile, ``path.cpu.turn``,
+that a quiet measurer holds while it waits, so a stream of them cannot keep it waiting; the
+quiet measurers queued behind it measure before any compile starts again. Selection's
 measurements, which compare two calls round by round, do not wait for it.
 
 A recapture's timing processes run side by side on one CPU slice (:data:`OWN_CPUS_ENV` is not
 theirs alone), so each of their measurements must run beside no compile of the others. Holding
 the GPU shared through their compiles did that, but it held every other process's measurement
 back too, waiting while nobody measured (docs/design-notes.md#the-siblings-lock). So siblings
-hold a fifth file of their own, ``siblings_lock`` (:func:`join`): a compile lets go of the GPU
+hold a file of their own, ``siblings_lock`` (:func:`join`): a compile lets go of the GPU
 and holds it shared instead, and a measurement takes it exclusively *before* it asks for the
 GPU, so that it waits for its siblings' compiles without holding the GPU idle. Every process
-takes the locks in one order (siblings, then the GPU, then ``path.cpu``), and lets go of
-``path.cpu`` and the siblings' lock before it waits for the GPU: no wait can close a cycle.
+takes the locks in one order (siblings, then ``path.cpu``, then the GPU) and never waits for
+one while holding one later in that order: no wait can close a cycle.
 """
 
 from __future__ import annotations
@@ -76,7 +82,13 @@ OWN_CPUS_ENV = "OPPROF_OWN_CPUS"
 """Set (to 1) where this process's CPUs are its own: an xdist worker pinned to its slice. Its
 stage processes may then compile while another process measures (:func:`off_gpu`)."""
 WAITING = "waiting for the GPU: another process on it is at work or measuring"
-WAITING_QUIET = "waiting for the compiles of other processes on the host to end"
+WAITING_QUIET = (
+    "waiting for the compiles of other processes on the host to end, holding nothing of the GPU"
+)
+QUIETED = "the host's compiles were done after"
+"""Said, with the seconds waited, as a quiet measurement's wait for the host's compiles ends
+and it asks for the GPU. (Before that order, the wait came with the GPU held and was said as
+"the host was quiet after".)"""
 WAITING_SIBLINGS = "waiting for the compiles of this workload's other timing processes to end"
 MEASURED = "let go of the GPU, held to itself for"
 """Said as a measurement ends, with its seconds: with the waits, and the wall clock each stage
@@ -84,8 +96,8 @@ log starts with, a run's logs say who had the GPU when (``benchmarks/gpu_timelin
 
 
 class DeviceLock:
-    """A writer-preferring reader-writer lock on three files: ``path``, ``path.turn`` and
-    ``path.want``."""
+    """A writer-preferring reader-writer lock on the GPU (``path``, with ``path.turn`` and
+    ``path.want``) and one on the host's compiles (``path.cpu``, with ``path.cpu.turn``)."""
 
     def __init__(self, path: Path) -> None:
         if not path.parent.is_dir():
@@ -97,6 +109,7 @@ class DeviceLock:
         self._turn = _open_shared(path.with_name(path.name + ".turn"))
         self._want = _open_shared(path.with_name(path.name + ".want"))
         self._cpu = _open_shared(path.with_name(path.name + ".cpu"))
+        self._cpu_turn = _open_shared(path.with_name(path.name + ".cpu.turn"))
         self.held: str | None = None
         self.waited_s = 0.0
         self.alone_s = 0.0
@@ -211,32 +224,52 @@ class DeviceLock:
             self.held = "shared"
 
     def quiet(self) -> None:
-        """Held exclusively: wait until no process compiles off the GPU (``path.cpu``): those
-        under way, and one that let go of the GPU just before this process took it; no other
-        can start while it holds the GPU. The wait counts as waiting, not as measuring."""
+        """Before the GPU: wait until no process compiles off the GPU (``path.cpu`` held
+        exclusively), holding nothing of the GPU meanwhile; the compiles under way finish, and
+        none starts until :meth:`unquiet` (the turnstile). The wait counts as waiting. (Held
+        exclusively already, a measurement within a measurement, it keeps the GPU: no compile
+        waits for the GPU holding ``path.cpu``.)"""
+        if self.held == "shared":
+            self.release()
         t0 = time.perf_counter()
         self.is_quiet = True
-        try:
-            fcntl.flock(self._cpu, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if self._cpu_at_once():
             return
-        except BlockingIOError:
-            pass
         if self.note is not None:
             self.note(WAITING_QUIET)
-        fcntl.flock(self._cpu, fcntl.LOCK_EX)
+        fcntl.flock(self._cpu_turn, fcntl.LOCK_EX)
+        try:
+            fcntl.flock(self._cpu, fcntl.LOCK_EX)
+        finally:
+            fcntl.flock(self._cpu_turn, fcntl.LOCK_UN)
         waited = time.perf_counter() - t0
         self.waited_s += waited
-        self._since += waited  # held exclusively, but the GPU idled
         if self.note is not None:
-            self.note(f"the host was quiet after {waited:.1f} s")
+            self.note(f"{QUIETED} {waited:.1f} s")
+
+    def _cpu_at_once(self) -> bool:
+        """Take ``path.cpu`` exclusively if no compile holds it and none waits at its turnstile."""
+        try:
+            fcntl.flock(self._cpu_turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        try:
+            fcntl.flock(self._cpu, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            return False
+        finally:
+            fcntl.flock(self._cpu_turn, fcntl.LOCK_UN)
 
     def unquiet(self) -> None:
         self.is_quiet = False
         fcntl.flock(self._cpu, fcntl.LOCK_UN)
 
     def compiling(self) -> None:
-        """Off the GPU: hold ``path.cpu`` shared, after any quiet measurement under way."""
+        """Off the GPU: hold ``path.cpu`` shared, after any quiet measurement under way or
+        waiting (its turnstile)."""
         t0 = time.perf_counter()
+        _pass_turnstile(self._cpu_turn)
         fcntl.flock(self._cpu, fcntl.LOCK_SH)
         self.waited_s += time.perf_counter() - t0
 
@@ -292,12 +325,18 @@ class DeviceLock:
 
     def close(self) -> None:
         self.release()
-        for fd in (self._main, self._turn, self._want, self._cpu):
+        for fd in (self._main, self._turn, self._want, self._cpu, self._cpu_turn):
             os.close(fd)
         if self._siblings is not None:
             os.close(self._siblings)
             self._siblings = None
             self.siblings_held = None
+
+
+def _pass_turnstile(fd: int) -> None:
+    """Wait until nobody holds the turnstile ``fd`` (a waiting writer), holding it no longer."""
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    fcntl.flock(fd, fcntl.LOCK_UN)
 
 
 def _open_shared(path: Path) -> int:
@@ -357,16 +396,14 @@ def measuring(*, share_after: bool = True, quiet: bool = False) -> Iterator[None
         yield
         return
     apart = lock.siblings_apart()
-    lock.exclusive()
     try:
-        if quiet:
+        if quiet:  # the host's compiles first, holding nothing of the GPU (the order of the locks)
             lock.quiet()
-        try:
-            yield
-        finally:
-            if quiet:
-                lock.unquiet()
+        lock.exclusive()
+        yield
     finally:
+        if quiet:
+            lock.unquiet()
         if apart:
             lock._siblings_unlock()
         if share_after:
@@ -465,10 +502,18 @@ def host_work() -> Iterator[None]:
         yield
         return
     try:
+        turn = _open_shared(Path(path + ".cpu.turn"))
+    except OSError:
+        turn = None
+    try:
+        if turn is not None:  # after the quiet measurers waiting
+            _pass_turnstile(turn)
         fcntl.flock(fd, fcntl.LOCK_SH)
         yield
     finally:
         os.close(fd)  # lets go of the lock with it
+        if turn is not None:
+            os.close(turn)
 
 
 def make_way() -> None:

@@ -299,7 +299,7 @@ def test_reported_measurements_wait_for_the_hosts_compiles_and_selection_does_no
     assert seen == {"capture.log": True, "backend.log": True, "recapture.log": True}
     for log in ("capture.log", "recapture.log"):
         text = (logs / log).read_text()
-        waited = float(text.split("the host was quiet after ")[1].split()[0])
+        waited = float(text.split(devicelock.QUIETED)[1].split()[0])
         assert waited >= 0.4, log  # it waited for the compile, and measured only after it
     select = (logs / "backend.log").read_text()
     assert "timed " in select and devicelock.WAITING_QUIET not in select

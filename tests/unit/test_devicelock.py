@@ -457,14 +457,15 @@ def test_a_quiet_measurement_waits_for_the_compiles_off_the_gpu_and_holds_back_n
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """A measurement whose figures are reported runs beside no compile on the host: it waits
-    for one under way off the GPU, and none starts until it is done. A selection measurement
-    (not quiet) has the GPU at once beside the compile."""
+    for one under way off the GPU, and none starts from the moment it waits until it is done.
+    It waits holding nothing of the GPU: a selection measurement (not quiet) has the GPU
+    meanwhile, beside the compile."""
     monkeypatch.setattr(devicelock, "_LOCK", None)
     path = tmp_path / "gpu.lock"
     monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
     lock = devicelock.join()
     assert lock is not None
-    measurer, late = DeviceLock(path), DeviceLock(path)
+    measurer, selection, late = DeviceLock(path), DeviceLock(path), DeviceLock(path)
     entered, leave = threading.Event(), threading.Event()
 
     def compile_off_gpu() -> None:
@@ -476,54 +477,103 @@ def test_a_quiet_measurement_waits_for_the_compiles_off_the_gpu_and_holds_back_n
     compiler.start()
     try:
         assert entered.wait(10)
-        took = time.monotonic()
-        measurer.exclusive()  # at once, the compile beside it
-        assert measurer.waited_s < 0.1
         quiet_at: list[float] = []
 
         def go_quiet() -> None:
             measurer.quiet()
+            measurer.exclusive()
             quiet_at.append(time.monotonic())
 
         quiet = threading.Thread(target=go_quiet)
         quiet.start()
         time.sleep(0.5)
         assert not quiet_at  # waits for the compile
-        ended = time.monotonic()
-        leave.set()
-        quiet.join(10)
-        assert quiet_at and quiet_at[0] >= ended
-        assert measurer.waited_s >= 0.4  # the quiet wait is waiting
-        time.sleep(0.3)
-        assert compiler.is_alive()  # done compiling, waiting for the GPU
+        assert measurer.held is None  # holding nothing of the GPU
+        selection.exclusive()  # so another measurement has it at once, the compile beside it
+        assert selection.waited_s < 0.1
+        selection.release()
         started: list[float] = []
 
         def compile_late() -> None:
             late.compiling()
-            started.append(1.0)
+            started.append(time.monotonic())
 
         newcomer = threading.Thread(target=compile_late)
         newcomer.start()
-        time.sleep(0.5)
-        assert not started  # no compile off the GPU begins during it
+        time.sleep(0.3)
+        assert not started  # no compile off the GPU begins while it waits
+        ended = time.monotonic()
+        leave.set()
+        compiler.join(10)  # the compile shares the GPU again: its next step's GPU work
+        assert not compiler.is_alive() and lock.held == "shared"
+        time.sleep(0.2)
+        assert not quiet_at  # the quiet measurer has the host, and waits for that step
+        stepped = threading.Thread(target=devicelock.make_way)  # the step ends
+        stepped.start()
+        quiet.join(10)
+        assert quiet_at and quiet_at[0] >= ended
+        assert measurer.held == "exclusive" and measurer.waited_s >= 0.7  # waiting, not measuring
+        time.sleep(0.3)
+        assert not started  # nor while it measures
         measurer.unquiet()
         newcomer.join(10)
         assert started
         late.compiled()
         measurer.release()
-        held = time.monotonic() - took
-        assert measurer.alone_s <= held - 0.4  # and not as measuring
-        compiler.join(10)
-        assert not compiler.is_alive() and lock.held == "shared"
+        assert measurer.alone_s < time.monotonic() - ended  # from the GPU on, not the wait
+        stepped.join(10)
+        assert lock.held == "shared"  # the step's process shares again after it
     finally:
         leave.set()
         measurer.unquiet()
         measurer.release()
         compiler.join(10)
-        measurer.close()
-        late.close()
+        for held in (measurer, selection, late):
+            held.close()
         lock.close()
         monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+def test_quiet_measurers_queued_behind_one_go_before_new_compiles(tmp_path: Path) -> None:
+    """A compile that asks while a quiet measurer waits for the host starts only after it, and
+    one more quiet measurer that arrived before the compile asked measures first too: no
+    stream of new compiles keeps a quiet measurement waiting."""
+    path = tmp_path / "gpu.lock"
+    running, first, second, late = (DeviceLock(path) for _ in range(4))
+    order: list[str] = []
+    running.compiling()  # a compile under way
+
+    def measure(lock: DeviceLock, name: str) -> None:
+        lock.quiet()
+        lock.exclusive()
+        order.append(name)
+        time.sleep(0.2)
+        lock.unquiet()
+        lock.release()
+
+    def compile_late() -> None:
+        late.compiling()
+        order.append("compile")
+        late.compiled()
+
+    threads = [threading.Thread(target=measure, args=(first, "first"))]
+    threads[0].start()
+    time.sleep(0.3)
+    threads.append(threading.Thread(target=measure, args=(second, "second")))
+    threads[1].start()
+    time.sleep(0.3)
+    threads.append(threading.Thread(target=compile_late))
+    threads[2].start()
+    time.sleep(0.3)
+    try:
+        assert order == []  # all behind the compile under way
+        running.compiled()
+        for t in threads:
+            t.join(10)
+        assert order == ["first", "second", "compile"]
+    finally:
+        for held in (running, first, second, late):
+            held.close()
 
 
 def test_only_a_quiet_measurement_under_a_lock_may_borrow_the_hosts_cpus(

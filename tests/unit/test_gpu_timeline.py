@@ -68,6 +68,40 @@ def test_a_wait_is_split_into_behind_a_measurement_a_quiet_wait_and_a_drain(
     assert "- a/select: 1.0–9.0 s, 5.0 s while nobody held it alone" in out.out
 
 
+def test_a_quiet_wait_holding_nothing_of_the_gpu_is_not_a_hold(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # b waits for the host's compiles from 1 s to 3 s without the GPU (devicelock.QUIETED),
+    # then measures 3-5 s; a's wait for the GPU over 2-5 s is behind that measurement only
+    from pytest_opprof import devicelock
+
+    _log(
+        tmp_path,
+        "a",
+        "select",
+        [
+            "[opprof] +    0.0 s  started at 10:00:00.000 UTC",
+            "[opprof] +    5.0 s  had the GPU after 3.0 s",
+        ],
+    )
+    _log(
+        tmp_path,
+        "b",
+        "recapture",
+        [
+            "[opprof] +    0.0 s  started at 10:00:00.000 UTC",
+            f"[opprof] +    1.0 s  {devicelock.WAITING_QUIET}",
+            f"[opprof] +    3.0 s  {devicelock.QUIETED} 2.0 s",
+            f"[opprof] +    5.0 s  {devicelock.MEASURED} 2.00 s",
+        ],
+    )
+    assert _timeline().main(tmp_path) == 0
+    out = capsys.readouterr().out
+    assert "idle, a quiet measurement waiting for the host's compiles to end: 0 s" in out
+    assert "waiting for them holding nothing of the GPU: 2 s" in out
+    assert "| a | 5 | 3.0 | 2.0 | 0.0 | 1.0 |" in out
+
+
 def test_logs_without_a_start_time_are_said_not_read(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
