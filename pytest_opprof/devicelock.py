@@ -47,14 +47,16 @@ for the GPU), and a quiet measurer takes it exclusively once it holds the GPU. S
 measurements, which compare two calls round by round, do not wait for it.
 
 A recapture's timing processes run side by side on one CPU slice (:data:`OWN_CPUS_ENV` is not
-theirs alone), so each of their measurements must run beside no compile of the others. Holding
-the GPU shared through their compiles did that, but it held every other process's measurement
-back too, waiting while nobody measured (docs/design-notes.md#the-siblings-lock). So siblings
-hold a fifth file of their own, ``siblings_lock`` (:func:`join`): a compile lets go of the GPU
-and holds it shared instead, and a measurement takes it exclusively *before* it asks for the
-GPU, so that it waits for its siblings' compiles without holding the GPU idle. Every process
-takes the locks in one order (siblings, then the GPU, then ``path.cpu``), and lets go of
-``path.cpu`` and the siblings' lock before it waits for the GPU: no wait can close a cycle.
+theirs alone), as do the backend stage's selection and stock task, so each of their
+measurements must run beside no compile of the others. Holding the GPU shared through their
+compiles did that, but it held every other process's measurement back too, waiting while nobody
+measured (docs/design-notes.md#the-siblings-lock). So siblings hold a fifth file of their own,
+``siblings_lock`` (:func:`join`): a compile lets go of the GPU and holds it shared instead, and
+a measurement takes it exclusively *before* it asks for the GPU, so that it waits for its
+siblings' compiles without holding the GPU idle. Every process takes the locks in one order
+(siblings, then the GPU, then ``path.cpu``), lets go of ``path.cpu`` and the siblings' lock
+before it waits for the GPU, and of every lock before it waits for a sibling to end
+(:func:`let_go`): no wait can close a cycle.
 """
 
 from __future__ import annotations
@@ -77,7 +79,7 @@ OWN_CPUS_ENV = "OPPROF_OWN_CPUS"
 stage processes may then compile while another process measures (:func:`off_gpu`)."""
 WAITING = "waiting for the GPU: another process on it is at work or measuring"
 WAITING_QUIET = "waiting for the compiles of other processes on the host to end"
-WAITING_SIBLINGS = "waiting for the compiles of this workload's other timing processes to end"
+WAITING_SIBLINGS = "waiting for the compiles of this workload's sibling processes to end"
 MEASURED = "let go of the GPU, held to itself for"
 """Said as a measurement ends, with its seconds: with the waits, and the wall clock each stage
 log starts with, a run's logs say who had the GPU when (``benchmarks/gpu_timeline.py``)."""
@@ -138,7 +140,7 @@ class DeviceLock:
             waited = time.perf_counter() - t0
             self.waited_s += waited
             if self.note is not None:
-                self.note(f"the other timing processes were done compiling after {waited:.1f} s")
+                self.note(f"the sibling processes were done compiling after {waited:.1f} s")
         self.siblings_held = "exclusive"
         return True
 
@@ -339,7 +341,7 @@ def join(
             lock.join_siblings(Path(siblings))
         except OSError as exc:  # its folder is the stage's own: say it, share through compiles
             if note is not None:
-                note(f"no lock with the other timing processes ({exc}): compiling on the GPU")
+                note(f"no lock with the sibling processes ({exc}): compiling on the GPU")
     lock.share()
     _LOCK = lock
     return lock
@@ -483,6 +485,16 @@ def resume() -> None:
     nothing where the process holds it already."""
     if _LOCK is not None and _LOCK.held is None:
         _LOCK.share()
+
+
+def let_go() -> None:
+    """Hold nothing of the GPU's lock, nor the siblings' lock, while this process waits on a
+    sibling that will measure: held shared, either would hold that measurement back, and with
+    it the wait. The caller has synchronized; :func:`resume` shares again before the next GPU
+    work."""
+    if _LOCK is not None:
+        _LOCK.release()
+        _LOCK._siblings_unlock()
 
 
 def has_siblings() -> bool:
