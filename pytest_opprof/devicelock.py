@@ -89,7 +89,7 @@ QUIETED = "the host's compiles were done after"
 """Said, with the seconds waited, as a quiet measurement's wait for the host's compiles ends
 and it asks for the GPU. (Before that order, the wait came with the GPU held and was said as
 "the host was quiet after".)"""
-WAITING_SIBLINGS = "waiting for the compiles of this workload's other timing processes to end"
+WAITING_SIBLINGS = "waiting for the compiles of this workload's sibling processes to end"
 MEASURED = "let go of the GPU, held to itself for"
 """Said as a measurement ends, with its seconds: with the waits, and the wall clock each stage
 log starts with, a run's logs say who had the GPU when (``benchmarks/gpu_timeline.py``)."""
@@ -151,7 +151,7 @@ class DeviceLock:
             waited = time.perf_counter() - t0
             self.waited_s += waited
             if self.note is not None:
-                self.note(f"the other timing processes were done compiling after {waited:.1f} s")
+                self.note(f"the sibling processes were done compiling after {waited:.1f} s")
         self.siblings_held = "exclusive"
         return True
 
@@ -378,7 +378,7 @@ def join(
             lock.join_siblings(Path(siblings))
         except OSError as exc:  # its folder is the stage's own: say it, share through compiles
             if note is not None:
-                note(f"no lock with the other timing processes ({exc}): compiling on the GPU")
+                note(f"no lock with the sibling processes ({exc}): compiling on the GPU")
     lock.share()
     _LOCK = lock
     return lock
@@ -528,6 +528,16 @@ def resume() -> None:
     nothing where the process holds it already."""
     if _LOCK is not None and _LOCK.held is None:
         _LOCK.share()
+
+
+def let_go() -> None:
+    """Hold nothing of the GPU's lock, nor the siblings' lock, while this process waits on a
+    sibling that will measure: held shared, either would hold that measurement back, and with
+    it the wait. The caller has synchronized; :func:`resume` shares again before the next GPU
+    work."""
+    if _LOCK is not None:
+        _LOCK.release()
+        _LOCK._siblings_unlock()
 
 
 def has_siblings() -> bool:

@@ -44,8 +44,8 @@ fallback of ``dtypes_to_try``."""
 
 def dtypes_to_try(plan_dtype: str | None) -> list[str]:
     """bf16 first; where its outputs fail the tolerance, ``plan_dtype``, the dtype a plan
-    computes in where one is known, else fp32 (the stock task runs before selection, so for it
-    fp32)."""
+    computes in where one is known, else fp32 (the stock task runs before selection has chosen a
+    plan, so for it fp32)."""
     fallback = plan_dtype or "float32"
     return [LOW_PRECISION] if fallback == LOW_PRECISION else [LOW_PRECISION, fallback]
 

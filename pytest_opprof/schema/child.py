@@ -41,6 +41,11 @@ class ChildSpec(Model):
     )
     shares_cpus: bool = False
     siblings_lock: str | None = None
+    stock_done: str | None = Field(
+        default=None,
+        description="selection's: the file its parent creates once the stock task, run beside "
+        "it, has ended; selection waits for it before trying the recipe that task kept",
+    )
     profile_name: str = "profile.json"
     timeline_iters: int = 3
     counters_labels: list[str] = Field(default_factory=list)

@@ -229,10 +229,10 @@ class StockTrial(Model):
 
 
 class StockBaseline(Artifact):
-    """The stock baseline's choice (stage 3, before selection, which tries it against its plan;
-    the recapture times it): the faster of the stock recipes whose outputs pass the validator,
-    at bf16 or, where bf16 fails, at fp32. ``recipe`` is None where none passed; ``message``
-    says why."""
+    """The stock baseline's choice (the backend stage, beside selection, which tries it against
+    its plan once the ladder is climbed; the recapture times it): the faster of the stock
+    recipes whose outputs pass the validator, at bf16 or, where bf16 fails, at fp32.
+    ``recipe`` is None where none passed; ``message`` says why."""
 
     SCHEMA_VERSION: ClassVar[str] = "1.0"
 

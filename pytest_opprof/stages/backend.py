@@ -6,8 +6,11 @@ test file and the implementation notes (the parent half, ``run``).
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -20,11 +23,12 @@ from pytest_opprof.schema import (
     ChildSpec,
     FxGraphSummary,
     Optimizations,
+    Profile,
     read_artifact,
     write_artifact,
     write_text_atomic,
 )
-from pytest_opprof.stages import common
+from pytest_opprof.stages import common, recapture
 
 if TYPE_CHECKING:
     from pytest_opprof.backend.plan import Rung
@@ -44,19 +48,18 @@ def run(run: WorkloadRun) -> str:
     optimizations = read_artifact(run.out_dir / "optimizations.json", Optimizations)
     for former in (STOCK_FILE, STOCK_RUNG_PENDING, SELECTION_FILE):  # not this run's
         (run.out_dir / former).unlink(missing_ok=True)
-    if run.measures_stock():
-        run.run_child("stock", "backend")
-    sel_path = run.out_dir / SELECTION_FILE
-    try:
-        run.run_child(NAME, NAME)
-        selection = read_artifact(sel_path, BackendSelection)
-    except StageError as exc:
-        selection = ladder_kept(run.out_dir, exc)
+    if not run.measures_stock():
+        selection = selected(run)
+    elif stock_runs_beside(run):
+        selection = selected_beside_stock(run)
+    else:
+        run.run_child("stock", NAME)
+        selection = selected(run)
     user_passes = run.extra_passes()
     used = extra_targets(selection.plan, user_passes)
     if used:  # the plan names where its user passes come from (the child only routed them)
         selection.plan.extra_passes = used
-        write_artifact(sel_path, selection)
+        write_artifact(run.out_dir / SELECTION_FILE, selection)
     rtol, atol = tolerance_for(selection.numerics_dtype or selection.plan.dtype, run.spec.overrides)
     write_text_atomic(
         run.generated,
@@ -78,6 +81,81 @@ def run(run: WorkloadRun) -> str:
     )
     kept = ", ".join(selection.plan.proposals) or "none (the baseline is kept)"
     return f"kept {kept}; dropped {len(selection.dropped)}"
+
+
+def selected(run: WorkloadRun, **extra: Any) -> BackendSelection:
+    """Selection's process run (``extra``: more of its spec) and its selection read; where it
+    failed timing the stock recipe, the ladder's (:func:`ladder_kept`)."""
+    try:
+        run.run_child(NAME, NAME, **extra)
+        return read_artifact(run.out_dir / SELECTION_FILE, BackendSelection)
+    except StageError as exc:
+        return ladder_kept(run.out_dir, exc)
+
+
+def stock_runs_beside(run: WorkloadRun) -> bool:
+    """Whether the stock task runs beside selection rather than before it: by the rule of the
+    recapture's timing processes (``recapture.side_by_side``), under a GPU lock, which keeps
+    each one's measurements apart from the other's work, and where both fit in its memory."""
+    baseline = read_artifact(run.out_dir / "profile.json", Profile).capture_metadata
+    return recapture.side_by_side(baseline, 2)
+
+
+def selected_beside_stock(run: WorkloadRun) -> BackendSelection:
+    """:func:`selected`, with the stock task in a sibling process on the same CPU slice
+    (the siblings' lock: ``devicelock``): its max-autotune compiles overlap the ladder, which
+    needs the recipe it keeps only at its end (``task_select`` waits there for ``stock_done``,
+    created once the stock task has ended, however it ended). A failed stock task fails the
+    stage once selection is over, as it did running first."""
+    with tempfile.TemporaryDirectory(prefix="opprof-stock-") as tmp:
+        siblings = str(Path(tmp) / "siblings.lock")
+        done = Path(tmp) / "stock.done"
+
+        def stock() -> None:
+            try:
+                run.run_child("stock", NAME, shares_cpus=True, siblings_lock=siblings)
+            finally:
+                done.touch()
+
+        pool = ThreadPoolExecutor(1)
+        stocked = pool.submit(stock)
+        try:
+            selection = selected(
+                run, shares_cpus=True, siblings_lock=siblings, stock_done=str(done)
+            )
+        except KeyboardInterrupt:
+            pool.shutdown(wait=False, cancel_futures=True)  # the session's end stops it
+            raise
+        except BaseException as exc:
+            pool.shutdown()  # it does not outlive its stage or its folder
+            failed = stocked.exception()
+            if failed is not None:  # its failure first, as when it ran before selection
+                raise failed from exc
+            raise
+        pool.shutdown()
+        stocked.result()
+    return selection
+
+
+def wait_for_stock(done: Path) -> None:
+    """In selection's process, before the stock rung: wait until ``done`` exists (the stock
+    task beside it has ended), holding nothing of the GPU's lock, which the stock task's
+    measurements take exclusively; the caller has synchronized. The stage's timeout bounds
+    the wait (the parent stops this process); a parent gone, or ``done``'s folder gone with
+    it, ends it with an error instead."""
+    if done.exists():
+        return
+    devicelock.let_go()
+    parent, t0 = os.getppid(), time.perf_counter()
+    common.phase("waiting for the stock baseline's task to end")
+    while not done.exists():
+        if os.getppid() != parent or not done.parent.is_dir():
+            raise StageError(
+                "the backend stage that started this process has ended (its process or "
+                f"{done.parent} is gone) before the stock baseline's task did"
+            )
+        time.sleep(0.2)
+    common.phase(f"the stock baseline's task ended after {time.perf_counter() - t0:.1f} s")
 
 
 def ladder_kept(out_dir: Path, failure: StageError) -> BackendSelection:
@@ -356,6 +434,9 @@ def task_select(spec: ChildSpec) -> None:
         )
         write_artifact(out_dir / SELECTION_FILE, selection)
 
+    if spec.stock_done is not None:  # the stock task runs beside this process
+        synchronize(device)  # nothing of ours on the GPU while the stock task measures
+        wait_for_stock(Path(spec.stock_done))
     recipe = stock_rung(out_dir / STOCK_FILE) if common.measures_stock(spec) else None
     if recipe is not None:
         # The ladder's result first: where this process dies timing the stock recipe (a CUDA
@@ -382,7 +463,7 @@ def task_select(spec: ChildSpec) -> None:
 
 
 def task_stock(spec: ChildSpec) -> None:
-    """Stage 3's first step where the stock baseline is measured: each stock recipe built
+    """The backend stage's stock baseline, where it is measured: each stock recipe built
     (``backend.stock``), its outputs held to the validator's checks at the recipe's dtype
     (bf16, else fp32), the passing ones timed briefly side by side; the choice goes to
     ``STOCK_FILE``, where selection tries it against its plan and every timing process of the
@@ -469,5 +550,6 @@ def runs_tf32(model: Any, plan: Any, device: str) -> bool:
 
 TASKS: dict[str, Callable[[ChildSpec], None]] = {NAME: task_select, "stock": task_stock}
 """The child halves, by the task name a spec carries (``runner`` dispatches them): measured
-selection under the stage's own name (its log ``backend.log``), and the stock baseline's task
-that runs before it where it is measured."""
+selection under the stage's own name (its log ``backend.log``), and, where the stock baseline
+is measured, its task, which runs beside selection (before it where they cannot run side by
+side: :func:`stock_runs_beside`)."""

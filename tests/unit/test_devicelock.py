@@ -183,6 +183,36 @@ def test_a_measurement_that_ends_the_gpu_work_does_not_share_again(
         monkeypatch.setattr(devicelock, "_LOCK", None)
 
 
+def test_a_process_that_lets_go_holds_nothing_of_the_gpu_nor_of_its_siblings_lock(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Before it waits on a sibling's end (selection, on the stock task) a process lets go of
+    every lock: the sibling's measurement takes both exclusively at once; ``resume()`` shares
+    the GPU again after."""
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    path, siblings = tmp_path / "gpu.lock", tmp_path / "siblings.lock"
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
+    lock = devicelock.join(siblings=str(siblings))
+    assert lock is not None and lock.held == "shared"
+    other = DeviceLock(path)
+    fd = os.open(siblings, os.O_RDWR)
+    try:
+        lock._siblings_compiling()  # held shared, as by a compile off the GPU
+        devicelock.let_go()
+        assert lock.held is None and lock.siblings_held is None
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises where still held
+        assert other._at_once(fcntl.LOCK_EX)
+        fcntl.flock(other._main, fcntl.LOCK_UN)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        devicelock.resume()
+        assert lock.held == "shared"
+    finally:
+        os.close(fd)
+        other.close()
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
 def test_a_measurement_within_gpu_work_holds_the_gpu_as_before_after(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
