@@ -27,6 +27,11 @@ case "$action" in
       fi
       if [ "$SECONDS" -ge "$limit" ]; then
         echo "still running after ${limit} s:"; tail -3 "$dir/pytest.log" 2>/dev/null
+        # Where each workload is: its newest stage log and that log's last line.
+        for w in "${OPPROF_WORK:-/tmp/opprof-results}"/*/profiler_output; do
+          log=$(ls -t "$w"/*.log 2>/dev/null | head -1)
+          [ -n "$log" ] && echo "$(basename "$(dirname "$w")") $(basename "$log"): $(tail -1 "$log" | cut -c1-150)"
+        done
         exit 0
       fi
       sleep 5

@@ -198,6 +198,48 @@ def same_precision(
     return [f.to(w.dtype) for f, w in zip(found, want, strict=True)]
 
 
+class GateCheck:
+    """The validate stage's numerical check (:func:`judge`'s ``equivalent``), set up once for
+    ``model`` and run on many candidates in its process: measured selection's rungs. The same
+    fresh inputs (one per seed of :data:`SEEDS`), the same bounds, the worst seed deciding,
+    so a plan selection keeps is one the gate passes: checked on other inputs, a bf16 plan
+    near its limit passed selection and failed the gate by one element in a million."""
+
+    def __init__(self, model: Callable[..., Any], template: tuple[torch.Tensor, ...]) -> None:
+        self.model = model
+        self.inputs = [fresh_inputs(template, seed) for seed in SEEDS]
+        with torch.no_grad():
+            self.wants = [_clone(model(*x)) for x in self.inputs]
+        self._same: dict[str, list[Any]] = {}
+
+    def outputs(self, candidate: Callable[..., Any]) -> list[list[torch.Tensor]]:
+        """``candidate`` on each seed's inputs, each output cloned at once (a CUDA-graphed
+        model's next replay overwrites the last)."""
+        with torch.no_grad():
+            return [_clone(candidate(*x)) for x in self.inputs]
+
+    def __call__(
+        self, got: Sequence[Any], *, dtype: str | None, rtol: float, atol: float, calibrate: bool
+    ) -> Numerics:
+        """``got`` (:meth:`outputs`) against eager's fp32 outputs, calibrated by eager at
+        ``dtype`` where ``calibrate`` and the model is a module, as :func:`judge` does."""
+        refs: list[Any] = [None] * len(self.inputs)
+        if calibrate and isinstance(self.model, torch.nn.Module) and dtype is not None:
+            if dtype not in self._same:
+                with torch.no_grad():
+                    self._same[dtype] = [
+                        same_precision(self.model, x, dtype, want)
+                        for x, want in zip(self.inputs, self.wants, strict=True)
+                    ]
+            refs = self._same[dtype]
+        return worst_of(
+            [
+                check_numerics(want, out, dtype=dtype, rtol=rtol, atol=atol, reference=ref)
+                for want, out, ref in zip(self.wants, got, refs, strict=True)
+            ]
+        )
+
+
 def _clone(value: Any) -> list[torch.Tensor]:
     return [t.detach().clone() for t in flatten_tensors(value)]
 
@@ -290,7 +332,7 @@ def judge(
             per_seed.append(
                 check_numerics(want, out, dtype=dtype, rtol=rtol, atol=atol, reference=reference)
             )
-    worst = max(per_seed, key=lambda n: (not n.ok, n.rel_err / (n.rel_limit or n.rtol)))
+    worst = worst_of(per_seed)
     finite = all(bool(torch.isfinite(t).all()) for o in outs for t in o if t.is_floating_point())
     checks["finite"] = StepResult(
         status="pass" if finite else "fail",
@@ -322,6 +364,12 @@ def judge(
     )
     checks["equivalent"] = StepResult(status="pass" if worst.ok else "fail", detail=describe(worst))
     return worst, checks
+
+
+def worst_of(per_seed: Sequence[Numerics]) -> Numerics:
+    """The comparison that decides over several inputs: a failed one first, else the one
+    nearest its relative limit."""
+    return max(per_seed, key=lambda n: (not n.ok, n.rel_err / (n.rel_limit or n.rtol)))
 
 
 def describe(n: Numerics) -> str:

@@ -222,7 +222,7 @@ def task_select(spec: ChildSpec) -> None:
     from pytest_opprof.capture.system import resolve_device
     from pytest_opprof.capture.timing import synchronize, time_interleaved
     from pytest_opprof.measure import latency_stats, paired_gain, slow_host_rounds
-    from pytest_opprof.numerics import calibrated, check_numerics, describe, same_precision
+    from pytest_opprof.numerics import GateCheck, calibrated, describe
     from pytest_opprof.schema import (
         BackendPlan,
         BackendSelection,
@@ -234,7 +234,6 @@ def task_select(spec: ChildSpec) -> None:
         write_artifact,
     )
     from pytest_opprof.tolerances import TF32, numerics_dtype, tolerance_for
-    from pytest_opprof.workload import fresh_inputs
 
     common.setup_torch()
     opts = common.options(spec)
@@ -244,11 +243,7 @@ def task_select(spec: ChildSpec) -> None:
     w = common.load_baseline(spec, device)
     eager = w.model
     compiled, _ = common.compile_timed(eager, opts.compile_backend, w.inputs, device)
-    check_in = fresh_inputs(w.inputs, 7)
-    with torch.no_grad():
-        reference_out = [t.clone() for t in common.flat(eager(*check_in))]
-    # eager's own error at each compute dtype a rung tries, which bounds that rung's
-    same_dtype: dict[str, Any] = {}
+    gate_check = GateCheck(eager, w.inputs)  # the validate stage's check, on its inputs
     calls = max(3, common.setting(spec, "measure_iters") // 2)
     rounds = max(5, min(9, common.setting(spec, "rounds")))
     brief = {"device": device, "warmup": 3, "calls_per_round": calls, "rounds": rounds}
@@ -320,7 +315,7 @@ def task_select(spec: ChildSpec) -> None:
         try:
             with tuning or contextlib.nullcontext(), torch.no_grad():
                 built = build(fresh, w.inputs, plan)
-                got = [t.clone() for t in common.flat(built.fn(*check_in))]
+                got = gate_check.outputs(built.fn)
             synchronize(device)
         except Exception as exc:  # a pass or Inductor failed on this rung: drop it, go on
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
@@ -341,16 +336,8 @@ def task_select(spec: ChildSpec) -> None:
             return False
         checked_as = numerics_dtype(plan.dtype, tf32=runs_tf32(eager, plan, device))
         rtol, atol = tolerance_for(checked_as, spec.overrides)
-        if calibrated(spec.overrides) and checked_as not in same_dtype:
-            with torch.no_grad():
-                same_dtype[checked_as] = same_precision(eager, check_in, checked_as, reference_out)
-        numerics = check_numerics(
-            reference_out,
-            got,
-            dtype=checked_as,
-            rtol=rtol,
-            atol=atol,
-            reference=same_dtype.get(checked_as),
+        numerics = gate_check(
+            got, dtype=checked_as, rtol=rtol, atol=atol, calibrate=calibrated(spec.overrides)
         )
         if not numerics.ok:
             variants.append(
