@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import gzip
 import importlib.util
 import json
 import math
@@ -1104,3 +1105,31 @@ def test_the_stock_task_s_log_counts_among_the_stage_children(tmp_path: Path) ->
         encoding="utf-8",
     )
     assert tool.child_seconds(tmp_path) == {"stock": 40.0, "waiting": 30.0, "alone": 2.0}
+
+
+def test_the_stock_figures_of_the_results_page_are_the_runs_summaries() -> None:
+    """docs/results.md's figures over the stock baseline for h200-2026-12-04 are those of the
+    committed summaries: the examples' geomean, and the eight real models' geomean over the
+    run of seven that passed and bert_base's run alone."""
+    day = RUNS / "h200-2026-12-04"
+
+    def summary(run: str) -> dict[str, Any]:
+        with gzip.open(day / run / "summary.json.gz", "rt", encoding="utf-8") as f:
+            found: dict[str, Any] = json.load(f)
+        return found
+
+    page = (DOCS / "results.md").read_text(encoding="utf-8")
+    examples = summary("examples-stock-n7")
+    assert f"**{examples['geomean_speedup_vs_stock']:.2f}× over stock**" in page
+    assert f"{examples['geomean_speedup_vs_compile']:.2f}× over torch.compile" in page
+    models = summary("models-stock-n8b")["workloads"]
+    bert = summary("bert-alone")["workloads"]["bert_base"]
+    assert models["bert_base"]["status"] == "missing"
+    ratios = [w["speedup_vs_stock"] for k, w in models.items() if k != "bert_base"]
+    ratios.append(bert["speedup_vs_stock"])
+    assert len(ratios) == 8 and all(
+        w["speedup_vs_stock_ci"][1] >= 1.0 for w in models.values() if "speedup_vs_stock_ci" in w
+    )
+    geomean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+    assert f"geomean **{geomean:.2f}× over stock**" in page
+    assert f"**{bert['speedup_vs_stock']:.2f}×**" in page

@@ -45,6 +45,9 @@ FIXTURE_RUN = "h200-2026-12-02c/counters-n7"
 """The run whose example artifacts were committed as examples/<name>/h200/."""
 
 SUMMARIES = (
+    "h200-2026-12-04/examples-stock-n7",
+    "h200-2026-12-04/models-stock-n8b",
+    "h200-2026-12-04/bert-alone",
     "h200x2-2026-11-30e/one-gpu",
     "h200x2-2026-11-30e/two-gpus",
     "h200-2026-11-30j/offgpu-n7",
