@@ -34,7 +34,9 @@ def main(argv: list[str] | None = None) -> int:
 
     spec = ChildSpec.model_validate_json(spec_path.read_text(encoding="utf-8"))
     common.configure(
-        shares_cpus=spec.shares_cpus, own_cpus=os.environ.get(devicelock.OWN_CPUS_ENV) == "1"
+        shares_cpus=spec.shares_cpus,
+        own_cpus=os.environ.get(devicelock.OWN_CPUS_ENV) == "1",
+        compile_pool=spec.compile_pool,
     )
     try:
         devicelock.join(note=common.phase, siblings=spec.siblings_lock)

@@ -40,6 +40,12 @@ class ChildSpec(Model):
         default_factory=list, description="LLM-written passes to check: proposal id and file"
     )
     shares_cpus: bool = False
+    compile_pool: bool = Field(
+        default=False,
+        description="a process sharing its CPUs that compiles graphs no cache holds (selection "
+        "and the stock task side by side): it keeps Inductor's pool of compile workers, "
+        "started inside the siblings' compile lock",
+    )
     siblings_lock: str | None = None
     stock_done: str | None = Field(
         default=None,

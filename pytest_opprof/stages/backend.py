@@ -113,7 +113,9 @@ def selected_beside_stock(run: WorkloadRun) -> BackendSelection:
 
         def stock() -> None:
             try:
-                run.run_child("stock", NAME, shares_cpus=True, siblings_lock=siblings)
+                run.run_child(
+                    "stock", NAME, shares_cpus=True, compile_pool=True, siblings_lock=siblings
+                )
             finally:
                 done.touch()
 
@@ -121,7 +123,11 @@ def selected_beside_stock(run: WorkloadRun) -> BackendSelection:
         stocked = pool.submit(stock)
         try:
             selection = selected(
-                run, shares_cpus=True, siblings_lock=siblings, stock_done=str(done)
+                run,
+                shares_cpus=True,
+                compile_pool=True,  # both compile new graphs: each with Inductor's workers
+                siblings_lock=siblings,
+                stock_done=str(done),
             )
         except KeyboardInterrupt:
             pool.shutdown(wait=False, cancel_futures=True)  # the session's end stops it

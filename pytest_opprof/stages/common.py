@@ -104,7 +104,7 @@ def setup_torch() -> None:
     if hasattr(torch._dynamo.config, "accumulated_recompile_limit"):
         torch._dynamo.config.accumulated_recompile_limit = 512
 
-    if _SHARES_CPUS:
+    if _SHARES_CPUS and not (_COMPILE_POOL and _warm_compile_pool()):
         # Inductor starts a pool of compile workers at a process's first compile, each
         # importing torch: seconds of CPU on the slice, outside any lock, which slows a sibling
         # timing process that measures meanwhile. The siblings compile what selection already
@@ -112,6 +112,26 @@ def setup_torch() -> None:
         # (docs/design-notes.md#compiling-beside-a-sibling-timing-process)
         torch._inductor.config.compile_threads = 1
     phase("torch imported")
+
+
+def _warm_compile_pool() -> bool:
+    """Start Inductor's pool of compile workers now and wait until it answers, as a compile
+    (off the GPU, the siblings' lock held shared: ``devicelock.off_gpu``), so that its
+    workers import torch beside no sibling's measurement; later they work only inside
+    compiles. For siblings whose compiles no cache answers (max-autotune's templates compile
+    hundreds of Triton kernels), which a single thread compiles one by one. False where this
+    torch has no such pool (then the caller compiles in-process)."""
+    from torch._inductor.async_compile import AsyncCompile
+
+    warm = getattr(AsyncCompile, "warm_pool", None)
+    ready = getattr(AsyncCompile, "wait_pool_ready", None)
+    if warm is None or ready is None:
+        return False
+    with devicelock.off_gpu(lambda: None):  # nothing of this process is on the GPU yet
+        warm()
+        ready()
+    phase("compile workers started")
+    return True
 
 
 def options(spec: ChildSpec) -> Any:
@@ -172,6 +192,10 @@ def import_generated(path: Path, sha256: str | None = None) -> Any:
 _SHARES_CPUS = False
 """Sibling stage processes share this process's CPUs (a recapture's timing processes, side by
 side): one of them measures while the others compile."""
+
+_COMPILE_POOL = False
+"""A process of :data:`_SHARES_CPUS` that keeps Inductor's pool of compile workers
+(``ChildSpec.compile_pool``): its compiles are new, not answered by the caches."""
 
 _OWN_CPUS = False
 """This process's CPU slice is its workload's own (``devicelock.OWN_CPUS_ENV``): it may compile
@@ -368,10 +392,10 @@ def flat(value: Any) -> list[Any]:
     return flatten_tensors(value)
 
 
-def configure(*, shares_cpus: bool, own_cpus: bool) -> None:
+def configure(*, shares_cpus: bool, own_cpus: bool, compile_pool: bool = False) -> None:
     """The process's place among its siblings, from its spec and its environment."""
-    global _SHARES_CPUS, _OWN_CPUS
-    _SHARES_CPUS, _OWN_CPUS = shares_cpus, own_cpus
+    global _SHARES_CPUS, _OWN_CPUS, _COMPILE_POOL
+    _SHARES_CPUS, _OWN_CPUS, _COMPILE_POOL = shares_cpus, own_cpus, compile_pool
 
 
 def restart_clock() -> None:

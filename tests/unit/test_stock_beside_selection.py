@@ -133,6 +133,7 @@ def test_the_stock_task_runs_beside_selection_as_its_sibling(
     assert sorted(run.extras) == ["backend", "stock"]
     stock, select = run.extras["stock"], run.extras["backend"]
     assert stock["shares_cpus"] and select["shares_cpus"]
+    assert stock["compile_pool"] and select["compile_pool"]  # both compile new graphs
     assert stock["siblings_lock"] and stock["siblings_lock"] == select["siblings_lock"]
     assert "stock_done" not in stock
     # the marker is created once the stock child has ended, in the siblings' folder

@@ -1,0 +1,81 @@
+"""Sibling processes that compile new graphs (selection and the stock task, side by side) keep
+Inductor's pool of compile workers, started inside the siblings' compile lock, so its workers
+never import torch beside a sibling's measurement; siblings whose compiles the caches answer
+(a recapture's timing processes) compile in-process, as before."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from torch._inductor.async_compile import AsyncCompile
+
+from pytest_opprof import devicelock
+from pytest_opprof.stages import common
+
+
+@pytest.fixture
+def joined(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[devicelock.DeviceLock]:
+    """This process's GPU lock, with siblings, held shared as a stage process holds it after
+    ``devicelock.join``; ``compile_threads`` restored after the test."""
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
+    lock = devicelock.join(siblings=str(tmp_path / "siblings.lock"))
+    assert lock is not None and lock.held == "shared"
+    try:
+        with torch._inductor.config.patch(compile_threads=2):
+            yield lock
+    finally:
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+        common.configure(shares_cpus=False, own_cpus=False)
+
+
+def test_new_compiles_beside_a_sibling_start_the_pool_inside_the_compile_lock(
+    joined: devicelock.DeviceLock, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    seen: list[tuple[str, bool, str | None, str | None]] = []
+
+    def record(step: str) -> None:
+        # while the pool starts: off the GPU, the siblings' lock and path.cpu held shared
+        seen.append((step, joined.aside, joined.held, joined.siblings_held))
+        probe = os.open(tmp_path / "siblings.lock", os.O_RDWR)
+        try:  # a sibling's measurement could not start now
+            with pytest.raises(BlockingIOError):
+                fcntl.flock(probe, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        finally:
+            os.close(probe)
+
+    monkeypatch.setattr(AsyncCompile, "warm_pool", classmethod(lambda cls: record("warm")))
+    monkeypatch.setattr(
+        AsyncCompile, "wait_pool_ready", classmethod(lambda cls, timeout=120: record("ready"))
+    )
+    common.configure(shares_cpus=True, own_cpus=True, compile_pool=True)
+    common.setup_torch()
+    assert seen == [("warm", True, None, "shared"), ("ready", True, None, "shared")]
+    assert torch._inductor.config.compile_threads == 2  # the slice's workers, kept
+    assert joined.held == "shared" and not joined.aside and joined.siblings_held is None
+
+
+def test_siblings_the_caches_answer_compile_in_process(
+    joined: devicelock.DeviceLock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    started: list[str] = []
+    monkeypatch.setattr(AsyncCompile, "warm_pool", classmethod(lambda cls: started.append("warm")))
+    common.configure(shares_cpus=True, own_cpus=True)
+    common.setup_torch()
+    assert started == [] and torch._inductor.config.compile_threads == 1
+
+
+def test_a_torch_without_the_pool_s_calls_compiles_in_process(
+    joined: devicelock.DeviceLock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delattr(AsyncCompile, "wait_pool_ready")
+    common.configure(shares_cpus=True, own_cpus=True, compile_pool=True)
+    common.setup_torch()
+    assert torch._inductor.config.compile_threads == 1
+    assert joined.held == "shared" and not joined.aside
