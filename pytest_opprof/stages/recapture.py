@@ -83,6 +83,7 @@ def run(run: WorkloadRun) -> str:
                     generated=generated,
                     sha256=digest,
                     shares_cpus=True,
+                    compile_pool=tunes_anew(run),
                     siblings_lock=str(siblings),
                 )
             except BaseException as exc:
@@ -116,6 +117,21 @@ def run(run: WorkloadRun) -> str:
         return f"optimized {opt.median_ms:.4f} ms{also}"
     how = "side by side" if together else "one after another"
     return f"optimized {opt.median_ms:.4f} ms ({opt.processes} processes, {how}){also}"
+
+
+def tunes_anew(run: WorkloadRun) -> bool:
+    """Whether the recapture's own process compiles a max-autotune plan no earlier stage
+    compiled: the plan at the baseline dtype, where the plan is the stock recipe or
+    autotunes and lowered precision. Its templates are hundreds of new Triton kernels, which
+    one thread compiles one by one while its timing processes wait (their compiles the caches
+    answer): it keeps Inductor's compile workers (``ChildSpec.compile_pool``). Other plans
+    compile far fewer kernels anew, and starting the workers would add to the wait."""
+    path = run.profiler_output / "backend_selection.json"
+    if not path.exists():
+        return False
+    plan = read_artifact(path, BackendSelection).plan
+    autotunes = plan.stock_recipe is not None or bool(plan.config_patches.get("max_autotune"))
+    return autotunes and plan.dtype not in (None, "float32")
 
 
 def validated_digest(run: WorkloadRun, report: ValidationReport) -> str:

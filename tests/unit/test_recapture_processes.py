@@ -20,7 +20,14 @@ from pytest_opprof import pipeline
 from pytest_opprof.devicelock import LOCK_ENV
 from pytest_opprof.errors import StageError
 from pytest_opprof.pipeline import STOCK_FILE
-from pytest_opprof.schema import Profile, ValidationReport, read_artifact, write_artifact
+from pytest_opprof.schema import (
+    BackendPlan,
+    BackendSelection,
+    Profile,
+    ValidationReport,
+    read_artifact,
+    write_artifact,
+)
 from pytest_opprof.stages import recapture
 
 H200 = Path(__file__).parents[1] / "data" / "h200" / "conv_block"
@@ -52,6 +59,7 @@ class StandIn:
         self.timing_servers = timing_servers
         self.children: list[tuple[str, float, float]] = []
         self.shares_cpus: dict[str, bool] = {}
+        self.compile_pool: dict[str, bool] = {}
         self.sha256: dict[str, str | None] = {}
         self.edit_during_recapture = False
         self.siblings: dict[str, str | None] = {}
@@ -87,6 +95,7 @@ class StandIn:
     ) -> None:
         start = time.monotonic()
         self.shares_cpus[log_name or task] = bool(extra.get("shares_cpus"))
+        self.compile_pool[log_name or task] = bool(extra.get("compile_pool"))
         self.sha256[log_name or task] = extra.get("sha256")
         self.siblings[log_name or task] = extra.get("siblings_lock")
         self.fresh[log_name or task] = fresh
@@ -395,3 +404,35 @@ def test_the_recapture_times_the_stock_recipe_the_backend_stage_chose(
     recapture.run(run)  # type: ignore[arg-type]
     assert sorted(name for name, _, _ in run.children) == ["recapture", "retime1", "retime2"]
     assert chosen.exists()
+
+
+@pytest.mark.parametrize(
+    ("plan", "pool"),
+    [
+        ({"stock_recipe": "cast", "dtype": "bfloat16"}, True),
+        ({"config_patches": {"max_autotune": True}, "dtype": "bfloat16"}, True),
+        ({"dtype": "bfloat16"}, False),
+        ({"stock_recipe": "cast", "dtype": "float32"}, False),
+        (None, False),
+    ],
+    ids=["stock-recipe-bf16", "max-autotune-bf16", "bf16", "stock-recipe-fp32", "no-selection"],
+)
+def test_only_a_recapture_that_autotunes_a_new_plan_keeps_the_compile_workers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plan: dict[str, Any] | None, pool: bool
+) -> None:
+    """The recapture's own process compiles the plan at the baseline dtype anew; where that
+    plan autotunes, it compiles with Inductor's workers (``ChildSpec.compile_pool``), its
+    timing processes, answered by the caches, never."""
+    run = _under_a_lock(tmp_path, monkeypatch, 2 * GIB, processes=3)
+    if plan is not None:
+        selection = BackendSelection(
+            workload="conv_block",
+            reference="compile",
+            reference_ms=1.0,
+            variants=[],
+            chosen="x",
+            plan=BackendPlan(**plan),
+        )
+        write_artifact(run.profiler_output / "backend_selection.json", selection)
+    recapture.run(run)  # type: ignore[arg-type]
+    assert run.compile_pool == {"recapture": pool, "retime1": False, "retime2": False}
