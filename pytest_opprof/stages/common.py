@@ -120,16 +120,20 @@ def _warm_compile_pool() -> bool:
     workers import torch beside no sibling's measurement; later they work only inside
     compiles. For siblings whose compiles no cache answers (max-autotune's templates compile
     hundreds of Triton kernels), which a single thread compiles one by one. False where this
-    torch has no such pool (then the caller compiles in-process)."""
+    torch has no such pool or it did not start (then the caller compiles in-process)."""
     from torch._inductor.async_compile import AsyncCompile
 
     warm = getattr(AsyncCompile, "warm_pool", None)
     ready = getattr(AsyncCompile, "wait_pool_ready", None)
     if warm is None or ready is None:
         return False
-    with devicelock.off_gpu(lambda: None):  # nothing of this process is on the GPU yet
-        warm()
-        ready()
+    try:
+        with devicelock.off_gpu(lambda: None):  # nothing of this process is on the GPU yet
+            warm()
+            ready()
+    except Exception as exc:  # a pool that never answered: compile in this process instead
+        phase(f"compile workers did not start ({type(exc).__name__}: {exc}); compiling here")
+        return False
     phase("compile workers started")
     return True
 

@@ -79,3 +79,17 @@ def test_a_torch_without_the_pool_s_calls_compiles_in_process(
     common.setup_torch()
     assert torch._inductor.config.compile_threads == 1
     assert joined.held == "shared" and not joined.aside
+
+
+def test_a_pool_that_never_answers_leaves_the_process_compiling_in_process(
+    joined: devicelock.DeviceLock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def never(cls: type, timeout: float = 120) -> None:
+        raise TimeoutError("the pool did not answer")
+
+    monkeypatch.setattr(AsyncCompile, "warm_pool", classmethod(lambda cls: None))
+    monkeypatch.setattr(AsyncCompile, "wait_pool_ready", classmethod(never))
+    common.configure(shares_cpus=True, own_cpus=True, compile_pool=True)
+    common.setup_torch()
+    assert torch._inductor.config.compile_threads == 1
+    assert joined.held == "shared" and not joined.aside and joined.siblings_held is None
