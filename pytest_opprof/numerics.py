@@ -202,8 +202,8 @@ class GateCheck:
     """The validate stage's numerical check (:func:`judge`'s ``equivalent``), set up once for
     ``model`` and run on many candidates in its process: measured selection's rungs. The same
     fresh inputs (one per seed of :data:`SEEDS`), the same bounds, the worst seed deciding,
-    so a plan selection keeps is one the gate passes: checked on other inputs, a bf16 plan
-    near its limit passed selection and failed the gate by one element in a million."""
+    so a plan selection keeps is one the gate passes; a plan near its limit checked on other
+    inputs may not be (docs/design-notes.md#the-gates-inputs)."""
 
     def __init__(self, model: Callable[..., Any], template: tuple[torch.Tensor, ...]) -> None:
         self.model = model
