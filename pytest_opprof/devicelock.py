@@ -183,11 +183,7 @@ class DeviceLock:
         if work:  # after every measurer queued now (they hold it shared until measured)
             fcntl.flock(self._want, fcntl.LOCK_EX)
             fcntl.flock(self._want, fcntl.LOCK_UN)
-        fcntl.flock(self._turn, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(self._main, mode)
-        finally:
-            fcntl.flock(self._turn, fcntl.LOCK_UN)
+        _take_in_turn(self._turn, self._main, mode)
         waited = time.perf_counter() - t0
         self.waited_s += waited
         if self.note is not None:
@@ -205,17 +201,7 @@ class DeviceLock:
 
     def _at_once(self, mode: int) -> bool:
         """Take ``path`` in ``mode`` if nobody is in the way (nobody waits at the turnstile)."""
-        try:
-            fcntl.flock(self._turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        try:
-            fcntl.flock(self._main, mode | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            return False
-        finally:
-            fcntl.flock(self._turn, fcntl.LOCK_UN)
+        return _take_at_once(self._turn, self._main, mode)
 
     def share(self) -> None:
         if self.held != "shared":
@@ -233,33 +219,15 @@ class DeviceLock:
             self.release()
         t0 = time.perf_counter()
         self.is_quiet = True
-        if self._cpu_at_once():
+        if _take_at_once(self._cpu_turn, self._cpu, fcntl.LOCK_EX):
             return
         if self.note is not None:
             self.note(WAITING_QUIET)
-        fcntl.flock(self._cpu_turn, fcntl.LOCK_EX)
-        try:
-            fcntl.flock(self._cpu, fcntl.LOCK_EX)
-        finally:
-            fcntl.flock(self._cpu_turn, fcntl.LOCK_UN)
+        _take_in_turn(self._cpu_turn, self._cpu, fcntl.LOCK_EX)
         waited = time.perf_counter() - t0
         self.waited_s += waited
         if self.note is not None:
             self.note(f"{QUIETED} {waited:.1f} s")
-
-    def _cpu_at_once(self) -> bool:
-        """Take ``path.cpu`` exclusively if no compile holds it and none waits at its turnstile."""
-        try:
-            fcntl.flock(self._cpu_turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return False
-        try:
-            fcntl.flock(self._cpu, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return True
-        except BlockingIOError:
-            return False
-        finally:
-            fcntl.flock(self._cpu_turn, fcntl.LOCK_UN)
 
     def unquiet(self) -> None:
         self.is_quiet = False
@@ -331,6 +299,32 @@ class DeviceLock:
             os.close(self._siblings)
             self._siblings = None
             self.siblings_held = None
+
+
+def _take_at_once(turn: int, fd: int, mode: int) -> bool:
+    """Take ``fd`` in ``mode`` if nobody is in the way: nobody holds it against ``mode`` and
+    nobody waits at its turnstile ``turn``."""
+    try:
+        fcntl.flock(turn, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+        return True
+    except BlockingIOError:
+        return False
+    finally:
+        fcntl.flock(turn, fcntl.LOCK_UN)
+
+
+def _take_in_turn(turn: int, fd: int, mode: int) -> None:
+    """Take ``fd`` in ``mode``, holding its turnstile ``turn`` while waiting, so that those who
+    only pass the turnstile (:func:`_pass_turnstile`) queue behind this wait."""
+    fcntl.flock(turn, fcntl.LOCK_EX)
+    try:
+        fcntl.flock(fd, mode)
+    finally:
+        fcntl.flock(turn, fcntl.LOCK_UN)
 
 
 def _pass_turnstile(fd: int) -> None:

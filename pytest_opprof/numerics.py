@@ -200,14 +200,19 @@ def same_precision(
 
 class GateCheck:
     """The validate stage's numerical check (:func:`judge`'s ``equivalent``), set up once for
-    ``model`` and run on many candidates in its process: measured selection's rungs. The same
-    fresh inputs (one per seed of :data:`SEEDS`), the same bounds, the worst seed deciding,
-    so a plan selection keeps is one the gate passes; a plan near its limit checked on other
-    inputs may not be (docs/design-notes.md#the-gates-inputs)."""
+    ``model`` on the fresh inputs of ``seeds`` and run on one candidate (:func:`judge`) or many
+    in its process (measured selection's rungs): the worst seed decides. Selection holds each
+    rung to the gate's own inputs and bounds, so a plan it keeps is one the gate passes; a plan
+    near its limit checked on other inputs may not be (docs/design-notes.md#the-gates-inputs)."""
 
-    def __init__(self, model: Callable[..., Any], template: tuple[torch.Tensor, ...]) -> None:
+    def __init__(
+        self,
+        model: Callable[..., Any],
+        template: tuple[torch.Tensor, ...],
+        seeds: Sequence[int] = SEEDS,
+    ) -> None:
         self.model = model
-        self.inputs = [fresh_inputs(template, seed) for seed in SEEDS]
+        self.inputs = [fresh_inputs(template, seed) for seed in seeds]
         with torch.no_grad():
             self.wants = [_clone(model(*x)) for x in self.inputs]
         self._same: dict[str, list[Any]] = {}
@@ -321,18 +326,9 @@ def judge(
     is a module) plus the anti-cheating checks (docs/how-it-works.md#the-validator); the worst
     seed is reported."""
     checks: dict[str, StepResult] = {}
-    per_seed: list[Numerics] = []
     outs, seeds = got.outputs, got.seeds
-    module = baseline if calibrate and isinstance(baseline, torch.nn.Module) else None
-    with torch.no_grad():
-        for seed, out in zip(seeds, outs, strict=True):
-            inputs = fresh_inputs(template, seed)
-            want = _clone(baseline(*inputs))
-            reference = same_precision(module, inputs, dtype, want) if module else None
-            per_seed.append(
-                check_numerics(want, out, dtype=dtype, rtol=rtol, atol=atol, reference=reference)
-            )
-    worst = worst_of(per_seed)
+    equivalence = GateCheck(baseline, template, seeds)
+    worst = equivalence(outs, dtype=dtype, rtol=rtol, atol=atol, calibrate=calibrate)
     finite = all(bool(torch.isfinite(t).all()) for o in outs for t in o if t.is_floating_point())
     checks["finite"] = StepResult(
         status="pass" if finite else "fail",
