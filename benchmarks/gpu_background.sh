@@ -3,7 +3,8 @@
 # process session (it outlives the call that started it, while the machine stays held), then
 # wait for it from later calls, each returning before the call limit.
 #   bash benchmarks/gpu_background.sh start one conv_block gpt2 -- --opprof-ncu=off
-#   bash benchmarks/gpu_background.sh wait one 540   # copies the results to $OUT when done
+#   bash benchmarks/gpu_background.sh wait one 540   # copies the results to $OUT when done,
+#                                                    # the stage logs so far when not
 # Environment for `start` (OPPROF_WORK, CUDA_VISIBLE_DEVICES, ...) passes on to gpu_session.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,6 +33,15 @@ case "$action" in
           log=$(ls -t "$w"/*.log 2>/dev/null | head -1)
           [ -n "$log" ] && echo "$(basename "$(dirname "$w")") $(basename "$log"): $(tail -1 "$log" | cut -c1-150)"
         done
+        # The stage logs so far come back with every call, so a run the machine outlives
+        # (released while idle, or out of device time) still tells where its time went.
+        if [ -n "${OUT:-}" ]; then
+          work=${OPPROF_WORK:-/tmp/opprof-results}
+          mkdir -p "$OUT/$name"
+          (cd "$(dirname "$work")" && find "$(basename "$work")" -name '*.log' -print0 \
+            | tar --null -T - -cJf "$OUT/$name/logs-so-far.tar.xz") 2>/dev/null
+          cp "$dir/session.out" "$OUT/$name/" 2>/dev/null
+        fi
         exit 0
       fi
       sleep 5
