@@ -6,8 +6,8 @@
 #   bash benchmarks/gpu_background.sh wait one 540   # copies the results to $OUT when done,
 #                                                    # the stage logs so far when not
 # A lent machine goes back when idle past its release (30 s): a run survives only while each
-# `wait` call follows the last at once; a run longer than the calls can be chained without a
-# gap is lost, its logs aside.
+# `wait` call follows the last at once. A gap loses the run; only the logs that the last call
+# brought back remain.
 # Environment for `start` (OPPROF_WORK, CUDA_VISIBLE_DEVICES, ...) passes on to gpu_session.sh.
 set -uo pipefail
 cd "$(dirname "$0")/.."
