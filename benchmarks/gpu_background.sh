@@ -32,14 +32,14 @@ case "$action" in
       if [ "$SECONDS" -ge "$limit" ]; then
         echo "still running after ${limit} s:"; tail -3 "$dir/pytest.log" 2>/dev/null
         # Where each workload is: its newest stage log and that log's last line.
-        for w in "${OPPROF_WORK:-/tmp/opprof-results}"/*/profiler_output; do
+        work=${OPPROF_WORK:-/tmp/opprof-results}
+        for w in "$work"/*/profiler_output; do
           log=$(ls -t "$w"/*.log 2>/dev/null | head -1)
           [ -n "$log" ] && echo "$(basename "$(dirname "$w")") $(basename "$log"): $(tail -1 "$log" | cut -c1-150)"
         done
         # The stage logs so far come back with every call, so a run the machine outlives
         # (released while idle, or out of device time) still tells where its time went.
         if [ -n "${OUT:-}" ]; then
-          work=${OPPROF_WORK:-/tmp/opprof-results}
           mkdir -p "$OUT/$name"
           (cd "$(dirname "$work")" && find "$(basename "$work")" -name '*.log' -print0 \
             | tar --null -T - -cJf "$OUT/$name/logs-so-far.tar.xz") 2>/dev/null
