@@ -215,9 +215,10 @@ _OFF_GPU = contextlib.ExitStack()
 def autotuning(device: str) -> Iterator[None]:
     """Compiles in the block may time kernels on the GPU (Inductor's max-autotune): they go off
     the GPU like any compile (:func:`compile_off_gpu`), and only their GPU work takes it back:
-    each of Inductor's benchmarks holds it alone for its span, the weights folded by freezing
-    hold it shared. So a minutes-long max-autotune compile holds no measurement of another
-    process back, and its kernel choices are timed beside no other process's GPU work."""
+    each of Inductor's timings holds it alone for its span, the autotuning around them and the
+    weights folded by freezing hold it shared. So a minutes-long max-autotune compile holds no
+    measurement of another process back for longer than one of its steps, and its kernel
+    choices are timed beside no other process's GPU work."""
     if device != "cuda":
         yield
         return
@@ -228,11 +229,15 @@ def autotuning(device: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _inductor_gpu_work() -> Iterator[None]:
-    """Inductor's own GPU work inside a compile, under the GPU's lock for the block: its
-    benchmarks (autotuning of templates and of Triton configs, fusion benchmarks) through
-    ``devicelock.measuring_within``, ``freeze``'s fold on real weights through
-    ``devicelock.on_gpu``. The entry points are looked up by name (torch 2.11 and 2.13 have
-    them); one that is missing is left as it is."""
+    """Inductor's own GPU work inside a compile, under the GPU's lock for the block: each of
+    its timings (``benchmarker.benchmark_gpu*``: a template choice, a Triton config, a fusion)
+    holds the GPU alone through ``devicelock.measuring_within``; the autotuning around them
+    (the inputs it makes on the GPU, each choice's kernel loaded, built or fetched from the
+    compile workers) and ``freeze``'s fold on real weights share it through
+    ``devicelock.on_gpu``. Held alone over one op's choices instead, the GPU idled through
+    their loads, most of such a hold, while every other process's measurement waited for it
+    (docs/design-notes.md#autotuning-holds). The entry points are looked up by name (torch
+    2.11 and 2.13 have them); one that is missing is left as it is."""
     import functools
 
     from torch._inductor import freezing, select_algorithm
@@ -273,9 +278,8 @@ def _inductor_gpu_work() -> Iterator[None]:
             setattr(owner, name, how(found))
         undo.append(lambda: setattr(owner, name, found))
 
-    # coarse entries first: one hold for all the choices of one op, nested holds are no-ops
-    wrap(select_algorithm.AlgorithmSelectorCache, "benchmark_in_current_process", alone)
-    wrap(triton_heuristics.CachingAutotuner, "benchmark_all_configs", alone)
+    wrap(select_algorithm.AlgorithmSelectorCache, "benchmark_in_current_process", on_gpu)
+    wrap(triton_heuristics.CachingAutotuner, "benchmark_all_configs", on_gpu)
     bench = benchmarking.benchmarker  # one instance, imported by name across Inductor
 
     def wrap_bound(name: str) -> None:

@@ -1,0 +1,169 @@
+"""Probe: how long does a max-autotune compile hold the GPU alone, and how much of it is timing?
+
+The stock baseline compiles each recipe with ``mode="max-autotune"``: Inductor times every
+template choice and Triton config on the GPU, and the pipeline gives each timing the GPU alone
+(``stages.common.autotuning``). Held alone over one op's whole autotuning (``--holds coarse``,
+the pipeline before this probe), a hold also spans the choices' kernels loaded, built or fetched
+from the compile workers; held alone only around each timing (``--holds fine``) it does not.
+
+One process compiles the ``cast`` stock recipe (bf16, freezing, max-autotune) of one workload as
+the stock task does (off the GPU, under the GPU's lock, with Inductor's compile workers), while a
+neighbour thread asks for the GPU alone every 0.5 s and measures for 50 ms, as another
+workload's measurements do. Prints one JSON line: the compile's seconds; its holds (count,
+total, longest); the seconds inside Inductor's timings and inside the choices' kernel loads;
+the neighbour's waits for the GPU (count, median, longest). Run each mode in a fresh process
+with empty Inductor and Triton caches:
+
+    python benchmarks/probes/autotune_holds.py examples/mlp_activations --holds fine
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+
+def timed(into: list[float], fn: Callable[..., Any]) -> Callable[..., Any]:
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            into.append(time.perf_counter() - t0)
+
+    return run
+
+
+def neighbour(path: Path, stop: threading.Event, waits: list[float]) -> None:
+    """Another workload's measurements: the GPU alone for 50 ms every 0.5 s."""
+    import torch
+
+    from pytest_opprof.devicelock import DeviceLock
+
+    lock = DeviceLock(path)
+    a = torch.randn(2048, 2048, device="cuda")
+    try:
+        while not stop.wait(0.5):
+            t0 = time.perf_counter()
+            lock.exclusive()
+            waits.append(time.perf_counter() - t0)
+            until = time.perf_counter() + 0.05
+            while time.perf_counter() < until:
+                a @ a
+                torch.cuda.synchronize()
+            lock.release()
+    finally:
+        lock.close()
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("workload", type=Path, help="a workload folder or file")
+    parser.add_argument("--holds", choices=("coarse", "fine"), required=True)
+    args = parser.parse_args()
+
+    import os
+
+    from pytest_opprof import devicelock
+
+    folder = Path(tempfile.mkdtemp(prefix="autotune-holds-"))
+    os.environ[devicelock.LOCK_ENV] = str(folder / "gpu.lock")
+    notes: list[str] = []
+    lock = devicelock.join(note=notes.append, siblings=str(folder / "siblings.lock"))
+    assert lock is not None
+
+    import torch
+    from torch._inductor import autotune_process, select_algorithm
+    from torch._inductor.runtime import benchmarking, triton_heuristics
+
+    from pytest_opprof.backend import stock
+    from pytest_opprof.stages import common
+    from pytest_opprof.workload import load
+
+    common.configure(shares_cpus=True, own_cpus=True, compile_pool=True)  # as the stock task
+    common.setup_torch()
+    path = args.workload
+    w = load(path / f"{path.name}.py" if path.is_dir() else path, "cuda")
+    torch.cuda.synchronize()
+
+    timing: list[float] = []
+    loads: list[float] = []
+    bench = benchmarking.benchmarker
+    for name in ("benchmark_gpu", "benchmark_gpu_with_cuda_graph"):
+        if callable(getattr(bench, name, None)):  # inside the lock's wrap
+            setattr(bench, name, timed(timing, getattr(bench, name)))
+    request = autotune_process.TritonBenchmarkRequest
+    request.make_run_fn = timed(loads, request.make_run_fn)  # type: ignore[method-assign]
+
+    stop, waits = threading.Event(), []  # type: ignore[var-annotated]
+    other = threading.Thread(target=neighbour, args=(Path(lock.path), stop, waits))
+    other.start()
+    try:
+        fn = stock.Compiled("cast", w.model, w.inputs, "bfloat16")
+        with common.autotuning("cuda"):
+            undo = []
+            if args.holds == "coarse":  # one op's whole autotuning alone, outside the pipeline's
+                for owner, name in (
+                    (select_algorithm.AlgorithmSelectorCache, "benchmark_in_current_process"),
+                    (triton_heuristics.CachingAutotuner, "benchmark_all_configs"),
+                ):
+                    found = vars(owner)[name]
+                    inner = found.__func__ if isinstance(found, classmethod) else found
+
+                    def alone(*a: Any, _inner: Any = inner, **k: Any) -> Any:
+                        with devicelock.measuring_within(torch.cuda.synchronize):
+                            return _inner(*a, **k)
+
+                    setattr(owner, name, classmethod(alone) if inner is not found else alone)
+                    undo.append((owner, name, found))
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                fn(*w.inputs)
+            torch.cuda.synchronize()
+            compile_s = time.perf_counter() - t0
+            for owner, name, found in undo:
+                setattr(owner, name, found)
+    finally:
+        stop.set()
+        other.join()
+    holds = [
+        float(n[len(devicelock.MEASURED) :].split()[0])
+        for n in notes
+        if n.startswith(devicelock.MEASURED)
+    ]
+    print(
+        json.dumps(
+            {
+                "workload": path.name,
+                "holds_mode": args.holds,
+                "torch": torch.__version__,
+                "compile_s": round(compile_s, 2),
+                "holds": len(holds),
+                "held_alone_s": round(sum(holds), 2),
+                "longest_hold_s": round(max(holds, default=0.0), 3),
+                "holds_over_1s": sum(h > 1 for h in holds),
+                "timings": len(timing),
+                "timing_s": round(sum(timing), 2),
+                "loads": len(loads),
+                "load_s": round(sum(loads), 2),
+                "neighbour_takes": len(waits),
+                "neighbour_wait_median_s": round(statistics.median(waits), 3) if waits else None,
+                "neighbour_wait_max_s": round(max(waits, default=0.0), 3),
+                "neighbour_waited_s": round(sum(waits), 2),
+            }
+        )
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
