@@ -4,7 +4,8 @@ The stock baseline compiles each recipe with ``mode="max-autotune"``: Inductor t
 template choice and Triton config on the GPU, and the pipeline gives each timing the GPU alone
 (``stages.common.autotuning``). Held alone over one op's whole autotuning (``--holds coarse``,
 the pipeline before this probe), a hold also spans the choices' kernels loaded, built or fetched
-from the compile workers; held alone only around each timing (``--holds fine``) it does not.
+from the compile workers; held alone only around each timing (``--holds fine``, the pipeline's:
+the timed callable's first call, which builds or loads its kernel, sharing the GPU) it does not.
 
 One process compiles the ``cast`` stock recipe (bf16, freezing, max-autotune) of one workload as
 the stock task does (off the GPU, under the GPU's lock, with Inductor's compile workers), while a

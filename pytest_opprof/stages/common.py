@@ -229,15 +229,16 @@ def autotuning(device: str) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _inductor_gpu_work() -> Iterator[None]:
-    """Inductor's own GPU work inside a compile, under the GPU's lock for the block: each of
+    """Inductor's own GPU work inside a compile, under the GPU's lock for the block. Each of
     its timings (``benchmarker.benchmark_gpu*``: a template choice, a Triton config, a fusion)
-    holds the GPU alone through ``devicelock.measuring_within``; the autotuning around them
-    (the inputs it makes on the GPU, each choice's kernel loaded, built or fetched from the
-    compile workers) and ``freeze``'s fold on real weights share it through
-    ``devicelock.on_gpu``. Held alone over one op's choices instead, the GPU idled through
-    their loads, most of such a hold, while every other process's measurement waited for it
-    (docs/design-notes.md#autotuning-holds). The entry points are looked up by name (torch
-    2.11 and 2.13 have them); one that is missing is left as it is."""
+    holds the GPU alone through ``devicelock.measuring_within``; the work around them shares
+    it through ``devicelock.on_gpu``: the autotuning of one op (the inputs it makes on the
+    GPU), the first call of each timed callable (where the kernel is built or loaded: CPU
+    work, with the GPU idle) and ``freeze``'s fold on real weights. A timing calls its
+    callable again, so the extra first call changes nothing Inductor sees. Held alone over
+    a whole op or a whole first call instead, the GPU idled while every other process's
+    measurement waited (docs/design-notes.md#autotuning-holds). The entry points are looked
+    up by name (torch 2.11 and 2.13 have them); one that is missing is left as it is."""
     import functools
 
     from torch._inductor import freezing, select_algorithm
@@ -248,9 +249,17 @@ def _inductor_gpu_work() -> Iterator[None]:
     def sync() -> None:
         synchronize("cuda")
 
-    def alone(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def warmed_alone(fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``benchmark_gpu(callable, ...)``: the callable's first call sharing the GPU, then
+        the timing alone. A first call that fails is left to the timing, which calls it again
+        and fails, or reports it, as Inductor expects."""
+
         @functools.wraps(fn)
         def measured(*args: Any, **kwargs: Any) -> Any:
+            if args and callable(args[0]):
+                with contextlib.suppress(Exception), devicelock.on_gpu(sync):
+                    args[0]()
+                    sync()
             with devicelock.measuring_within(sync):
                 return fn(*args, **kwargs)
 
@@ -287,7 +296,7 @@ def _inductor_gpu_work() -> Iterator[None]:
         if not callable(original):
             return
         shadowed = name in vars(bench)
-        setattr(bench, name, alone(original))
+        setattr(bench, name, warmed_alone(original))
         undo.append(
             functools.partial(setattr, bench, name, original)
             if shadowed

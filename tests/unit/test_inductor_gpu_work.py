@@ -38,7 +38,7 @@ def test_inductor_timings_hold_the_gpu_alone_and_the_autotuning_around_them_shar
     monkeypatch.setattr(freezing, "freeze", record("freeze"))
     cache = select_algorithm.AlgorithmSelectorCache
 
-    def choices(cls: Any) -> tuple[str, str]:
+    def choices(cls: Any) -> tuple[str, Any]:
         # one op's choices: each loaded beside the GPU's other work, then timed alone
         record("choices")()
         return "choices", bench.benchmark_gpu()
@@ -69,6 +69,54 @@ def test_inductor_timings_hold_the_gpu_alone_and_the_autotuning_around_them_shar
             freezing.freeze,
             vars(cache)["benchmark_in_current_process"],
         ) == originals
+    finally:
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+def test_a_timed_kernel_is_first_called_sharing_the_gpu_then_timed_alone(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The first call of a timed callable builds or loads its kernel on the CPU: it shares the
+    GPU, and only the timing (which calls it again) holds it alone. A first call that fails is
+    left to the timing, which fails as Inductor expects."""
+    from torch._inductor.runtime import benchmarking
+
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
+    lock = devicelock.join()
+    assert lock is not None
+    calls: list[tuple[str, str | None]] = []
+
+    def timing(kernel: Any, rep: int = 100) -> float:
+        calls.append(("timing", lock.held))
+        for _ in range(2):
+            kernel()
+        return 0.01
+
+    def kernel() -> None:
+        calls.append(("kernel", lock.held))
+
+    def broken() -> None:
+        calls.append(("broken", lock.held))
+        raise RuntimeError("invalid configuration argument")
+
+    bench: Any = benchmarking.benchmarker
+    monkeypatch.setattr(bench, "benchmark_gpu", timing, raising=False)
+    try:
+        with common._inductor_gpu_work(), devicelock.off_gpu(lambda: None):
+            assert bench.benchmark_gpu(kernel, rep=40) == 0.01
+            assert calls == [
+                ("kernel", "shared"),
+                ("timing", "exclusive"),
+                ("kernel", "exclusive"),
+                ("kernel", "exclusive"),
+            ]
+            calls.clear()
+            with pytest.raises(RuntimeError, match="invalid configuration"):
+                bench.benchmark_gpu(broken)
+            assert calls == [("broken", "shared"), ("timing", "exclusive"), ("broken", "exclusive")]
+            assert lock.held is None and lock.aside  # the compile off the GPU again
     finally:
         lock.close()
         monkeypatch.setattr(devicelock, "_LOCK", None)
