@@ -27,6 +27,10 @@ class StageError(OpprofError):
     """A stage could not produce its artifact (child crashed, timed out, compile failed...)."""
 
 
+class StageTimedOut(StageError):
+    """A stage process ran past the stage's timeout and was stopped."""
+
+
 class StageBlocked(OpprofError):
     """An earlier stage failed, so this one cannot run."""
 

@@ -26,7 +26,7 @@ import pytest
 from pytest_opprof import STAGES, __version__, forkserver, progress
 from pytest_opprof.backend.plan import EXTRA_PASSES_ENV, PassRegistry
 from pytest_opprof.devicelock import WAITING
-from pytest_opprof.errors import StageError, WorkloadError
+from pytest_opprof.errors import StageError, StageTimedOut, WorkloadError
 from pytest_opprof.options import BY_FIELD, OpprofOptions
 from pytest_opprof.schema import (
     ChildFailure,
@@ -349,7 +349,7 @@ class WorkloadRun:
                     else "the workload hangs or is too slow — raise --opprof-timeout or "
                     "OPPROF['timeout']"
                 )
-                raise StageError(
+                raise StageTimedOut(
                     f"{self.spec.path.name}: {stage} did not finish within {timeout:.0f} s "
                     f"and was stopped; {why} (log: {rel_path(log)})"
                 ) from None

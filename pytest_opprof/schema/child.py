@@ -52,6 +52,12 @@ class ChildSpec(Model):
         description="selection's: the file its parent creates once the stock task, run beside "
         "it, has ended; selection waits for it before trying the recipe that task kept",
     )
+    stock_rung_only: bool = Field(
+        default=False,
+        description="selection's, again in a fresh process where its first died timing the "
+        "stock recipe: the ladder's selection read back, its plan built again, and only the "
+        "stock rung tried against it",
+    )
     profile_name: str = "profile.json"
     timeline_iters: int = 3
     counters_labels: list[str] = Field(default_factory=list)

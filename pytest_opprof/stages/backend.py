@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_opprof import devicelock
 from pytest_opprof.backend.plan import extra_targets
-from pytest_opprof.errors import StageError
+from pytest_opprof.errors import StageError, StageTimedOut
 from pytest_opprof.pipeline import STOCK_FILE, WorkloadRun
 from pytest_opprof.schema import (
     BackendSelection,
@@ -39,6 +39,8 @@ SELECTION_FILE = "profiler_output/backend_selection.json"
 STOCK_RUNG_PENDING = "profiler_output/stock_rung.pending"
 """Present while selection times the stock recipe against the ladder's plan, whose selection
 is written already: a selection process that dies meanwhile leaves both behind."""
+STOCK_RUNG_LOG = "select_stock_rung"
+"""The log of the fresh process that times the stock recipe against the ladder's plan again."""
 
 
 def run(run: WorkloadRun) -> str:
@@ -46,7 +48,13 @@ def run(run: WorkloadRun) -> str:
     from pytest_opprof.tolerances import tolerance_for
 
     optimizations = read_artifact(run.out_dir / "optimizations.json", Optimizations)
-    for former in (STOCK_FILE, STOCK_RUNG_PENDING, SELECTION_FILE):  # not this run's
+    stale = (
+        STOCK_FILE,
+        STOCK_RUNG_PENDING,
+        SELECTION_FILE,
+        f"profiler_output/{STOCK_RUNG_LOG}.log",
+    )
+    for former in stale:  # not this run's
         (run.out_dir / former).unlink(missing_ok=True)
     if not run.measures_stock():
         selection = selected(run)
@@ -84,13 +92,27 @@ def run(run: WorkloadRun) -> str:
 
 
 def selected(run: WorkloadRun, **extra: Any) -> BackendSelection:
-    """Selection's process run (``extra``: more of its spec) and its selection read; where it
-    failed timing the stock recipe, the ladder's (:func:`ladder_kept`)."""
+    """Selection's process run (``extra``: more of its spec) and its selection read. Where it
+    died timing the stock recipe against the ladder's plan (a CUDA error leaves a process
+    unusable), the two are timed once more in a fresh process, alone (``stock_rung_only``,
+    its log ``STOCK_RUNG_LOG``); where that fails too, or the first ran out of time there,
+    the ladder's selection stands (:func:`ladder_kept`)."""
     try:
         run.run_child(NAME, NAME, **extra)
-        return read_artifact(run.out_dir / SELECTION_FILE, BackendSelection)
     except StageError as exc:
-        return ladder_kept(run.out_dir, exc)
+        if isinstance(exc, StageTimedOut) or not stock_rung_pending(run.out_dir):
+            return ladder_kept(run.out_dir, exc)  # raises it where the ladder was not done
+        try:
+            run.run_child(NAME, NAME, log_name=STOCK_RUNG_LOG, stock_rung_only=True)
+        except StageError as again:
+            return ladder_kept(run.out_dir, again, first=exc)
+    return read_artifact(run.out_dir / SELECTION_FILE, BackendSelection)
+
+
+def stock_rung_pending(out_dir: Path) -> bool:
+    """Whether a selection process died timing the stock recipe (:data:`STOCK_RUNG_PENDING`),
+    the ladder's selection written before it."""
+    return (out_dir / STOCK_RUNG_PENDING).exists() and (out_dir / SELECTION_FILE).exists()
 
 
 def stock_runs_beside(run: WorkloadRun) -> bool:
@@ -164,28 +186,36 @@ def wait_for_stock(done: Path) -> None:
     common.phase(f"the stock baseline's task ended after {time.perf_counter() - t0:.1f} s")
 
 
-def ladder_kept(out_dir: Path, failure: StageError) -> BackendSelection:
+def ladder_kept(
+    out_dir: Path, failure: StageError, first: StageError | None = None
+) -> BackendSelection:
     """The ladder's selection, where the selection process failed timing the stock recipe
-    against it (:data:`STOCK_RUNG_PENDING`): the stock rung is an addition to the ladder, and
-    its failure (say, a CUDA error in the recipe's CUDA graphs) loses none of the ladder's work.
-    The recipe is recorded as dropped, with the failure's last error line (else its first
-    line). Any other failure is raised as it was."""
+    against it (:data:`STOCK_RUNG_PENDING`), and ``failure`` is that process's error (or, with
+    ``first``, the fresh process's that tried again): the stock rung is an addition to the
+    ladder, and its failure (say, a CUDA error in the recipe's CUDA graphs) loses none of the
+    ladder's work. The recipe is recorded as dropped, with each failure's last error line (else
+    its first line). Any other failure is raised as it was."""
     from pytest_opprof.schema import DroppedProposal
 
     pending, path = out_dir / STOCK_RUNG_PENDING, out_dir / SELECTION_FILE
-    if not (pending.exists() and path.exists()):
+    if not stock_rung_pending(out_dir):
         raise failure
     selection = read_artifact(path, BackendSelection)
-    said = str(failure).splitlines()
-    errors = [ln.strip() for ln in said if "Error" in ln]
-    detail = errors[-1] if errors else said[0]
-    selection.dropped.append(
-        DroppedProposal(
-            id="stock-recipe",
-            type="stock_recipe",
-            reason=f"not compared: the selection process failed timing it against the plan "
-            f"({detail[:200]})",
+
+    def detail(error: StageError) -> str:
+        said = str(error).splitlines()
+        errors = [ln.strip() for ln in said if "Error" in ln]
+        return (errors[-1] if errors else said[0])[:200]
+
+    if first is None:
+        why = f"the selection process failed timing it against the plan ({detail(failure)})"
+    else:
+        why = (
+            f"the selection process failed timing it against the plan ({detail(first)}), "
+            f"and so did a fresh process alone ({detail(failure)})"
         )
+    selection.dropped.append(
+        DroppedProposal(id="stock-recipe", type="stock_recipe", reason=f"not compared: {why}")
     )
     write_artifact(path, selection)
     pending.unlink()
@@ -254,37 +284,60 @@ def task_select(spec: ChildSpec) -> None:
     rounds = max(5, min(9, common.setting(spec, "rounds")))
     brief = {"device": device, "warmup": 3, "calls_per_round": calls, "rounds": rounds}
 
-    # Each rung shares the GPU again as it starts (attempt()); after the last, nothing runs.
-    with devicelock.measuring(share_after=False):
-        base = time_interleaved({"eager": eager, "compile": compiled}, w.inputs, **brief)
-    aside = slow_host_rounds(base.host_us)
-    stats = {k: latency_stats(v, base.calls[k], set_aside=aside) for k, v in base.items()}
-    ref_name = min(stats, key=lambda k: stats[k].median_ms)
-    ref_ms = stats[ref_name].median_ms
-    variants = [
-        VariantResult(name=k, plan=BackendPlan(), latency=v, speedup=ref_ms / v.median_ms)
-        for k, v in stats.items()
-    ]
-    state = {
-        "plan": BackendPlan(),
-        "fn": compiled if ref_name == "compile" else eager,
-        "name": ref_name,
-    }
-    waterfall = [
-        WaterfallStep(
-            step=ref_name,
-            latency_ms=ref_ms,
-            speedup_cumulative=1.0,
-            speedup_added=1.0,
-            measured_ms=ref_ms,
-        )
-    ]
-    skip = set(spec.overrides.get("skip", []))
-    not_built, rungs = climbed(opt.proposals, device, skip, captured_graph(out_dir))
-    dropped = {
-        pid: DroppedProposal(id=pid, type=kind, reason=reason)
-        for pid, (kind, reason) in not_built.items()
-    }
+    # Resumed at the stock rung (``ChildSpec.stock_rung_only``): the ladder as it was written.
+    ladder = None
+    if spec.stock_rung_only:
+        ladder = read_artifact(out_dir / SELECTION_FILE, BackendSelection)
+    state: dict[str, Any]
+    if ladder is None:
+        # Each rung shares the GPU again as it starts (attempt()); after the last, nothing runs.
+        with devicelock.measuring(share_after=False):
+            base = time_interleaved({"eager": eager, "compile": compiled}, w.inputs, **brief)
+        aside = slow_host_rounds(base.host_us)
+        stats = {k: latency_stats(v, base.calls[k], set_aside=aside) for k, v in base.items()}
+        ref_name = min(stats, key=lambda k: stats[k].median_ms)
+        ref_ms = stats[ref_name].median_ms
+        variants = [
+            VariantResult(name=k, plan=BackendPlan(), latency=v, speedup=ref_ms / v.median_ms)
+            for k, v in stats.items()
+        ]
+        waterfall = [
+            WaterfallStep(
+                step=ref_name,
+                latency_ms=ref_ms,
+                speedup_cumulative=1.0,
+                speedup_added=1.0,
+                measured_ms=ref_ms,
+            )
+        ]
+        state = {"plan": BackendPlan(), "name": ref_name}
+        skip = set(spec.overrides.get("skip", []))
+        not_built, rungs = climbed(opt.proposals, device, skip, captured_graph(out_dir))
+        dropped = {
+            pid: DroppedProposal(id=pid, type=kind, reason=reason)
+            for pid, (kind, reason) in not_built.items()
+        }
+    else:
+        ref_name, ref_ms = ladder.reference, ladder.reference_ms
+        variants, waterfall = list(ladder.variants), list(ladder.waterfall)
+        state = {"plan": ladder.plan, "name": ladder.chosen}
+        rungs = []
+        dropped = {d.id: d for d in ladder.dropped}
+    state["fn"] = compiled if state["name"] == "compile" else eager
+
+    def compiled_plan(fresh: Any, plan: BackendPlan) -> tuple[Any, Any]:
+        """``plan`` built on ``fresh`` and called once on the gate's inputs (its compile):
+        the built variant and its outputs."""
+        common.compile_off_gpu(device)
+        # max-autotune times kernels on the GPU while it compiles (at the first call): not
+        # beside another process's measurement
+        autotunes = plan.config_patches.get("max_autotune") or plan.stock_recipe
+        tuning = common.autotuning(device) if autotunes else None
+        with tuning or contextlib.nullcontext(), torch.no_grad():
+            built = build(fresh, w.inputs, plan)
+            got = gate_check.outputs(built.fn)
+        synchronize(device)
+        return built, got
 
     def drop(rung: Rung, reason: str, second_chance: bool) -> None:
         """Record each of the rung's proposals as dropped for ``reason``; on the second pass
@@ -313,16 +366,8 @@ def task_select(spec: ChildSpec) -> None:
         fresh = pristine_copy(eager, lambda: common.load_baseline(spec, device).model)
         t1 = time.perf_counter()
         clock = common.compile_clock()
-        common.compile_off_gpu(device)
-        # max-autotune times kernels on the GPU while it compiles (at the first call): not
-        # beside another process's measurement
-        autotunes = plan.config_patches.get("max_autotune") or plan.stock_recipe
-        tuning = common.autotuning(device) if autotunes else None
         try:
-            with tuning or contextlib.nullcontext(), torch.no_grad():
-                built = build(fresh, w.inputs, plan)
-                got = gate_check.outputs(built.fn)
-            synchronize(device)
+            built, got = compiled_plan(fresh, plan)
         except Exception as exc:  # a pass or Inductor failed on this rung: drop it, go on
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             variants.append(VariantResult(name=name, plan=plan, error=reason[:300]))
@@ -427,6 +472,10 @@ def task_select(spec: ChildSpec) -> None:
         )
         write_artifact(out_dir / SELECTION_FILE, selection)
 
+    if ladder is not None and ladder.plan.proposals:  # the caches answer its compile
+        fresh = pristine_copy(eager, lambda: common.load_baseline(spec, device).model)
+        state["fn"] = compiled_plan(fresh, ladder.plan)[0].fn
+        common.phase(f"built {ladder.chosen} again, the ladder's plan, to time the stock recipe")
     if spec.stock_done is not None:  # the stock task runs beside this process
         synchronize(device)  # nothing of ours on the GPU while the stock task measures
         wait_for_stock(Path(spec.stock_done))

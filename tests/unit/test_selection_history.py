@@ -240,3 +240,86 @@ def test_a_cast_past_the_tolerance_is_kept_under_autocast_and_a_faster_stock_rec
     assert selection.plan.stock_recipe == "autocast" and selection.chosen == "stock-recipe"
     (replaced,) = selection.dropped
     assert replaced.id == "dtype_promotion-1" and replaced.reason.startswith("replaced")
+
+
+class Died(BaseException):
+    """A selection process dying (a CUDA error): nothing in it catches this."""
+
+
+def test_selection_resumed_at_the_stock_rung_times_the_recipe_against_the_ladder_s_plan(
+    make_proposal: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A selection process that dies on the stock rung leaves the ladder's selection and the
+    pending marker; a fresh one resumed there (``stock_rung_only``) builds the ladder's plan
+    again, climbs no rung, and times the recipe against that plan: measured faster, it ships,
+    with the ladder's records kept."""
+    from pytest_opprof.backend import build as build_module
+    from pytest_opprof.capture import timing
+    from pytest_opprof.options import OpprofOptions
+    from pytest_opprof.pipeline import STOCK_FILE
+    from pytest_opprof.schema import (
+        BackendSelection,
+        ChildSpec,
+        Optimizations,
+        StockBaseline,
+        read_artifact,
+        write_artifact,
+    )
+    from pytest_opprof.stages import backend, common
+
+    torch.manual_seed(0)
+    model, x = Model().eval(), torch.randn(2, 4)
+    write_artifact(
+        tmp_path / "optimizations.json",
+        Optimizations(workload="w", device_type="cpu", proposals=_proposals(make_proposal)),
+    )
+    write_artifact(tmp_path / STOCK_FILE, StockBaseline(recipe="cast", dtype="bfloat16"))
+    tried: list[tuple[str, ...]] = []
+    dies = [True]
+
+    def build(fresh: torch.nn.Module, inputs: Any, plan: Any) -> Any:
+        tried.append(tuple(plan.proposals))
+        if plan.stock_recipe and dies[0]:
+            raise Died
+        faster = plan.proposals == ["pretranspose_weights-1"] or bool(plan.stock_recipe)
+        return build_module.BuiltVariant(fn=Variant(fresh, faster), model=fresh, results=[])
+
+    monkeypatch.setattr(build_module, "build", build)
+    monkeypatch.setattr(timing, "time_interleaved", _timings)
+    monkeypatch.setattr(common, "setup_torch", lambda: None)
+    monkeypatch.setattr(
+        common, "load_baseline", lambda spec, device: SimpleNamespace(model=model, inputs=(x,))
+    )
+    monkeypatch.setattr(common, "compile_timed", lambda m, backend, inputs, device: (m, 0.0))
+    options = {"out": str(tmp_path), "device": "cpu", "stock": "true"}
+    spec = ChildSpec(
+        task="backend",
+        workload=str(tmp_path / "w.py"),
+        out_dir=str(tmp_path),
+        options=OpprofOptions.from_values(options).to_child(),
+    )
+    with pytest.raises(Died):
+        backend.task_select(spec)
+    assert (tmp_path / backend.STOCK_RUNG_PENDING).exists()
+    path = tmp_path / backend.SELECTION_FILE
+    ladder = read_artifact(path, BackendSelection)
+    assert ladder.plan.proposals == ["pretranspose_weights-1"]
+    assert [d.id for d in ladder.dropped] == ["bn_fold-1", "memory_layout-1"]
+    climbed = len(tried)
+
+    dies[0] = False
+    backend.task_select(spec.model_copy(update={"stock_rung_only": True}))
+
+    assert tried[climbed:] == [("pretranspose_weights-1",), ("stock-recipe",)]
+    selection = read_artifact(path, BackendSelection)
+    assert selection.chosen == "stock-recipe" and selection.plan.stock_recipe == "cast"
+    assert selection.variants[: len(ladder.variants)] == ladder.variants
+    assert selection.waterfall[: len(ladder.waterfall)] == ladder.waterfall
+    replaced = {d.id: d.reason for d in selection.dropped}
+    assert replaced["pretranspose_weights-1"].startswith("replaced: the stock recipe")
+    assert replaced["bn_fold-1"] == next(d.reason for d in ladder.dropped if d.id == "bn_fold-1")
+    assert not (tmp_path / backend.STOCK_RUNG_PENDING).exists()
+    assert "built pretranspose_weights-1 again" in capsys.readouterr().out

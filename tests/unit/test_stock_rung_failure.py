@@ -1,16 +1,25 @@
 """A selection process that dies timing the stock recipe loses none of the ladder's work: the
-backend stage keeps the selection written before the stock rung and records why the recipe
+backend stage times the two again in a fresh process (``stages.backend.selected``), and where
+that fails too keeps the selection written before the stock rung and records why the recipe
 was not compared (``stages.backend.ladder_kept``)."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
-from pytest_opprof.errors import StageError
+from pytest_opprof.errors import StageError, StageTimedOut
 from pytest_opprof.schema import BackendPlan, BackendSelection, read_artifact, write_artifact
-from pytest_opprof.stages.backend import SELECTION_FILE, STOCK_RUNG_PENDING, ladder_kept
+from pytest_opprof.stages.backend import (
+    SELECTION_FILE,
+    STOCK_RUNG_LOG,
+    STOCK_RUNG_PENDING,
+    ladder_kept,
+    selected,
+)
 
 FAILURE = StageError(
     "w.py: the backend process failed (exit 1); this is likely a bug in pytest-opprof or "
@@ -55,3 +64,81 @@ def test_any_other_failure_of_selection_fails_the_stage(tmp_path: Path) -> None:
     (tmp_path / STOCK_RUNG_PENDING).touch()  # died before the ladder's selection was written
     with pytest.raises(StageError):
         ladder_kept(tmp_path, FAILURE)
+
+
+class Selections:
+    """What ``selected`` uses of a ``WorkloadRun``: selection's process writes the ladder's
+    selection and dies timing the stock recipe; a process resumed at the stock rung then keeps
+    the recipe (``again="wins"``) or dies too (``again="dies"``)."""
+
+    def __init__(self, out: Path, again: str) -> None:
+        self.out_dir, self.again = out, again
+        self.calls: list[dict[str, Any]] = []
+
+    def run_child(self, task: str, stage: str, **extra: Any) -> None:
+        assert (task, stage) == ("backend", "backend")
+        self.calls.append(extra)
+        if not extra.get("stock_rung_only"):
+            ladder(self.out_dir)
+            (self.out_dir / STOCK_RUNG_PENDING).touch()
+            raise FAILURE
+        if self.again == "dies":
+            raise StageError("w.py: the backend process failed (exit 1)\nRuntimeError: again")
+        selection = read_artifact(self.out_dir / SELECTION_FILE, BackendSelection)
+        selection.chosen, selection.plan = "stock-recipe", BackendPlan(stock_recipe="cast")
+        write_artifact(self.out_dir / SELECTION_FILE, selection)
+        (self.out_dir / STOCK_RUNG_PENDING).unlink()
+
+
+def test_a_fresh_process_times_the_stock_recipe_again_where_selection_died_on_it(
+    tmp_path: Path,
+) -> None:
+    run = Selections(tmp_path, again="wins")
+    chosen = selected(run, shares_cpus=True)  # type: ignore[arg-type]
+    assert chosen.plan.stock_recipe == "cast" and not chosen.dropped
+    first, again = run.calls
+    assert first == {"shares_cpus": True}  # beside the stock task, as asked
+    assert again == {"log_name": STOCK_RUNG_LOG, "stock_rung_only": True}  # alone, its own log
+
+
+def test_where_the_fresh_process_dies_too_the_ladder_stands_with_both_failures(
+    tmp_path: Path,
+) -> None:
+    run = Selections(tmp_path, again="dies")
+    kept = selected(run)  # type: ignore[arg-type]
+    assert kept.plan.proposals == ["dtype_promotion-1"]
+    (dropped,) = kept.dropped
+    assert dropped.reason.startswith("not compared: the selection process failed timing it")
+    assert "unspecified launch failure" in dropped.reason
+    assert "and so did a fresh process alone (RuntimeError: again)" in dropped.reason
+    assert not (tmp_path / STOCK_RUNG_PENDING).exists()
+
+
+def test_a_selection_that_dies_elsewhere_is_not_tried_again(tmp_path: Path) -> None:
+    calls: list[dict[str, Any]] = []
+
+    def run_child(task: str, stage: str, **extra: Any) -> None:
+        calls.append(extra)
+        raise FAILURE
+
+    run = SimpleNamespace(out_dir=tmp_path, run_child=run_child)
+    with pytest.raises(StageError, match="unspecified launch failure"):
+        selected(run)  # type: ignore[arg-type]
+    assert calls == [{}]
+
+
+def test_a_selection_out_of_time_on_the_stock_rung_keeps_the_ladder_untried_again(
+    tmp_path: Path,
+) -> None:
+    calls: list[dict[str, Any]] = []
+
+    def run_child(task: str, stage: str, **extra: Any) -> None:
+        calls.append(extra)
+        ladder(tmp_path)
+        (tmp_path / STOCK_RUNG_PENDING).touch()
+        raise StageTimedOut("w.py: backend did not finish within 600 s and was stopped")
+
+    kept = selected(SimpleNamespace(out_dir=tmp_path, run_child=run_child))  # type: ignore[arg-type]
+    assert calls == [{}]
+    (dropped,) = kept.dropped
+    assert "did not finish within 600 s" in dropped.reason
