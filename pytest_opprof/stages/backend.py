@@ -237,7 +237,9 @@ def task_select(spec: ChildSpec) -> None:
     ``MIN_RUNG_GAIN``, and numerically equivalent to the eager baseline; then give each rung
     dropped before the last kept one a second chance on top of the final plan, since some
     gains only appear together (bf16 pays once layouts match). The rungs:
-    :func:`selection_rungs`."""
+    :func:`selection_rungs`. With ``spec.stock_rung_only`` (a fresh process, after one died on
+    the stock rung: :func:`selected`), no rung is climbed: the ladder's selection is read back,
+    its plan built again, and only the stock rung tried against it."""
     import torch
 
     from pytest_opprof.backend.build import build
