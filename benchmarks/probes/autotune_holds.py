@@ -3,9 +3,10 @@
 The stock baseline compiles each recipe with ``mode="max-autotune"``: Inductor times every
 template choice and Triton config on the GPU, and the pipeline gives each timing the GPU alone
 (``stages.common.autotuning``). Held alone over one op's whole autotuning (``--holds coarse``,
-the pipeline before this probe), a hold also spans the choices' kernels loaded, built or fetched
-from the compile workers; held alone only around each timing (``--holds fine``, the pipeline's:
-the timed callable's first call, which builds or loads its kernel, sharing the GPU) it does not.
+the pipeline at f7d10fd), a hold also spans the choices' kernels loaded, built or fetched from
+the compile workers; held alone over each whole timing call (``--holds calls``, b35da0f), it
+spans the timed callable's first call, which builds or loads its kernel; held alone only around
+the timing (``--holds fine``, the pipeline's now: that first call shares the GPU), neither.
 
 One process compiles the ``cast`` stock recipe (bf16, freezing, max-autotune) of one workload as
 the stock task does (off the GPU, under the GPU's lock, with Inductor's compile workers), while a
@@ -70,7 +71,7 @@ def neighbour(path: Path, stop: threading.Event, waits: list[float]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workload", type=Path, help="a workload folder or file")
-    parser.add_argument("--holds", choices=("coarse", "fine"), required=True)
+    parser.add_argument("--holds", choices=("coarse", "calls", "fine"), required=True)
     args = parser.parse_args()
 
     import os
@@ -118,20 +119,29 @@ def main() -> int:
                 if name in vars(bench):
                     undo.append((bench, name, vars(bench)[name]))
                     setattr(bench, name, timed(calls, vars(bench)[name]))
-            if args.holds == "coarse":  # one op's whole autotuning alone, outside the pipeline's
-                for owner, name in (
+            alone_over = {
+                # one op's whole autotuning alone, outside the pipeline's wraps
+                "coarse": (
                     (select_algorithm.AlgorithmSelectorCache, "benchmark_in_current_process"),
                     (triton_heuristics.CachingAutotuner, "benchmark_all_configs"),
-                ):
-                    found = vars(owner)[name]
-                    inner = found.__func__ if isinstance(found, classmethod) else found
+                ),
+                # each whole timing call alone, its first call included
+                "calls": tuple(
+                    (bench, name)
+                    for name in ("benchmark_gpu", "benchmark_gpu_with_cuda_graph")
+                    if name in vars(bench)
+                ),
+            }.get(args.holds, ())
+            for owner, name in alone_over:
+                found = vars(owner)[name]
+                inner = found.__func__ if isinstance(found, classmethod) else found
 
-                    def alone(*a: Any, _inner: Any = inner, **k: Any) -> Any:
-                        with devicelock.measuring_within(torch.cuda.synchronize):
-                            return _inner(*a, **k)
+                def alone(*a: Any, _inner: Any = inner, **k: Any) -> Any:
+                    with devicelock.measuring_within(torch.cuda.synchronize):
+                        return _inner(*a, **k)
 
-                    setattr(owner, name, classmethod(alone) if inner is not found else alone)
-                    undo.append((owner, name, found))
+                setattr(owner, name, classmethod(alone) if inner is not found else alone)
+                undo.append((owner, name, found))
             t0 = time.perf_counter()
             with torch.no_grad():
                 fn(*w.inputs)
