@@ -534,6 +534,12 @@ def let_go() -> None:
         _LOCK._siblings_unlock()
 
 
+def joined_path() -> str | None:
+    """The lock file this process joined, for a child that must join it itself (its
+    :data:`LOCK_ENV` is gone: :func:`join`), or None where it joined none."""
+    return str(_LOCK.path) if _LOCK is not None else None
+
+
 def has_siblings() -> bool:
     """Whether this process coordinates with siblings on its CPU slice through their own lock
     (:func:`join`'s ``siblings``): then its compiles may go off the GPU."""

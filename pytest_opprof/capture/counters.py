@@ -200,7 +200,12 @@ def build_command(
 
 
 # The device the timeline used and where Inductor caches its kernels (else root recompiles).
-_KEEP_THROUGH_SUDO = ("CUDA_VISIBLE_DEVICES", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+_KEEP_THROUGH_SUDO = (
+    "CUDA_VISIBLE_DEVICES",
+    "TORCHINDUCTOR_CACHE_DIR",
+    "TRITON_CACHE_DIR",
+    devicelock.OWN_CPUS_ENV,  # the target's compile may then go off the GPU
+)
 
 
 def _pythonpath(environ: Mapping[str, str]) -> str:
@@ -443,10 +448,15 @@ def counters_for_capture(
     replay = options.ncu_replay
     if replay == "auto":
         replay = "unique" if sum(map(len, replayed.values())) > UNIQUE_ABOVE else "all"
-    devicelock.resume()  # the capture's measurements released the GPU; ncu replays on it
+    # ncu's target process takes the GPU's lock itself, shared, for its GPU work only (from
+    # loading the model to the replay, its compile off the GPU where its CPUs are its own);
+    # this process holds nothing of it meanwhile. Held here instead, through ncu's start, the
+    # target's imports and compile and ncu's report, it kept every measurer on the GPU waiting.
+    lock = devicelock.joined_path()
+    devicelock.let_go()
     started = time.perf_counter()
     results = run_counters_many(
-        spec,
+        {**spec, "gpu_lock": lock},
         replayed,
         work_dir=work_dir,
         replay=replay,

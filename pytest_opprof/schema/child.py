@@ -58,6 +58,11 @@ class ChildSpec(Model):
         "stock recipe: the ladder's selection read back, its plan built again, and only the "
         "stock rung tried against it",
     )
+    gpu_lock: str | None = Field(
+        default=None,
+        description="counters_target's: the GPU's lock file, which it joins only for its GPU "
+        "work (its parent, the capture, holds nothing of it meanwhile)",
+    )
     profile_name: str = "profile.json"
     timeline_iters: int = 3
     counters_labels: list[str] = Field(default_factory=list)

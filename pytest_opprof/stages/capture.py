@@ -10,6 +10,7 @@ workload the same way.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -276,7 +277,9 @@ def task_capture(spec: ChildSpec) -> None:
 def task_counters_target(spec: ChildSpec) -> None:
     """The process ncu profiles: for each of ``counters_labels`` in turn, compile as the
     timeline did (``compiled``) or not (``eager``), warm up, one call inside that label's NVTX
-    range (``capture.counters.range_name``), synchronize."""
+    range (``capture.counters.range_name``), synchronize. With ``gpu_lock`` it joins the GPU's
+    lock once torch is imported and holds it shared for its GPU work, its compile off the GPU
+    where its CPUs are its own, making way between labels; its parent holds nothing of it."""
     import torch
 
     from pytest_opprof.capture.counters import range_name
@@ -284,12 +287,16 @@ def task_counters_target(spec: ChildSpec) -> None:
 
     common.setup_torch()  # the timeline's Dynamo/Inductor settings
     common.phase("torch imported (under ncu)")
+    if spec.gpu_lock:
+        os.environ[devicelock.LOCK_ENV] = spec.gpu_lock
+        devicelock.join(note=common.phase)
     opts = common.options(spec)
     w = load(Path(spec.workload), "cuda")
     common.phase("workload loaded")
     for label in spec.counters_labels or [spec.counters_label]:
         fn: Any = w.model
         if label != "eager":
+            common.compile_off_gpu("cuda")
             fn = torch.compile(w.model, backend=opts.compile_backend)
         with torch.no_grad():
             for _ in range(spec.counters_warmup):
@@ -300,6 +307,7 @@ def task_counters_target(spec: ChildSpec) -> None:
                 fn(*w.inputs)
             torch.cuda.synchronize()
             common.phase(f"{label}: iteration replayed")
+        devicelock.make_way()  # a measurer waiting goes before the next label's work
 
 
 TASKS: dict[str, Callable[[ChildSpec], None]] = {

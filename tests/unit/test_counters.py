@@ -4,6 +4,8 @@ tests/data/ncu/ are synthetic (see their README)."""
 
 from __future__ import annotations
 
+import json
+import os
 import stat
 import subprocess
 import sys
@@ -627,6 +629,82 @@ def test_target_runs_one_call_inside_the_range(
     ]
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="flock is POSIX")
+def test_the_target_holds_the_gpu_for_its_gpu_work_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Given the GPU's lock (its parent holds nothing of it), the target joins it once torch
+    is imported: its model loads and its replays run with the GPU shared, its compile goes off
+    the GPU (``compile_off_gpu``), and a measurer waiting between two labels goes first."""
+    import torch
+
+    import pytest_opprof.workload as workload
+    from pytest_opprof import devicelock
+    from pytest_opprof.options import OpprofOptions
+    from pytest_opprof.stages import common
+
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    monkeypatch.delenv(devicelock.LOCK_ENV, raising=False)
+    path = tmp_path / "gpu.lock"
+    events: list[tuple[str, str | None]] = []
+
+    def held() -> str | None:
+        return devicelock._LOCK.held if devicelock._LOCK is not None else None
+
+    class Model(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 1
+
+    def load(path: Path, device: str) -> Any:
+        events.append(("load", held()))
+        return workload.LoadedWorkload(
+            path=path, model=Model(), inputs=(torch.ones(2),), tuple_input=False, device="cuda"
+        )
+
+    monkeypatch.setattr(workload, "load", load)
+    monkeypatch.setattr(common, "setup_torch", lambda: events.append(("setup", held())))
+    monkeypatch.setattr(common, "compile_off_gpu", lambda d: events.append(("off gpu", d)))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(torch.cuda.nvtx, "range", lambda name: _Replay(name, events, held))
+    monkeypatch.setattr(torch, "compile", lambda model, backend: model)
+    made_way: list[str | None] = []
+    monkeypatch.setattr(devicelock, "make_way", lambda: made_way.append(held()))
+    spec = ChildSpec(
+        task="counters_target",
+        workload=str(tmp_path / "w.py"),
+        options=OpprofOptions().to_child(),
+        counters_labels=["eager", "compiled"],
+        counters_warmup=1,
+        gpu_lock=str(path),
+    )
+    try:
+        task_counters_target(spec)
+        assert events == [
+            ("setup", None),  # importing torch holds nothing of the GPU
+            ("load", "shared"),
+            ("replay opprof_iteration_eager", "shared"),
+            ("off gpu", "cuda"),
+            ("replay opprof_iteration_compiled", "shared"),
+        ]
+        assert made_way == ["shared", "shared"]
+        assert devicelock.LOCK_ENV not in os.environ  # its compile workers work under its share
+    finally:
+        if devicelock._LOCK is not None:
+            devicelock._LOCK.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+class _Replay:
+    def __init__(self, name: str, events: list[Any], held: Any) -> None:
+        self.name, self.events, self.held = name, events, held
+
+    def __enter__(self) -> None:
+        self.events.append((f"replay {self.name}", self.held()))
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 def _fake_ncu(tmp_path: Path, csv_name: str = "synthetic_base_units.csv") -> Path:
     fake = tmp_path / "bin" / "ncu"
     fake.parent.mkdir(parents=True, exist_ok=True)
@@ -662,6 +740,50 @@ def test_counters_for_capture(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     assert mm.metrics["pct_of_roofline"] is not None
     assert (tmp_path / "out" / "profiler_output" / "ncu" / "ncu.log").exists()
     assert summary["replay"] == "all" and summary["seconds"] >= 0
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="flock is POSIX")
+def test_the_capture_holds_nothing_of_the_gpu_while_ncu_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The capture lets go of the GPU's lock for the counters pass and hands its target the
+    lock file, which the target joins for its GPU work (the test above): ncu's start, the
+    target's imports and ncu's report hold no measurer back."""
+    from pytest_opprof import devicelock
+    from pytest_opprof.options import OpprofOptions
+
+    fake = _fake_ncu(tmp_path)
+    path = tmp_path / "gpu.lock"
+    seen = tmp_path / "free.txt"
+    script = fake.read_text(encoding="utf-8").replace(
+        "import sys, shutil\n",
+        "import sys, shutil, fcntl\n"
+        f"f = open({str(path)!r}, 'a')\n"
+        "try:\n"
+        "    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB); free = 'free'\n"
+        "except BlockingIOError:\n"
+        "    free = 'held'\n"
+        f"open({str(seen)!r}, 'w').write(free)\n"
+        "fcntl.flock(f, fcntl.LOCK_UN)\n",
+    )
+    fake.write_text(script, encoding="utf-8")
+    monkeypatch.setattr(c, "find_ncu", lambda: str(fake))
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
+    lock = devicelock.join()
+    assert lock is not None and lock.held == "shared"
+    try:
+        spec = {"out_dir": str(tmp_path / "out"), "workload": "w.py"}
+        opts = OpprofOptions(ncu="auto", ncu_sudo="false")
+        _, summary, _ = c.counters_for_capture(spec, [_full_timeline()], {}, opts, "float32")
+        assert summary is not None and summary["compiled"]["kernels_with_counters"] == 5
+        assert seen.read_text() == "free"  # nobody held the GPU while ncu ran
+        target = tmp_path / "out" / "profiler_output" / "ncu" / "counters_target.json"
+        assert json.loads(target.read_text())["gpu_lock"] == str(path)
+        assert lock.held is None
+    finally:
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
 
 
 def test_one_replay_serves_timelines_with_the_same_kernels(
@@ -1069,11 +1191,12 @@ def test_auto_replays_each_configuration_once_above_the_threshold(
     assert (tmp_path / "out" / "profiler_output" / "ncu" / "counters_target.json").exists()
 
 
-def test_the_counters_pass_shares_the_gpu_again_before_ncu_replays_on_it(
+def test_ncu_replays_under_its_targets_share_of_the_gpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The capture's measurements released the GPU (measuring(share_after=False)); ncu's
-    replay is GPU work, so it runs under this process's share, never beside a measurement."""
+    replay is GPU work, so it runs under a share, never beside a measurement: the target's own,
+    for which the capture hands it the lock file and holds nothing itself."""
     from pytest_opprof import devicelock
     from pytest_opprof.options import OpprofOptions
 
@@ -1081,11 +1204,11 @@ def test_the_counters_pass_shares_the_gpu_again_before_ncu_replays_on_it(
     monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
     lock = devicelock.join()
     assert lock is not None
-    held: list[str | None] = []
+    held: list[tuple[str | None, str | None]] = []
     real = c.run_counters_many
 
     def replaying(spec: Any, kernels_by_label: Any, **kwargs: Any) -> Any:
-        held.append(lock.held)
+        held.append((lock.held, spec.get("gpu_lock")))
         return real(spec, kernels_by_label, **kwargs)
 
     monkeypatch.setattr(c, "run_counters_many", replaying)
@@ -1097,7 +1220,7 @@ def test_the_counters_pass_shares_the_gpu_again_before_ncu_replays_on_it(
         spec = {"out_dir": str(tmp_path / "out"), "workload": "w.py"}
         opts = OpprofOptions(ncu="auto", ncu_sudo="false")
         c.counters_for_capture(spec, [_full_timeline()], {}, opts, "float32")
-        assert held == ["shared"]
+        assert held == [(None, str(tmp_path / "gpu.lock"))]
     finally:
         lock.close()
         monkeypatch.setattr(devicelock, "_LOCK", None)

@@ -189,3 +189,38 @@ def test_attention_backend_where_there_is_attention(name: str) -> None:
     (proposal,) = moves
     assert len(proposal.targets) == expected[name]
     assert proposal.confidence == "low" and proposal.impact.estimated_saving_us == 0.0
+
+
+def _without_counters(profile: Profile) -> Profile:
+    """The profile as the capture writes it without Nsight Compute: no kernel metrics, no
+    counters summary."""
+    raw = profile.model_dump(mode="json")
+
+    def strip(node: object) -> None:
+        if isinstance(node, dict):
+            for key in list(node):
+                if key == "metrics":
+                    node[key] = {}
+                else:
+                    strip(node[key])
+        elif isinstance(node, list):
+            for item in node:
+                strip(item)
+
+    strip(raw)
+    raw["counters"] = None
+    return Profile.model_validate(raw)
+
+
+@needs_profiles
+@pytest.mark.parametrize("name", FOUND or ["none"])
+def test_the_counters_change_no_proposal(name: str) -> None:
+    """On these profiles the counters are evidence the report shows, not what selection tries
+    (docs/design-notes.md#counters-and-the-proposals): without them, the same proposals in the
+    same order at the same confidence."""
+    profile, graph, with_counters = run(name)
+    assert any(t.operators and any(k.metrics for o in t.operators for k in o.kernels)
+               for t in profile.timelines)  # fmt: skip
+    without = propose(_without_counters(profile), graph)
+    key = [(p.id, p.type, p.confidence) for p in with_counters.proposals]
+    assert [(p.id, p.type, p.confidence) for p in without.proposals] == key
