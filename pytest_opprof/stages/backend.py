@@ -207,13 +207,9 @@ def ladder_kept(
         errors = [ln.strip() for ln in said if "Error" in ln]
         return (errors[-1] if errors else said[0])[:200]
 
-    if first is None:
-        why = f"the selection process failed timing it against the plan ({detail(failure)})"
-    else:
-        why = (
-            f"the selection process failed timing it against the plan ({detail(first)}), "
-            f"and so did a fresh process alone ({detail(failure)})"
-        )
+    why = f"the selection process failed timing it against the plan ({detail(first or failure)})"
+    if first is not None:
+        why += f", and so did a fresh process alone ({detail(failure)})"
     selection.dropped.append(
         DroppedProposal(id="stock-recipe", type="stock_recipe", reason=f"not compared: {why}")
     )

@@ -77,6 +77,39 @@ def _proposals(make_proposal: Any) -> list[Any]:
     ]
 
 
+def _select_on_cpu(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    build: Any,
+    **options: str,
+) -> Any:
+    """``task_select``'s spec for ``model`` on ``x`` in ``tmp_path``, its builds by ``build``
+    and its timings by :func:`_timings` (the stages' torch set-up, loading and compiling the
+    baseline stood in for)."""
+    from pytest_opprof.backend import build as build_module
+    from pytest_opprof.capture import timing
+    from pytest_opprof.options import OpprofOptions
+    from pytest_opprof.schema import ChildSpec
+    from pytest_opprof.stages import common
+
+    monkeypatch.setattr(build_module, "build", build)
+    monkeypatch.setattr(timing, "time_interleaved", _timings)
+    monkeypatch.setattr(common, "setup_torch", lambda: None)
+    monkeypatch.setattr(
+        common, "load_baseline", lambda spec, device: SimpleNamespace(model=model, inputs=(x,))
+    )
+    monkeypatch.setattr(common, "compile_timed", lambda m, backend, inputs, device: (m, 0.0))
+    values = {"out": str(tmp_path), "device": "cpu", **options}
+    return ChildSpec(
+        task="backend",
+        workload=str(tmp_path / "w.py"),
+        out_dir=str(tmp_path),
+        options=OpprofOptions.from_values(values).to_child(),
+    )
+
+
 def test_task_select_keeps_each_dropped_rungs_history(
     make_proposal: Any,
     tmp_path: Path,
@@ -88,17 +121,14 @@ def test_task_select_keeps_each_dropped_rungs_history(
     on top of them, bn_fold applies nowhere (as it did before its passes ran ahead of
     freezing) and memory_layout is faster."""
     from pytest_opprof.backend import build as build_module
-    from pytest_opprof.capture import timing
-    from pytest_opprof.options import OpprofOptions
     from pytest_opprof.passes.base import PassResult, applied
     from pytest_opprof.schema import (
         BackendSelection,
-        ChildSpec,
         Optimizations,
         read_artifact,
         write_artifact,
     )
-    from pytest_opprof.stages import backend, common
+    from pytest_opprof.stages import backend
 
     torch.manual_seed(0)
     model, x = Model().eval(), torch.randn(2, 4)
@@ -120,19 +150,7 @@ def test_task_select_keeps_each_dropped_rungs_history(
         faster = (plan.channels_last and frozen) or plan.proposals == ["pretranspose_weights-1"]
         return build_module.BuiltVariant(fn=Variant(fresh, faster), model=fresh, results=results)
 
-    monkeypatch.setattr(build_module, "build", build)
-    monkeypatch.setattr(timing, "time_interleaved", _timings)
-    monkeypatch.setattr(common, "setup_torch", lambda: None)
-    monkeypatch.setattr(
-        common, "load_baseline", lambda spec, device: SimpleNamespace(model=model, inputs=(x,))
-    )
-    monkeypatch.setattr(common, "compile_timed", lambda m, backend, inputs, device: (m, 0.0))
-    spec = ChildSpec(
-        task="backend",
-        workload=str(tmp_path / "w.py"),
-        out_dir=str(tmp_path),
-        options=OpprofOptions.from_values({"out": str(tmp_path), "device": "cpu"}).to_child(),
-    )
+    spec = _select_on_cpu(monkeypatch, tmp_path, model, x, build)
 
     backend.task_select(spec)
 
@@ -169,18 +187,15 @@ def test_a_cast_past_the_tolerance_is_kept_under_autocast_and_a_faster_stock_rec
     baseline measured, the recipe the stock task kept is then built in place of the ladder's
     plan and, measured faster, is what ships; the ladder's proposal is recorded as replaced."""
     from pytest_opprof.backend import build as build_module
-    from pytest_opprof.capture import timing
-    from pytest_opprof.options import OpprofOptions
     from pytest_opprof.pipeline import STOCK_FILE
     from pytest_opprof.schema import (
         BackendSelection,
-        ChildSpec,
         Optimizations,
         StockBaseline,
         read_artifact,
         write_artifact,
     )
-    from pytest_opprof.stages import backend, common
+    from pytest_opprof.stages import backend
 
     torch.manual_seed(0)
     model, x = Model().eval(), torch.randn(2, 4)
@@ -209,20 +224,7 @@ def test_a_cast_past_the_tolerance_is_kept_under_autocast_and_a_faster_stock_rec
         fn = Variant(Computes(plan.autocast or recipe), plan.autocast or recipe)
         return build_module.BuiltVariant(fn=fn, model=fresh, results=[])
 
-    monkeypatch.setattr(build_module, "build", build)
-    monkeypatch.setattr(timing, "time_interleaved", _timings)
-    monkeypatch.setattr(common, "setup_torch", lambda: None)
-    monkeypatch.setattr(
-        common, "load_baseline", lambda spec, device: SimpleNamespace(model=model, inputs=(x,))
-    )
-    monkeypatch.setattr(common, "compile_timed", lambda m, backend, inputs, device: (m, 0.0))
-    options = {"out": str(tmp_path), "device": "cpu", "stock": "true"}
-    spec = ChildSpec(
-        task="backend",
-        workload=str(tmp_path / "w.py"),
-        out_dir=str(tmp_path),
-        options=OpprofOptions.from_values(options).to_child(),
-    )
+    spec = _select_on_cpu(monkeypatch, tmp_path, model, x, build, stock="true")
 
     backend.task_select(spec)
 
@@ -257,18 +259,15 @@ def test_selection_resumed_at_the_stock_rung_times_the_recipe_against_the_ladder
     again, climbs no rung, and times the recipe against that plan: measured faster, it ships,
     with the ladder's records kept."""
     from pytest_opprof.backend import build as build_module
-    from pytest_opprof.capture import timing
-    from pytest_opprof.options import OpprofOptions
     from pytest_opprof.pipeline import STOCK_FILE
     from pytest_opprof.schema import (
         BackendSelection,
-        ChildSpec,
         Optimizations,
         StockBaseline,
         read_artifact,
         write_artifact,
     )
-    from pytest_opprof.stages import backend, common
+    from pytest_opprof.stages import backend
 
     torch.manual_seed(0)
     model, x = Model().eval(), torch.randn(2, 4)
@@ -287,20 +286,7 @@ def test_selection_resumed_at_the_stock_rung_times_the_recipe_against_the_ladder
         faster = plan.proposals == ["pretranspose_weights-1"] or bool(plan.stock_recipe)
         return build_module.BuiltVariant(fn=Variant(fresh, faster), model=fresh, results=[])
 
-    monkeypatch.setattr(build_module, "build", build)
-    monkeypatch.setattr(timing, "time_interleaved", _timings)
-    monkeypatch.setattr(common, "setup_torch", lambda: None)
-    monkeypatch.setattr(
-        common, "load_baseline", lambda spec, device: SimpleNamespace(model=model, inputs=(x,))
-    )
-    monkeypatch.setattr(common, "compile_timed", lambda m, backend, inputs, device: (m, 0.0))
-    options = {"out": str(tmp_path), "device": "cpu", "stock": "true"}
-    spec = ChildSpec(
-        task="backend",
-        workload=str(tmp_path / "w.py"),
-        out_dir=str(tmp_path),
-        options=OpprofOptions.from_values(options).to_child(),
-    )
+    spec = _select_on_cpu(monkeypatch, tmp_path, model, x, build, stock="true")
     with pytest.raises(Died):
         backend.task_select(spec)
     assert (tmp_path / backend.STOCK_RUNG_PENDING).exists()
