@@ -198,6 +198,23 @@ def test_command_through_sudo_passes_the_environment(tmp_path: Path) -> None:
     assert cmd.index("/opt/ncu") == 7
 
 
+def test_sudo_keeps_the_own_cpus_flag_for_the_targets_compile(tmp_path: Path) -> None:
+    """Through sudo the target still knows its CPUs are its own, so its compile goes off the
+    GPU (``task_counters_target``)."""
+    from pytest_opprof import devicelock
+
+    cmd = c.build_command(
+        "/opt/ncu",
+        tmp_path / "spec.json",
+        kernels_per_iteration=2,
+        log_file=tmp_path / "log",
+        metrics=["gpu__time_duration.sum"],
+        sudo=True,
+        env={"PATH": "/usr/bin", devicelock.OWN_CPUS_ENV: "1"},
+    )
+    assert f"{devicelock.OWN_CPUS_ENV}=1" in cmd[: cmd.index("/opt/ncu")]
+
+
 def test_requested_metrics_filters_by_chip() -> None:
     everything = c.requested_metrics()
     assert len(everything) == len(set(everything))

@@ -397,8 +397,9 @@ def test_a_stage_process_measures_only_once_the_gpu_is_its_alone(tmp_path: Path)
 def test_a_stage_that_times_out_waiting_for_the_gpu_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Its log shows the wait, and the stage's error names it instead of a hung workload."""
-    from pytest_opprof.errors import StageError
+    """Its log shows the wait, and the stage's error names it instead of a hung workload: a
+    ``StageTimedOut``, which selection does not run again (``stages.backend.selected``)."""
+    from pytest_opprof.errors import StageTimedOut
     from pytest_opprof.options import OpprofOptions
     from pytest_opprof.pipeline import WorkloadRun
     from pytest_opprof.workload import WorkloadSpec
@@ -412,7 +413,7 @@ def test_a_stage_that_times_out_waiting_for_the_gpu_says_so(
     options = OpprofOptions(device="cpu", out=tmp_path / "out", timeout=6.0)
     run = WorkloadRun(spec=WorkloadSpec(workload), options=options, name="tiny")
     try:
-        with pytest.raises(StageError, match="it was waiting for its GPU, which other processes"):
+        with pytest.raises(StageTimedOut, match="it was waiting for its GPU, which other"):
             run.run_child("capture", "capture")
     finally:
         other.close()
