@@ -3,9 +3,9 @@ which get a second pass. Pure Python; ``runner.task_select`` builds and times th
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence, Set
+from collections.abc import Callable, Mapping, Sequence, Set
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from pytest_opprof.backend.plan import LADDER_ORDER, Rung, ladder
 from pytest_opprof.schema import (
@@ -158,6 +158,34 @@ def verdict(gain: Speedup) -> str:
     if gain.ci_high < MUCH_SLOWER:
         return SLOWER
     return NO_GAIN if gain.ci_low <= 1.0 else SMALL_GAIN
+
+
+PLAN_FASTER = "the ladder's plan was faster"
+
+
+def stock_holds(gain: Speedup) -> bool:
+    """Whether the stock recipe ships in place of the ladder's plan, ``gain`` being the recipe
+    timed against that plan: unless the plan clears the bar every rung clears, the other way
+    round (the CI wholly below 1, by ``MIN_RUNG_GAIN`` at the median). Where the two are level
+    within the noise, the recipe ships: the tool is never slower than the stock line, and its
+    program is then a user's three lines, with no pass of this package in it
+    (docs/design-notes.md#level-with-the-stock-recipe)."""
+    return not (gain.ci_high < 1.0 and gain.ratio * MIN_RUNG_GAIN <= 1.0)
+
+
+class Bar(NamedTuple):
+    """What a timed rung must clear: ``keep`` it on its ``gain`` against ``against``; else
+    drop it, ``verdict(gain)`` saying why."""
+
+    keep: Callable[[Speedup], bool]
+    verdict: Callable[[Speedup], str]
+    against: str
+
+
+RUNG_BAR = Bar(faster_enough, verdict, "the plan without it")
+"""A rung of the ladder, on top of the plan below it."""
+STOCK_BAR = Bar(stock_holds, lambda gain: PLAN_FASTER, "the ladder's plan")
+"""The stock recipe, in place of the ladder's plan: the plan must beat it."""
 
 
 EARLY_ROUNDS = 3
@@ -341,8 +369,8 @@ def stock_rung(path: Path) -> Rung | None:
     ``stock_baseline.json``) in place of the ladder's plan: one proposal of type
     ``stock_recipe``, which ``plan.add_proposal`` turns into a plan that is that recipe (built by
     ``backend.stock.Compiled``, no pass of this package). None where no recipe passed or the
-    file is missing. Kept where measured faster than the ladder's plan, so that a workload where
-    a user's three lines beat the ladder ships those lines."""
+    file is missing. Kept unless the ladder's plan is measured faster (``STOCK_BAR``), so that
+    a workload where a user's three lines beat or match the ladder ships those lines."""
     from pytest_opprof.schema import StockBaseline, read_artifact
 
     if not path.is_file():

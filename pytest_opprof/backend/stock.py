@@ -140,7 +140,7 @@ def _inductor_settings(recipe: str) -> Iterator[None]:
 class Compiled(nn.Module):
     """A recipe compiled as a user writes it: ``torch.compile(wrapper, mode="max-autotune")``,
     its first call (the compile) under the recipe's Inductor settings. What a generated file
-    ships where the stock recipe measured faster than the plan (``runtime.stock_recipe``)."""
+    ships where the ladder's plan was not measured faster (``runtime.stock_recipe``)."""
 
     def __init__(self, recipe: str, model: nn.Module, inputs: tuple[Any, ...], dtype: str):
         super().__init__()

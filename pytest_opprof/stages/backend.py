@@ -241,16 +241,17 @@ def task_select(spec: ChildSpec) -> None:
     from pytest_opprof.backend.build import build
     from pytest_opprof.backend.plan import add_proposal, cannot_change
     from pytest_opprof.backend.selection import (
+        RUNG_BAR,
+        STOCK_BAR,
+        Bar,
         applied_nowhere,
         autocast_instead,
         climbed,
         dropped_reason,
-        faster_enough,
         over_twice_as_slow,
         second_pass,
         stock_rung,
         timed_rung,
-        verdict,
         worth_a_second_pass,
     )
     from pytest_opprof.capture.system import resolve_device
@@ -347,9 +348,11 @@ def task_select(spec: ChildSpec) -> None:
                 id=p.id, type=p.type, reason=dropped_reason(first, reason, second_chance)
             )
 
-    def attempt(rung: Rung, second_chance: bool, on: BackendPlan | None = None) -> bool:
+    def attempt(
+        rung: Rung, second_chance: bool, on: BackendPlan | None = None, bar: Bar = RUNG_BAR
+    ) -> bool:
         """Build ``rung`` on top of the plan so far (or of ``on``, in its place), check its
-        outputs, time it against the plan so far and keep it where measured faster."""
+        outputs, time it against the plan so far and keep it where it clears ``bar``."""
         plan = state["plan"] if on is None else on
         moot = next(filter(None, (cannot_change(plan, p) for p in rung.proposals)), None)
         if moot is not None:
@@ -398,7 +401,7 @@ def task_select(spec: ChildSpec) -> None:
             under_autocast = autocast_instead(rung)
             if under_autocast is not None:
                 common.phase(f"{name}: the cast changed the output; trying it under autocast")
-                return attempt(under_autocast, second_chance, on)
+                return attempt(under_autocast, second_chance, on, bar)
             return False
         with devicelock.measuring(share_after=False):
             s = time_interleaved(
@@ -425,7 +428,7 @@ def task_select(spec: ChildSpec) -> None:
             numerics=numerics,
         )
         variants.append(variant)
-        if faster_enough(gain):
+        if bar.keep(gain):
             state.update(plan=plan, fn=built.fn, name=name)
             for p in rung.proposals:
                 before = dropped.pop(p.id, None)
@@ -436,8 +439,8 @@ def task_select(spec: ChildSpec) -> None:
             return True
         drop(
             rung,
-            verdict(gain) + f": {gain.ratio:.3f}x (95% CI {gain.ci_low:.3f}–"
-            f"{gain.ci_high:.3f}) against the plan without it" + early,
+            bar.verdict(gain) + f": {gain.ratio:.3f}x (95% CI {gain.ci_low:.3f}–"
+            f"{gain.ci_high:.3f}) against {bar.against}" + early,
             second_chance,
         )
         return False
@@ -485,16 +488,16 @@ def task_select(spec: ChildSpec) -> None:
         pending = out_dir / STOCK_RUNG_PENDING
         pending.touch()
         # The stock recipe the stock task kept, compiled as a user writes it, in place of the
-        # ladder's plan: where it is measured faster, it is what ships.
+        # ladder's plan: unless the plan is measured faster, the recipe is what ships.
         ladder_plan = state["plan"]
-        if attempt(recipe, second_chance=False, on=BackendPlan()):
+        if attempt(recipe, second_chance=False, on=BackendPlan(), bar=STOCK_BAR):
             for pid in set(ladder_plan.proposals) - set(state["plan"].proposals):
                 kind = next((p.type for p in opt.proposals if p.id == pid), pid)
                 dropped[pid] = DroppedProposal(
                     id=pid,
                     type=kind,
-                    reason="replaced: the stock recipe (stock-recipe) was measured faster "
-                    "than the plan with it",
+                    reason="replaced: the stock recipe (stock-recipe) was measured as fast "
+                    "as the plan with it or faster",
                 )
         record()
         pending.unlink()

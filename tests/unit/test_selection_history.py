@@ -44,25 +44,28 @@ class Model(torch.nn.Module):
 
 
 class Variant:
-    """A built rung: computes what the model does; ``faster`` says how its timing goes."""
+    """A built rung: computes what the model does; ``faster`` says how its timing goes, or
+    ``time``, its call's time as a share of the plan's below it."""
 
-    def __init__(self, model: torch.nn.Module, faster: bool) -> None:
+    def __init__(self, model: torch.nn.Module, faster: bool, time: float | None = None) -> None:
         self.model, self.faster = model, faster
+        self.time = time if time is not None else 0.8 if faster else 1.0
 
     def __call__(self, *args: Any) -> Any:
         return self.model(*args)
 
 
 def _timings(calls: dict[str, Any], template: Any, **kw: Any) -> Any:
-    """Interleaved rounds: a candidate that is ``faster`` runs in 80% of the time of the plan
-    below it, any other as fast, with a little spread so that the statistics have some."""
+    """Interleaved rounds: a candidate runs in its ``Variant.time`` (80% of the time of the
+    plan below it where ``faster``, else as fast), with a little spread so that the statistics
+    have some."""
     from pytest_opprof.capture.timing import RoundSamples
 
     rounds = int(kw["rounds"])
     spread = [1.0 + 0.001 * ((i * 7) % 5 - 2) for i in range(rounds)]
     samples = {}
     for name, fn in calls.items():
-        base = 0.8 if isinstance(fn, Variant) and fn.faster and name == "candidate" else 1.0
+        base = fn.time if isinstance(fn, Variant) and name == "candidate" else 1.0
         samples[name] = [base * s for s in spread]
     out = RoundSamples(samples, {name: 10 for name in calls})
     out.host_us = [1.0] * rounds
@@ -309,3 +312,58 @@ def test_selection_resumed_at_the_stock_rung_times_the_recipe_against_the_ladder
     assert replaced["bn_fold-1"] == next(d.reason for d in ladder.dropped if d.id == "bn_fold-1")
     assert not (tmp_path / backend.STOCK_RUNG_PENDING).exists()
     assert "built pretranspose_weights-1 again" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("stock_time", "ships"),
+    [(1.0, True), (1.25, False)],
+    ids=["level-with-the-plan", "slower-than-the-plan"],
+)
+def test_the_stock_recipe_ships_unless_the_ladder_s_plan_beats_it(
+    make_proposal: Any,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    stock_time: float,
+    ships: bool,
+) -> None:
+    """The stock rung turns selection's bar round: the ladder's plan must be measured faster
+    than the recipe to ship. Level within the noise, the recipe ships (never slower than the
+    stock line); slower, it is dropped, saying the plan was faster."""
+    from pytest_opprof.backend import build as build_module
+    from pytest_opprof.backend.selection import PLAN_FASTER
+    from pytest_opprof.pipeline import STOCK_FILE
+    from pytest_opprof.schema import (
+        BackendSelection,
+        Optimizations,
+        StockBaseline,
+        read_artifact,
+        write_artifact,
+    )
+    from pytest_opprof.stages import backend
+
+    torch.manual_seed(0)
+    model, x = Model().eval(), torch.randn(2, 4)
+    write_artifact(
+        tmp_path / "optimizations.json",
+        Optimizations(workload="w", device_type="cpu", proposals=_proposals(make_proposal)),
+    )
+    write_artifact(tmp_path / STOCK_FILE, StockBaseline(recipe="cast", dtype="bfloat16"))
+
+    def build(fresh: torch.nn.Module, inputs: Any, plan: Any) -> Any:
+        time = stock_time if plan.stock_recipe else None
+        faster = plan.proposals == ["pretranspose_weights-1"]
+        return build_module.BuiltVariant(fn=Variant(fresh, faster, time), model=fresh, results=[])
+
+    spec = _select_on_cpu(monkeypatch, tmp_path, model, x, build, stock="true")
+    backend.task_select(spec)
+
+    selection = read_artifact(tmp_path / backend.SELECTION_FILE, BackendSelection)
+    why = {d.id: d.reason for d in selection.dropped}
+    if ships:
+        assert selection.chosen == "stock-recipe" and selection.plan.stock_recipe == "cast"
+        assert why["pretranspose_weights-1"].startswith("replaced: the stock recipe")
+    else:
+        assert selection.chosen == "pretranspose_weights-1"
+        assert selection.plan.stock_recipe is None
+        assert why["stock-recipe"].startswith(f"{PLAN_FASTER}: 0.800x (95% CI ")
+        assert why["stock-recipe"].endswith("against the ladder's plan")
