@@ -308,12 +308,13 @@ class WorkloadRun:
         log_name: str = "",
         fresh: bool = False,
         server: int = 0,
+        timeout: float | None = None,
         **extra: Any,
     ) -> None:
-        """Run one runner task in a child process, with the stage timeout; its output goes to
-        ``profiler_output/<log_name or task>.log``. ``fresh``: a new interpreter, never one
-        forked from the session's fork servers; else forked from server ``server``
-        (:func:`_start_child`)."""
+        """Run one runner task in a child process, with the stage timeout (or ``timeout``
+        seconds); its output goes to ``profiler_output/<log_name or task>.log``. ``fresh``: a
+        new interpreter, never one forked from the session's fork servers; else forked from
+        server ``server`` (:func:`_start_child`)."""
         self.profiler_output.mkdir(parents=True, exist_ok=True)
         user_passes = self.extra_passes().values()
         spec = {
@@ -337,7 +338,8 @@ class WorkloadRun:
             spec_path = Path(tmp) / "spec.json"
             spec_path.write_text(json.dumps(spec, default=str), encoding="utf-8")
             log = self.profiler_output / f"{log_name or task}.log"
-            timeout = float(self.setting("timeout"))
+            if timeout is None:
+                timeout = float(self.setting("timeout"))
             try:
                 with progress.running(self.options.out, self.name, log_name or task, log):
                     code = _start_child(spec_path, log, env, timeout, fresh=fresh, server=server)

@@ -167,7 +167,7 @@ def _stock_line(a: WorkloadArtifacts) -> str:
     """What the stock baseline was, and whether its ratio is at the backend's precision."""
     s = a.summary
     if s.stock is None:
-        return ""
+        return f" Stock PyTorch: {s.stock_note}." if s.stock_note else ""
     same = (s.dtype or "float32") == s.stock_dtype
     return f" Stock PyTorch: {s.stock}" + (
         ", the backend's precision: the ratio over it is graph changes alone." if same else "."

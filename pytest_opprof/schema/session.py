@@ -80,6 +80,9 @@ class WorkloadSummary(Model):
     speedup_vs_stock: float | None = None
     stock: str | None = Field(default=None, description="the stock recipe measured, in words")
     stock_dtype: str | None = None
+    stock_note: str = Field(
+        default="", description="why the stock baseline, asked for, was not measured"
+    )
     dtype: str | None = None
     passes: list[str] = Field(default_factory=list)
     report: str | None = None
@@ -107,8 +110,9 @@ a verdict where the gate was not enforced."""
 class SessionSummary(Artifact):
     # 1.1: gate_enforced, and each workload's enforced (the CPU fallback's gate); 1.2: the
     # measured commit, the stored runs compared with and saved, workloads' speedups and
-    # comparison (issue 40); 1.3: workloads' stock baseline (issue 38)
-    SCHEMA_VERSION: ClassVar[str] = "1.3"
+    # comparison (issue 40); 1.3: workloads' stock baseline (issue 38); 1.4: why it was not
+    # measured (stock_note)
+    SCHEMA_VERSION: ClassVar[str] = "1.4"
 
     device: str
     workloads: list[WorkloadSummary]

@@ -151,6 +151,8 @@ def summarize(session: OpprofSession, wr: WorkloadRun) -> WorkloadSummary:
         summary.speedup_vs_stock = vs_stock.ratio
         summary.stock = chosen.description if chosen else None
         summary.stock_dtype = chosen.dtype if chosen else None
+    elif wr.measures_stock():
+        summary.stock_note = _why_no_stock(wr)
     summary.speedups = list(t.speedups)
     if ratio is None:
         summary.status, summary.message = "error", "no interleaved speedup was measured"

@@ -158,6 +158,15 @@ def test_headline_numbers_come_from_profile_optimized(full: WorkloadArtifacts) -
     assert "Applied in the chosen variant: `P1`, `P2`, `P3`." in head
 
 
+def test_headline_says_why_the_stock_baseline_asked_for_was_not_measured(
+    full: WorkloadArtifacts,
+) -> None:
+    why = "not measured: w.py: backend did not finish within 810 s and was stopped"
+    full.summary = full.summary.model_copy(update={"stock_note": why})
+    head = _section(_render(full, plots=False), "## Headline")
+    assert f"Stock PyTorch: {why}." in head
+
+
 def test_headline_falls_back_to_the_recapture(full: WorkloadArtifacts) -> None:
     full.summary = full.summary.model_copy(
         update={"speedup": None, "ci_low": None, "ci_high": None, "baseline": None}

@@ -26,7 +26,7 @@ def _session() -> SessionSummary:
 def test_round_trip_and_version(tmp_path: Path) -> None:
     path = write_artifact(tmp_path / "s.json", _session())
     loaded = read_artifact(path, SessionSummary)
-    assert loaded == _session() and loaded.schema_version == "1.3"
+    assert loaded == _session() and loaded.schema_version == "1.4"
     assert not list(tmp_path.glob(".*.tmp"))
 
 

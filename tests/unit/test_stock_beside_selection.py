@@ -18,11 +18,13 @@ import pytest
 
 from pytest_opprof import devicelock
 from pytest_opprof.devicelock import LOCK_ENV
-from pytest_opprof.errors import StageError
+from pytest_opprof.errors import StageError, StageTimedOut
+from pytest_opprof.pipeline import STOCK_FILE
 from pytest_opprof.schema import (
     BackendSelection,
     Optimizations,
     Profile,
+    StockBaseline,
     read_artifact,
     write_artifact,
 )
@@ -46,6 +48,8 @@ class StandIn:
         stock: bool = True,
         beside: bool = True,
         fail_stock: bool = False,
+        stock_out_of_time: bool = False,
+        baseline: str = "compile",
         fail_select: bool = False,
         interrupt: bool = False,
         stock_lingers: float = 0.3,
@@ -58,6 +62,7 @@ class StandIn:
         self.generated_test = self.out_dir / "test_conv_block_optimized.py"
         self.stock, self.beside = stock, beside
         self.fail_stock, self.fail_select = fail_stock, fail_select
+        self.stock_out_of_time, self.baseline = stock_out_of_time, baseline
         self.interrupt, self.stock_lingers = interrupt, stock_lingers
         self.extras: dict[str, dict[str, Any]] = {}
         self.order: list[str] = []
@@ -74,6 +79,12 @@ class StandIn:
     def extra_passes(self) -> dict[str, Any]:
         return {}
 
+    def setting(self, name: str) -> Any:
+        return {"timeout": 900}[name]
+
+    def base_setting(self, name: str) -> Any:
+        return {"baseline": self.baseline}[name]
+
     def run_child(self, task: str, stage: str, **extra: Any) -> None:
         assert stage == "backend"
         self.extras[task] = extra
@@ -85,6 +96,8 @@ class StandIn:
                     time.sleep(self.stock_lingers)  # still at work as selection goes on
                 if self.fail_stock:
                     raise StageError("w.py: the stock process failed (exit 1)")
+                if self.stock_out_of_time:
+                    raise StageTimedOut("w.py: backend did not finish within 810 s")
             finally:
                 self.stock_ended.set()
             return
@@ -136,6 +149,8 @@ def test_the_stock_task_runs_beside_selection_as_its_sibling(
     assert stock["compile_pool"] and select["compile_pool"]  # both compile new graphs
     assert stock["siblings_lock"] and stock["siblings_lock"] == select["siblings_lock"]
     assert "stock_done" not in stock
+    # it stops early enough for selection, which waits for it, to finish in the same time
+    assert stock["timeout"] == backend.STOCK_SHARE * 900
     # the marker is created once the stock child has ended, in the siblings' folder
     assert run.marker_after_stock is True
     assert Path(select["stock_done"]).parent == Path(select["siblings_lock"]).parent
@@ -157,6 +172,36 @@ def test_a_failed_stock_task_fails_the_stage_once_selection_is_over(
     else:
         assert "the backend process failed" in str(raised.value.__cause__)
     assert not run.generated.exists()
+
+
+@pytest.mark.parametrize("beside", [True, False], ids=["beside", "before"])
+@pytest.mark.parametrize("baseline", ["compile", "stock"])
+def test_a_stock_task_out_of_time_fails_the_stage_only_as_the_gate_s_baseline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, baseline: str, beside: bool
+) -> None:
+    """With --opprof-stock the stock baseline is a bar beside the gate's: where max-autotune's
+    compiles outlast their time, the stage goes on without it, ``STOCK_FILE`` saying why (the
+    reports read it: ``stages.report._why_no_stock``). As the gate's baseline, it fails the
+    stage: the gate has nothing to compare with."""
+    run = _stand_in(  # without a GPU lock, the stock task runs before selection
+        tmp_path,
+        monkeypatch,
+        lock=beside,
+        beside=beside,
+        baseline=baseline,
+        stock_out_of_time=True,
+    )
+    if baseline == "stock":
+        with pytest.raises(StageTimedOut):
+            backend.run(run)  # type: ignore[arg-type]
+        assert not (run.out_dir / STOCK_FILE).exists()
+        return
+    assert backend.run(run).startswith("kept ")  # type: ignore[arg-type]
+    assert ("timeout" in run.extras["stock"]) is beside
+    written = read_artifact(run.out_dir / STOCK_FILE, StockBaseline)
+    assert written.recipe is None
+    assert written.message == "not measured: w.py: backend did not finish within 810 s"
+    assert run.generated.exists()
 
 
 def test_a_failed_selection_alone_fails_the_stage_with_its_own_error(
