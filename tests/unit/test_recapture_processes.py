@@ -436,3 +436,49 @@ def test_only_a_recapture_that_autotunes_a_new_plan_keeps_the_compile_workers(
         write_artifact(run.profiler_output / "backend_selection.json", selection)
     recapture.run(run)  # type: ignore[arg-type]
     assert run.compile_pool == {"recapture": pool, "retime1": False, "retime2": False}
+
+
+@pytest.mark.parametrize("ships_stock", [True, False], ids=["plan-is-stock", "plan-is-own"])
+def test_a_plan_that_is_the_stock_recipe_is_timed_as_the_stock_baseline_too(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ships_stock: bool
+) -> None:
+    """Where selection shipped the stock recipe, the timing processes time the one program
+    under both names: compiled twice, max-autotune's own timing noise could pick other
+    kernels for each, and the ratio over stock would measure that instead of the tool."""
+    import types
+
+    import torch
+
+    from pytest_opprof.options import OpprofOptions
+    from pytest_opprof.schema import ChildSpec
+    from pytest_opprof.stages import common
+
+    model = torch.nn.Linear(2, 2)
+    w = types.SimpleNamespace(model=model, inputs=(torch.randn(1, 2),))
+    generated = types.SimpleNamespace(
+        get_model_and_input=lambda: (model, w.inputs[0]), BACKEND="b", COMPILE=False
+    )
+    monkeypatch.setattr(common, "import_generated", lambda path, sha256=None: generated)
+    monkeypatch.setattr(common, "compile_timed", lambda m, backend, inputs, device: (m, 0.0))
+    built_stock = object()
+    monkeypatch.setattr(recapture, "_stock_call", lambda *a: (built_stock, 9.0))
+    (tmp_path / "profiler_output").mkdir()
+    plan = BackendPlan(stock_recipe="cast", dtype="bfloat16") if ships_stock else BackendPlan()
+    selection = BackendSelection(
+        workload="w", reference="compile", reference_ms=1.0, variants=[], chosen="x", plan=plan
+    )
+    write_artifact(tmp_path / "profiler_output" / "backend_selection.json", selection)
+    values = {"out": str(tmp_path), "device": "cpu", "stock": "true"}
+    spec = ChildSpec(
+        task="retime",
+        workload=str(tmp_path / "w.py"),
+        out_dir=str(tmp_path),
+        options=OpprofOptions.from_values(values).to_child(),
+        generated=tmp_path / "w_optimized.py",
+    )
+
+    got = recapture._optimized_calls(spec, "cpu", w, retime=True)
+
+    assert got["calls"]["stock"] is (model if ships_stock else built_stock)
+    assert ("stock" in got["compile_s"]) is not ships_stock
+    assert ("stock", "optimized") in got["pairs"] and ("compile", "stock") in got["pairs"]
