@@ -6,7 +6,10 @@ template choice and Triton config on the GPU, and the pipeline gives each timing
 the pipeline at f7d10fd), a hold also spans the choices' kernels loaded, built or fetched from
 the compile workers; held alone over each whole timing call (``--holds calls``, b35da0f), it
 spans the timed callable's first call, which builds or loads its kernel; held alone only around
-the timing (``--holds fine``, the pipeline's now: that first call shares the GPU), neither.
+the timing (``--holds op-shared``, a08d4795: that first call shares the GPU, as does the op's
+whole autotuning around it), neither; and shared one step at a time (``--holds fine``, the
+pipeline's now: an op's inputs, each choice, each Triton config), the compile holds nothing
+between two steps, so another process's measurement waits for one step, not for the op.
 
 One process compiles the ``cast`` stock recipe (bf16, freezing, max-autotune) of one workload as
 the stock task does (off the GPU, under the GPU's lock, with Inductor's compile workers), while a
@@ -71,7 +74,7 @@ def neighbour(path: Path, stop: threading.Event, waits: list[float]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workload", type=Path, help="a workload folder or file")
-    parser.add_argument("--holds", choices=("coarse", "calls", "fine"), required=True)
+    parser.add_argument("--holds", choices=("coarse", "calls", "op-shared", "fine"), required=True)
     args = parser.parse_args()
 
     import os
@@ -132,15 +135,24 @@ def main() -> int:
                     if name in vars(bench)
                 ),
             }.get(args.holds, ())
-            for owner, name in alone_over:
+            # one op's whole autotuning shared, its steps' own holds inside it
+            shared_over = {
+                "op-shared": (
+                    (select_algorithm.AlgorithmSelectorCache, "benchmark_in_current_process"),
+                    (triton_heuristics.CachingAutotuner, "benchmark_all_configs"),
+                )
+            }.get(args.holds, ())
+            holds = [(o, n, devicelock.measuring_within) for o, n in alone_over]
+            holds += [(o, n, devicelock.on_gpu) for o, n in shared_over]
+            for owner, name, hold in holds:
                 found = vars(owner)[name]
                 inner = found.__func__ if isinstance(found, classmethod) else found
 
-                def alone(*a: Any, _inner: Any = inner, **k: Any) -> Any:
-                    with devicelock.measuring_within(torch.cuda.synchronize):
+                def held(*a: Any, _inner: Any = inner, _hold: Any = hold, **k: Any) -> Any:
+                    with _hold(torch.cuda.synchronize):
                         return _inner(*a, **k)
 
-                setattr(owner, name, classmethod(alone) if inner is not found else alone)
+                setattr(owner, name, classmethod(held) if inner is not found else held)
                 undo.append((owner, name, found))
             t0 = time.perf_counter()
             with torch.no_grad():

@@ -232,13 +232,17 @@ def _inductor_gpu_work() -> Iterator[None]:
     """Inductor's own GPU work inside a compile, under the GPU's lock for the block. Each of
     its timings (``benchmarker.benchmark_gpu*``: a template choice, a Triton config, a fusion)
     holds the GPU alone through ``devicelock.measuring_within``; the work around them shares
-    it through ``devicelock.on_gpu``: the autotuning of one op (the inputs it makes on the
-    GPU), the first call of each timed callable (where the kernel is built or loaded: CPU
-    work, with the GPU idle) and ``freeze``'s fold on real weights. A timing calls its
-    callable again, so the extra first call changes nothing Inductor sees. Held alone over
-    a whole op or a whole first call instead, the GPU idled while every other process's
-    measurement waited (docs/design-notes.md#autotuning-holds). The entry points are looked
-    up by name (torch 2.11 and 2.13 have them); one that is missing is left as it is."""
+    it through ``devicelock.on_gpu``, one step at a time: one op's inputs made on the GPU
+    (``get_inputs``), each of its choices (``benchmark_choice``) or Triton configs (``bench``),
+    where the first call of the timed callable builds or loads the kernel (CPU work, with
+    the GPU idle), and ``freeze``'s fold on real weights. A timing calls its callable again,
+    so the extra first call changes nothing Inductor sees. Between two steps the compile
+    holds nothing, so a measurement waits for one step of it, never for a whole op: held
+    over an op's autotuning (or alone over it, or over a whole first call) instead, the GPU
+    idled while every other process's measurement waited
+    (docs/design-notes.md#autotuning-holds). The entry points are looked up by name (torch
+    2.11 and 2.13 have them); where a step's is missing, the GPU is shared over the op's
+    autotuning as a whole, and one that is missing too is left as it is."""
     import functools
 
     from torch._inductor import freezing, select_algorithm
@@ -287,8 +291,13 @@ def _inductor_gpu_work() -> Iterator[None]:
             setattr(owner, name, how(found))
         undo.append(lambda: setattr(owner, name, found))
 
-    wrap(select_algorithm.AlgorithmSelectorCache, "benchmark_in_current_process", on_gpu)
-    wrap(triton_heuristics.CachingAutotuner, "benchmark_all_configs", on_gpu)
+    cache, autotuner = select_algorithm.AlgorithmSelectorCache, triton_heuristics.CachingAutotuner
+    steps: tuple[str, ...] = ("get_inputs", "benchmark_choice")  # an op's inputs, its choices
+    if not all(name in vars(cache) for name in steps):
+        steps = ("benchmark_in_current_process",)  # the op as a whole
+    for name in steps:
+        wrap(cache, name, on_gpu)
+    wrap(autotuner, "bench" if "bench" in vars(autotuner) else "benchmark_all_configs", on_gpu)
     bench = benchmarking.benchmarker  # one instance, imported by name across Inductor
 
     def wrap_bound(name: str) -> None:

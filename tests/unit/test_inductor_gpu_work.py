@@ -1,5 +1,5 @@
 """Under max-autotune a compile goes off the GPU, and only Inductor's own GPU work takes it
-back: its timings alone, the autotuning around them and freezing's fold shared
+back: its timings alone, each step of the autotuning around them and freezing's fold shared
 (``stages.common.autotuning``)."""
 
 from __future__ import annotations
@@ -16,19 +16,30 @@ from pytest_opprof.stages import common
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="flock is POSIX")
 
 
-def test_inductor_timings_hold_the_gpu_alone_and_the_autotuning_around_them_shares_it(
+def _joined(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
+    lock = devicelock.join()
+    assert lock is not None
+    return lock
+
+
+def test_inductor_timings_hold_the_gpu_alone_and_each_step_around_them_shares_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
+    """One op's autotuning: its inputs made, then each choice loaded and first called beside
+    the GPU's other work, and timed alone. Between two steps the compile holds nothing, so a
+    measurement of another process waits for one step, not for the op."""
     from torch._inductor import freezing, select_algorithm
-    from torch._inductor.runtime import benchmarking
+    from torch._inductor.runtime import benchmarking, triton_heuristics
 
-    seen: dict[str, tuple[str | None, bool]] = {}
+    seen: list[tuple[str, str | None, bool]] = []
     lock_holder: list[Any] = []
 
     def record(name: str) -> Any:
         def fn(*args: Any, **kwargs: Any) -> str:
             lock = lock_holder[0]
-            seen[name] = (lock.held, lock.aside)
+            seen.append((name, lock.held, lock.aside))
             return name
 
         return fn
@@ -37,19 +48,32 @@ def test_inductor_timings_hold_the_gpu_alone_and_the_autotuning_around_them_shar
     monkeypatch.setattr(bench, "benchmark_gpu", record("benchmark_gpu"), raising=False)
     monkeypatch.setattr(freezing, "freeze", record("freeze"))
     cache = select_algorithm.AlgorithmSelectorCache
+    autotuner = triton_heuristics.CachingAutotuner
 
-    def choices(cls: Any) -> tuple[str, Any]:
-        # one op's choices: each loaded beside the GPU's other work, then timed alone
-        record("choices")()
-        return "choices", bench.benchmark_gpu()
+    def choice(cls: Any, name: str) -> Any:
+        record(name)()
+        return bench.benchmark_gpu()
 
-    monkeypatch.setattr(cache, "benchmark_in_current_process", classmethod(choices))
-    originals = (bench.benchmark_gpu, freezing.freeze, vars(cache)["benchmark_in_current_process"])
+    def op(cls: Any) -> list[Any]:  # Inductor's: the inputs, then each choice
+        cls.get_inputs()
+        return [cls.benchmark_choice(n) for n in ("a", "b")]
 
-    monkeypatch.setattr(devicelock, "_LOCK", None)
-    monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
-    lock = devicelock.join()
-    assert lock is not None
+    def config(self: Any, launcher: str) -> Any:
+        record(launcher)()
+        return bench.benchmark_gpu()
+
+    monkeypatch.setattr(cache, "get_inputs", classmethod(lambda cls: record("inputs")()))
+    monkeypatch.setattr(cache, "benchmark_choice", classmethod(choice))
+    monkeypatch.setattr(cache, "benchmark_in_current_process", classmethod(op))
+    monkeypatch.setattr(autotuner, "bench", config)
+    wrapped = ("get_inputs", "benchmark_choice", "benchmark_in_current_process")
+    originals = (
+        bench.benchmark_gpu,
+        freezing.freeze,
+        *(vars(cache)[n] for n in wrapped),
+        vars(autotuner)["bench"],
+    )
+    lock = _joined(monkeypatch, tmp_path)
     lock_holder.append(lock)
     try:
         with common._inductor_gpu_work(), devicelock.off_gpu(lambda: None):
@@ -58,17 +82,60 @@ def test_inductor_timings_hold_the_gpu_alone_and_the_autotuning_around_them_shar
             c: Any = cache
             assert b.benchmark_gpu() == "benchmark_gpu"
             assert f.freeze() == "freeze"
-            assert seen == {"benchmark_gpu": ("exclusive", False), "freeze": ("shared", False)}
+            assert seen == [("benchmark_gpu", "exclusive", False), ("freeze", "shared", False)]
             seen.clear()
-            assert c.benchmark_in_current_process() == ("choices", "benchmark_gpu")
+            steps: list[tuple[str, str | None, bool]] = []
+            real_go_aside = lock.go_aside
+
+            def go_aside() -> None:  # the compile letting go of the GPU between two steps
+                real_go_aside()
+                steps.append(("aside", lock.held, lock.aside))
+
+            monkeypatch.setattr(lock, "go_aside", go_aside)
+            assert c.benchmark_in_current_process() == ["benchmark_gpu", "benchmark_gpu"]
+            assert autotuner.bench(None, "config") == "benchmark_gpu"  # type: ignore[arg-type]
             assert lock.held is None and lock.aside  # the compile off the GPU again
-        assert seen == {"choices": ("shared", False), "benchmark_gpu": ("exclusive", False)}
+        assert seen == [
+            ("inputs", "shared", False),
+            ("a", "shared", False),
+            ("benchmark_gpu", "exclusive", False),
+            ("b", "shared", False),
+            ("benchmark_gpu", "exclusive", False),
+            ("config", "shared", False),
+            ("benchmark_gpu", "exclusive", False),
+        ]
+        assert len(steps) == 4  # after the inputs, each choice and the config
         # as they were after the block
         assert (
             bench.benchmark_gpu,
             freezing.freeze,
-            vars(cache)["benchmark_in_current_process"],
+            *(vars(cache)[n] for n in wrapped),
+            vars(autotuner)["bench"],
         ) == originals
+    finally:
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+def test_without_the_steps_entry_points_the_op_s_autotuning_shares_the_gpu_whole(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A torch whose select_algorithm has no ``benchmark_choice`` still keeps the op's GPU
+    work under the lock: shared over the op's whole autotuning."""
+    from torch._inductor import select_algorithm
+
+    cache = select_algorithm.AlgorithmSelectorCache
+    held: list[str | None] = []
+    monkeypatch.delattr(cache, "benchmark_choice")
+    lock = _joined(monkeypatch, tmp_path)
+    monkeypatch.setattr(
+        cache, "benchmark_in_current_process", classmethod(lambda cls: held.append(lock.held))
+    )
+    try:
+        with common._inductor_gpu_work(), devicelock.off_gpu(lambda: None):
+            c: Any = cache
+            c.benchmark_in_current_process()
+        assert held == ["shared"]
     finally:
         lock.close()
         monkeypatch.setattr(devicelock, "_LOCK", None)
@@ -82,10 +149,7 @@ def test_a_timed_kernel_is_first_called_sharing_the_gpu_then_timed_alone(
     left to the timing, which fails as Inductor expects."""
     from torch._inductor.runtime import benchmarking
 
-    monkeypatch.setattr(devicelock, "_LOCK", None)
-    monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
-    lock = devicelock.join()
-    assert lock is not None
+    lock = _joined(monkeypatch, tmp_path)
     calls: list[tuple[str, str | None]] = []
 
     def timing(kernel: Any, rep: int = 100) -> float:
