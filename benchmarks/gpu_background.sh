@@ -5,6 +5,8 @@
 #   bash benchmarks/gpu_background.sh start one conv_block gpt2 -- --opprof-ncu=off
 #   bash benchmarks/gpu_background.sh wait one 540   # copies the results to $OUT when done,
 #                                                    # the stage logs so far when not
+#   OPPROF_PARTIAL=1 bash benchmarks/gpu_background.sh wait one 500   # and, when not, what
+#                     # has finished: $OUT/one/partial, a folder pack_results.sh takes
 # A lent machine goes back when idle past its release (30 s): a run survives only while each
 # `wait` call follows the last at once. A gap loses the run; only the logs that the last call
 # brought back remain.
@@ -39,11 +41,23 @@ case "$action" in
         done
         # The stage logs so far come back with every call, so a run the machine outlives
         # (released while idle, or out of device time) still tells where its time went.
+        # With OPPROF_PARTIAL=1 (a call that may be the run's last), also the table of the
+        # workloads finished so far and all their artifacts, as pack_results.sh reads them.
         if [ -n "${OUT:-}" ]; then
           mkdir -p "$OUT/$name"
           (cd "$(dirname "$work")" && find "$(basename "$work")" -name '*.log' -print0 \
             | tar --null -T - -cJf "$OUT/$name/logs-so-far.tar.xz") 2>/dev/null
           cp "$dir/session.out" "$OUT/$name/" 2>/dev/null
+          if [ "${OPPROF_PARTIAL:-0}" = 1 ]; then
+            part=$OUT/$name/partial
+            mkdir -p "$part"
+            source benchmarks/gpu_env.sh  # pydantic for summarize.py
+            timeout 60 python3 benchmarks/summarize.py "$work" --json "$part/summary.json" \
+              --md "$part/summary.md" > /dev/null 2>&1 || echo "summarize failed" > "$part/summary.md"
+            tar -C "$(dirname "$work")" -cJf "$part/results.tar.xz" "$(basename "$work")"
+            cp "$dir/session.out" "$part/pytest.log"
+            cp "$dir/env.txt" "$part/" 2>/dev/null
+          fi
         fi
         exit 0
       fi
