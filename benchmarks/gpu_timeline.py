@@ -6,7 +6,8 @@ says each wait for the GPU ("had the GPU after N s") and each measurement's end 
 GPU, held to itself for N s": ``devicelock.MEASURED``). Laid on one clock, a wait that overlaps
 another process's measurement was behind that measurement; the rest of it was a drain (the
 measurer it queued behind waiting for its neighbours' steps of shared work to end) or the
-turnstile.
+turnstile. The compiles' holds of the GPU shared for a second or more (``devicelock.SHARED``),
+which such drains wait for, are summed by what they were.
 
     python benchmarks/gpu_timeline.py OUT_DIR        # the --opprof-out of a run (w-p/)
 
@@ -32,6 +33,8 @@ came first): the GPU idled through it."""
 HUSHED = re.compile(rf"^{re.escape(devicelock.QUIETED)} ([\d.]+) s$")
 """The same wait holding nothing of the GPU (``devicelock.QUIETED``)."""
 MEASURED = re.compile(rf"^{re.escape(devicelock.MEASURED)} ([\d.]+) s$")
+SHARED = re.compile(rf"^{re.escape(devicelock.SHARED)} ([\d.]+) s: (.*)$")
+"""A compile's long hold of the GPU shared (``devicelock.SHARED``): what drains wait for."""
 
 Span = tuple[float, float]
 
@@ -45,6 +48,7 @@ class Process:
     alone: list[Span] = field(default_factory=list)
     quiet_waits: list[Span] = field(default_factory=list)
     host_waits: list[Span] = field(default_factory=list)
+    shared: list[tuple[float, float, str]] = field(default_factory=list)  # span, what
 
 
 def _seconds(clock: str) -> float:
@@ -77,6 +81,9 @@ def read(log: Path, name: str) -> Process | None:
             w = pattern.match(what)
             if w is not None:
                 spans.append((at - float(w.group(1)), at))
+        held = SHARED.match(what)
+        if held is not None:
+            proc.shared.append((at - float(held.group(1)), at, held.group(2)))
     return proc
 
 
@@ -92,6 +99,7 @@ def past_midnight(procs: list[Process]) -> None:
             p.end += day
             for spans in (p.waits, p.alone, p.quiet_waits, p.host_waits):
                 spans[:] = [(a + day, b + day) for a, b in spans]
+            p.shared[:] = [(a + day, b + day, what) for a, b, what in p.shared]
 
 
 def overlap(span: Span, others: list[Span]) -> float:
@@ -173,7 +181,30 @@ def main(root: Path) -> int:
     rows = [r for r in rows if r[0] >= 2.0]
     for gap, name, a, b in sorted(rows, reverse=True)[:15]:
         print(f"- {name}: {a:.1f}–{b:.1f} s, {gap:.1f} s while nobody held it alone")
+    shared_holds(procs)
     return 0
+
+
+def shared_holds(procs: list[Process]) -> None:
+    """The compiles' holds of the GPU shared for ``devicelock.SHARED_NOTE_S`` or more, by what
+    they were: a measurer waits for the one under way in each process (logs from before the
+    note say nothing of them)."""
+    held = [(b - a, what) for p in procs for a, b, what in p.shared]
+    if not held:
+        return
+    print(
+        f"\nHolds of the GPU shared inside compiles for {devicelock.SHARED_NOTE_S:g} s or more "
+        f"(a measurement waits for the one under way): {len(held)}, "
+        f"{sum(s for s, _ in held):.0f} s in all\n"
+    )
+    print("| what | holds | s | longest s |")
+    print("|---|---|---|---|")
+    kinds = sorted(
+        {what for _, what in held}, key=lambda k: (-sum(s for s, w in held if w == k), k)
+    )
+    for kind in kinds:
+        mine = [s for s, what in held if what == kind]
+        print(f"| {kind} | {len(mine)} | {sum(mine):.1f} | {max(mine):.1f} |")
 
 
 if __name__ == "__main__":

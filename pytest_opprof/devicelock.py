@@ -93,6 +93,11 @@ WAITING_SIBLINGS = "waiting for the compiles of this workload's sibling processe
 MEASURED = "let go of the GPU, held to itself for"
 """Said as a measurement ends, with its seconds: with the waits, and the wall clock each stage
 log starts with, a run's logs say who had the GPU when (``benchmarks/gpu_timeline.py``)."""
+SHARED = "held the GPU shared inside a compile for"
+"""Said, with its seconds and what it was, as a hold of :func:`on_gpu` of ``SHARED_NOTE_S`` or
+more ends: what a measurer's wait drained behind (``benchmarks/gpu_timeline.py``)."""
+SHARED_NOTE_S = 1.0
+"""Shorter holds are a measurer's usual drain, and too many to say."""
 
 
 class DeviceLock:
@@ -462,22 +467,27 @@ def off_gpu(sync: Callable[[], None]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def on_gpu(sync: Callable[[], None]) -> Iterator[None]:
+def on_gpu(sync: Callable[[], None], what: str = "GPU work") -> Iterator[None]:
     """GPU work inside :func:`off_gpu` (weights folded on real tensors during a compile): the
-    share taken back for the block, behind any measurer, and let go again after ``sync``. A
-    no-op outside ``off_gpu``."""
+    share taken back for the block, behind any measurer, and let go again after ``sync``;
+    a hold of ``SHARED_NOTE_S`` or more says so, and ``what`` it was. A no-op outside
+    ``off_gpu``."""
     lock = _LOCK
     if lock is None or not lock.aside:
         yield
         return
     lock.leave_aside()
     lock.share()
+    since = time.perf_counter()
     try:
         yield
     finally:
         with contextlib.suppress(Exception):  # a failed block: its error, not the sync's
             sync()
         lock.go_aside()
+        held = time.perf_counter() - since
+        if held >= SHARED_NOTE_S and lock.note is not None:
+            lock.note(f"{SHARED} {held:.2f} s: {what}")
 
 
 @contextlib.contextmanager

@@ -116,7 +116,8 @@ def make_backend(
     def opprof_backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         from torch._inductor import compile_fx as inductor
 
-        with devicelock.on_gpu(_synchronize):  # passes may compute on the real inputs
+        # passes may compute on the real inputs
+        with devicelock.on_gpu(_synchronize, "graph passes on the real inputs"):
             for spec in functional_specs:
                 sink.append(spec.apply(gm, example_inputs))
         inputs = list(example_inputs)
@@ -126,7 +127,7 @@ def make_backend(
         before_freezing: weakref.WeakSet[torch.fx.GraphModule] = weakref.WeakSet()
 
         def run_aten_passes(aten_gm: torch.fx.GraphModule, pass_inputs: list[Any]) -> None:
-            with compiling_for("inductor"), devicelock.on_gpu(_synchronize):
+            with compiling_for("inductor"), devicelock.on_gpu(_synchronize, "aten passes"):
                 for spec in aten_specs:
                     sink.append(spec.apply(aten_gm, pass_inputs))
 
@@ -177,7 +178,7 @@ def _freezing(
 
     def freeze(dynamo_gm: Any, aot_autograd_gm: Any, example_inputs: Any) -> Any:
         before(aot_autograd_gm, example_inputs)
-        with devicelock.on_gpu(_synchronize):
+        with devicelock.on_gpu(_synchronize, "freezing"):
             return original(dynamo_gm, aot_autograd_gm, example_inputs)
 
     freezing.freeze = freeze

@@ -227,6 +227,11 @@ def autotuning(device: str) -> Iterator[None]:
         yield
 
 
+FIRST_CALL = "a timed kernel's first call"
+"""What a long shared hold was (``devicelock.SHARED``), where it was a timed callable's first
+call: where Inductor's autotuning steps are shared one by one, they say their own names."""
+
+
 @contextlib.contextmanager
 def _inductor_gpu_work() -> Iterator[None]:
     """Inductor's own GPU work inside a compile, under the GPU's lock for the block. Each of
@@ -261,7 +266,7 @@ def _inductor_gpu_work() -> Iterator[None]:
         @functools.wraps(fn)
         def measured(*args: Any, **kwargs: Any) -> Any:
             if args and callable(args[0]):
-                with contextlib.suppress(Exception), devicelock.on_gpu(sync):
+                with contextlib.suppress(Exception), devicelock.on_gpu(sync, FIRST_CALL):
                     args[0]()
                     sync()
             with devicelock.measuring_within(sync):
@@ -270,9 +275,11 @@ def _inductor_gpu_work() -> Iterator[None]:
         return measured
 
     def on_gpu(fn: Callable[..., Any]) -> Callable[..., Any]:
+        what = f"Inductor's {fn.__name__}"
+
         @functools.wraps(fn)
         def folded(*args: Any, **kwargs: Any) -> Any:
-            with devicelock.on_gpu(sync):
+            with devicelock.on_gpu(sync, what):
                 return fn(*args, **kwargs)
 
         return folded

@@ -747,6 +747,31 @@ def test_each_measurement_says_as_it_ends_how_long_it_held_the_gpu_alone(
         monkeypatch.setattr(devicelock, "_LOCK", None)
 
 
+def test_a_long_shared_hold_inside_a_compile_says_what_it_was(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The line ``benchmarks/gpu_timeline.py`` reads a compile's long shared hold from, the
+    hold a measurer drains behind; a short one says nothing."""
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
+    monkeypatch.setattr(devicelock, "SHARED_NOTE_S", 0.1)
+    said: list[str] = []
+    lock = devicelock.join(note=said.append)
+    assert lock is not None
+    try:
+        with devicelock.off_gpu(lambda: None):
+            with devicelock.on_gpu(lambda: None, "a short fold"):
+                pass
+            with devicelock.on_gpu(lambda: None, "freezing"):
+                time.sleep(0.15)
+        held = [s for s in said if s.startswith(devicelock.SHARED)]
+        assert len(held) == 1 and held[0].endswith(" s: freezing")
+        assert 0.15 <= float(held[0].removeprefix(devicelock.SHARED).split()[0]) < 5
+    finally:
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
 def test_a_measurement_within_a_compile_holds_the_gpu_alone_then_goes_aside_again(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:

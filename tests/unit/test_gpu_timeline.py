@@ -148,3 +148,32 @@ def test_a_run_across_midnight_reads_in_order(
     out = capsys.readouterr().out
     assert "2 stage processes over 4 s; the GPU held alone (measuring) for 2 s" in out
     assert "| b | 4 | 2.0 | 2.0 | 0.0 | 0.0 |" in out  # behind a, across midnight
+
+
+def test_long_shared_holds_are_summed_by_what_they_were(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A compile's holds of the GPU shared for a second or more (``devicelock.SHARED``), which
+    a measurer's drain waits for, summed by what they were."""
+    from pytest_opprof import devicelock
+
+    _log(
+        tmp_path,
+        "a",
+        "stock",
+        [
+            "[opprof] +    0.0 s  started at 10:00:00.000 UTC",
+            f"[opprof] +    3.0 s  {devicelock.SHARED} 2.50 s: Inductor's benchmark_choice",
+            f"[opprof] +    5.0 s  {devicelock.SHARED} 1.50 s: Inductor's benchmark_choice",
+            f"[opprof] +    9.0 s  {devicelock.SHARED} 4.00 s: freezing",
+        ],
+    )
+    tl = _timeline()
+    assert tl.main(tmp_path) == 0
+    out = capsys.readouterr().out
+    assert "(a measurement waits for the one under way): 3, 8 s in all" in out
+    table = out[out.index("| what |") :].splitlines()
+    assert table[2:4] == [
+        "| Inductor's benchmark_choice | 2 | 4.0 | 2.5 |",
+        "| freezing | 1 | 4.0 | 4.0 |",
+    ]
