@@ -96,8 +96,9 @@ log starts with, a run's logs say who had the GPU when (``benchmarks/gpu_timelin
 SHARED = "held the GPU shared inside a compile for"
 """Said, with its seconds and what it was, as a hold of :func:`on_gpu` of ``SHARED_NOTE_S`` or
 more ends: what a measurer's wait drained behind (``benchmarks/gpu_timeline.py``)."""
-SHARED_NOTE_S = 1.0
-"""Shorter holds are a measurer's usual drain, and too many to say."""
+SHARED_NOTE_S = 0.25
+"""Shorter holds are too many to say; one max-autotune choice's step is longer
+(docs/design-notes.md#autotuning-holds)."""
 
 
 class DeviceLock:

@@ -153,7 +153,7 @@ def test_a_run_across_midnight_reads_in_order(
 def test_long_shared_holds_are_summed_by_what_they_were(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """A compile's holds of the GPU shared for a second or more (``devicelock.SHARED``), which
+    """A compile's long holds of the GPU shared (``devicelock.SHARED``), which
     a measurer's drain waits for, summed by what they were."""
     from pytest_opprof import devicelock
 

@@ -142,7 +142,7 @@ def test_without_the_steps_entry_points_the_op_s_autotuning_shares_the_gpu_whole
 
 
 def test_a_timed_kernel_is_first_called_sharing_the_gpu_then_timed_alone(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """The first call of a timed callable builds or loads its kernel on the CPU: it shares the
     GPU, and only the timing (which calls it again) holds it alone. A first call that fails is
@@ -180,6 +180,10 @@ def test_a_timed_kernel_is_first_called_sharing_the_gpu_then_timed_alone(
             with pytest.raises(RuntimeError, match="invalid configuration"):
                 bench.benchmark_gpu(broken)
             assert calls == [("broken", "shared"), ("timing", "exclusive"), ("broken", "exclusive")]
+            assert f"{common.FIRST_CALL} took" not in capsys.readouterr().out  # quick ones
+            monkeypatch.setattr(devicelock, "SHARED_NOTE_S", 0.0)
+            bench.benchmark_gpu(kernel)
+            assert f"{common.FIRST_CALL} took " in capsys.readouterr().out  # where a step goes
             assert lock.held is None and lock.aside  # the compile off the GPU again
     finally:
         lock.close()
