@@ -6,8 +6,8 @@ says each wait for the GPU ("had the GPU after N s") and each measurement's end 
 GPU, held to itself for N s": ``devicelock.MEASURED``). Laid on one clock, a wait that overlaps
 another process's measurement was behind that measurement; the rest of it was a drain (the
 measurer it queued behind waiting for its neighbours' steps of shared work to end) or the
-turnstile. The compiles' holds of the GPU shared for a quarter second or more (``devicelock.SHARED``),
-which such drains wait for, are summed by what they were.
+turnstile. The compiles' holds of the GPU shared for a quarter second or more
+(``devicelock.SHARED``), which such drains wait for, are summed by what they were.
 
     python benchmarks/gpu_timeline.py OUT_DIR        # the --opprof-out of a run (w-p/)
 
