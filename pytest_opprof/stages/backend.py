@@ -24,6 +24,7 @@ from pytest_opprof.schema import (
     FxGraphSummary,
     Optimizations,
     Profile,
+    StockBaseline,
     read_artifact,
     write_artifact,
     write_text_atomic,
@@ -122,8 +123,6 @@ def stock_task(run: WorkloadRun, **extra: Any) -> None:
     (``--opprof-baseline=stock``), its timeout fails the stage, as any failure of it does.
     max-autotune's compiles of a large model, beside other workloads' compiles on shared CPUs,
     can outlast the stage (docs/results.md)."""
-    from pytest_opprof.schema import StockBaseline
-
     try:
         run.run_child("stock", NAME, **extra)
     except StageTimedOut as exc:

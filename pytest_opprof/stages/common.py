@@ -228,8 +228,8 @@ def autotuning(device: str) -> Iterator[None]:
 
 
 FIRST_CALL = "a timed kernel's first call"
-"""What a long shared hold was (``devicelock.SHARED``), where it was a timed callable's first
-call: where Inductor's autotuning steps are shared one by one, they say their own names."""
+"""How the logs name a timed callable's first call: its own long shared hold
+(``devicelock.SHARED``) where no autotuning step holds the GPU around it, and its length."""
 
 
 @contextlib.contextmanager

@@ -175,20 +175,26 @@ def test_command_bound_small_iteration_and_bad_clock(tmp_path: Path) -> None:
         )  # fmt: skip
 
 
-def test_command_through_sudo_passes_the_environment(tmp_path: Path) -> None:
-    cmd = c.build_command(
+def _through_sudo(tmp_path: Path, env: dict[str, str]) -> list[str]:
+    """ncu's command for a target run through sudo, in environment ``env``."""
+    return c.build_command(
         "/opt/ncu",
         tmp_path / "spec.json",
         kernels_per_iteration=2,
         log_file=tmp_path / "log",
         metrics=["gpu__time_duration.sum"],
         sudo=True,
-        env={
-            "PATH": "/usr/local/cuda/bin:/usr/bin",
-            "PYTHONPATH": "/extra",
-            "CUDA_VISIBLE_DEVICES": "1",
-        },
+        env=env,
     )
+
+
+def test_command_through_sudo_passes_the_environment(tmp_path: Path) -> None:
+    env = {
+        "PATH": "/usr/local/cuda/bin:/usr/bin",
+        "PYTHONPATH": "/extra",
+        "CUDA_VISIBLE_DEVICES": "1",
+    }
+    cmd = _through_sudo(tmp_path, env)
     assert cmd[:4] == ["sudo", "-n", "-E", "env"]
     assert "PATH=/usr/local/cuda/bin:/usr/bin" in cmd
     pythonpath = next(a for a in cmd if a.startswith("PYTHONPATH="))
@@ -203,15 +209,7 @@ def test_sudo_keeps_the_own_cpus_flag_for_the_targets_compile(tmp_path: Path) ->
     GPU (``task_counters_target``)."""
     from pytest_opprof import devicelock
 
-    cmd = c.build_command(
-        "/opt/ncu",
-        tmp_path / "spec.json",
-        kernels_per_iteration=2,
-        log_file=tmp_path / "log",
-        metrics=["gpu__time_duration.sum"],
-        sudo=True,
-        env={"PATH": "/usr/bin", devicelock.OWN_CPUS_ENV: "1"},
-    )
+    cmd = _through_sudo(tmp_path, {"PATH": "/usr/bin", devicelock.OWN_CPUS_ENV: "1"})
     assert f"{devicelock.OWN_CPUS_ENV}=1" in cmd[: cmd.index("/opt/ncu")]
 
 

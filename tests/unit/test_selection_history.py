@@ -13,6 +13,14 @@ import pytest
 import torch
 
 from pytest_opprof.backend.selection import dropped_reason, worth_a_second_pass
+from pytest_opprof.pipeline import STOCK_FILE
+from pytest_opprof.schema import (
+    BackendSelection,
+    Optimizations,
+    StockBaseline,
+    read_artifact,
+    write_artifact,
+)
 
 NO_GAIN = "made nothing faster: 1.000x (95% CI 0.990–1.010) against the plan without it"
 
@@ -80,6 +88,21 @@ def _proposals(make_proposal: Any) -> list[Any]:
     ]
 
 
+def _workload(
+    tmp_path: Path, proposals: list[Any], recipe: str | None = None
+) -> tuple[torch.nn.Module, torch.Tensor]:
+    """The model and its input, and in ``tmp_path`` what ``task_select`` reads: the
+    proposals, and with ``recipe`` the stock recipe the stock task kept (at bf16)."""
+    torch.manual_seed(0)
+    write_artifact(
+        tmp_path / "optimizations.json",
+        Optimizations(workload="w", device_type="cpu", proposals=proposals),
+    )
+    if recipe is not None:
+        write_artifact(tmp_path / STOCK_FILE, StockBaseline(recipe=recipe, dtype="bfloat16"))
+    return Model().eval(), torch.randn(2, 4)
+
+
 def _select_on_cpu(
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
@@ -125,20 +148,9 @@ def test_task_select_keeps_each_dropped_rungs_history(
     freezing) and memory_layout is faster."""
     from pytest_opprof.backend import build as build_module
     from pytest_opprof.passes.base import PassResult, applied
-    from pytest_opprof.schema import (
-        BackendSelection,
-        Optimizations,
-        read_artifact,
-        write_artifact,
-    )
     from pytest_opprof.stages import backend
 
-    torch.manual_seed(0)
-    model, x = Model().eval(), torch.randn(2, 4)
-    write_artifact(
-        tmp_path / "optimizations.json",
-        Optimizations(workload="w", device_type="cpu", proposals=_proposals(make_proposal)),
-    )
+    model, x = _workload(tmp_path, _proposals(make_proposal))
     tried: list[tuple[str, ...]] = []
 
     def build(fresh: torch.nn.Module, inputs: Any, plan: Any) -> Any:
@@ -190,24 +202,10 @@ def test_a_cast_past_the_tolerance_is_kept_under_autocast_and_a_faster_stock_rec
     baseline measured, the recipe the stock task kept is then built in place of the ladder's
     plan and, measured faster, is what ships; the ladder's proposal is recorded as replaced."""
     from pytest_opprof.backend import build as build_module
-    from pytest_opprof.pipeline import STOCK_FILE
-    from pytest_opprof.schema import (
-        BackendSelection,
-        Optimizations,
-        StockBaseline,
-        read_artifact,
-        write_artifact,
-    )
     from pytest_opprof.stages import backend
 
-    torch.manual_seed(0)
-    model, x = Model().eval(), torch.randn(2, 4)
     proposals = [make_proposal("dtype_promotion-1", "dtype_promotion", "non_graph")]
-    write_artifact(
-        tmp_path / "optimizations.json",
-        Optimizations(workload="w", device_type="cpu", proposals=proposals),
-    )
-    write_artifact(tmp_path / STOCK_FILE, StockBaseline(recipe="autocast", dtype="bfloat16"))
+    model, x = _workload(tmp_path, proposals, recipe="autocast")
     tried: list[tuple[tuple[str, ...], bool]] = []
 
     class Computes(torch.nn.Module):
@@ -262,23 +260,9 @@ def test_selection_resumed_at_the_stock_rung_times_the_recipe_against_the_ladder
     again, climbs no rung, and times the recipe against that plan: measured faster, it ships,
     with the ladder's records kept."""
     from pytest_opprof.backend import build as build_module
-    from pytest_opprof.pipeline import STOCK_FILE
-    from pytest_opprof.schema import (
-        BackendSelection,
-        Optimizations,
-        StockBaseline,
-        read_artifact,
-        write_artifact,
-    )
     from pytest_opprof.stages import backend
 
-    torch.manual_seed(0)
-    model, x = Model().eval(), torch.randn(2, 4)
-    write_artifact(
-        tmp_path / "optimizations.json",
-        Optimizations(workload="w", device_type="cpu", proposals=_proposals(make_proposal)),
-    )
-    write_artifact(tmp_path / STOCK_FILE, StockBaseline(recipe="cast", dtype="bfloat16"))
+    model, x = _workload(tmp_path, _proposals(make_proposal), recipe="cast")
     tried: list[tuple[str, ...]] = []
     dies = [True]
 
@@ -331,23 +315,9 @@ def test_the_stock_recipe_ships_unless_the_ladder_s_plan_beats_it(
     stock line); slower, it is dropped, saying the plan was faster."""
     from pytest_opprof.backend import build as build_module
     from pytest_opprof.backend.selection import PLAN_FASTER
-    from pytest_opprof.pipeline import STOCK_FILE
-    from pytest_opprof.schema import (
-        BackendSelection,
-        Optimizations,
-        StockBaseline,
-        read_artifact,
-        write_artifact,
-    )
     from pytest_opprof.stages import backend
 
-    torch.manual_seed(0)
-    model, x = Model().eval(), torch.randn(2, 4)
-    write_artifact(
-        tmp_path / "optimizations.json",
-        Optimizations(workload="w", device_type="cpu", proposals=_proposals(make_proposal)),
-    )
-    write_artifact(tmp_path / STOCK_FILE, StockBaseline(recipe="cast", dtype="bfloat16"))
+    model, x = _workload(tmp_path, _proposals(make_proposal), recipe="cast")
 
     def build(fresh: torch.nn.Module, inputs: Any, plan: Any) -> Any:
         time = stock_time if plan.stock_recipe else None
