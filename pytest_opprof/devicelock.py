@@ -551,6 +551,11 @@ def joined_path() -> str | None:
     return str(_LOCK.path) if _LOCK is not None else None
 
 
+def held_alone() -> bool:
+    """Whether this process holds the GPU alone now: a measurement under way."""
+    return _LOCK is not None and _LOCK.held == "exclusive"
+
+
 def has_siblings() -> bool:
     """Whether this process coordinates with siblings on its CPU slice through their own lock
     (:func:`join`'s ``siblings``): then its compiles may go off the GPU."""

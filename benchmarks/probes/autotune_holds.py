@@ -7,9 +7,12 @@ the pipeline at f7d10fd), a hold also spans the choices' kernels loaded, built o
 the compile workers; held alone over each whole timing call (``--holds calls``, b35da0f), it
 spans the timed callable's first call, which builds or loads its kernel; held alone only around
 the timing (``--holds op-shared``, a08d4795: that first call shares the GPU, as does the op's
-whole autotuning around it), neither; and shared one step at a time (``--holds fine``, the
-pipeline's now: an op's inputs, each choice, each Triton config), the compile holds nothing
-between two steps, so another process's measurement waits for one step, not for the op.
+whole autotuning around it), neither; shared one step at a time (``--holds steps``, 72b8cd6:
+an op's inputs, each choice, each Triton config), the compile holds nothing between two steps,
+so another process's measurement waits for one step, not for the op, but each timing asks
+for the GPU alone; and with an op warmed that way, then timed alone as a whole (``--holds
+fine``, the pipeline's now), one ask per op. Every mode but ``fine`` runs an op's autotuning
+once, as Inductor does.
 
 One process compiles the ``cast`` stock recipe (bf16, freezing, max-autotune) of one workload as
 the stock task does (off the GPU, under the GPU's lock, with Inductor's compile workers), while a
@@ -74,7 +77,9 @@ def neighbour(path: Path, stop: threading.Event, waits: list[float]) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("workload", type=Path, help="a workload folder or file")
-    parser.add_argument("--holds", choices=("coarse", "calls", "op-shared", "fine"), required=True)
+    parser.add_argument(
+        "--holds", choices=("coarse", "calls", "op-shared", "steps", "fine"), required=True
+    )
     args = parser.parse_args()
 
     import os
@@ -115,8 +120,19 @@ def main() -> int:
     other.start()
     try:
         fn = stock.Compiled("cast", w.model, w.inputs, "bfloat16")
+        cache = select_algorithm.AlgorithmSelectorCache
+        once = vars(cache)["benchmark_in_current_process"]
         with common.autotuning("cuda"):
             undo: list[tuple[Any, str, Any]] = []
+            if args.holds != "fine":  # the op autotuned once, its steps' holds kept
+                undo.append(
+                    (
+                        cache,
+                        "benchmark_in_current_process",
+                        vars(cache)["benchmark_in_current_process"],
+                    )
+                )
+                cache.benchmark_in_current_process = once  # type: ignore[method-assign]
             calls: list[float] = []  # whole calls: the first call, the lock's waits, the timing
             for name in ("benchmark_gpu", "benchmark_gpu_with_cuda_graph"):
                 if name in vars(bench):

@@ -234,23 +234,26 @@ FIRST_CALL = "a timed kernel's first call"
 
 @contextlib.contextmanager
 def _inductor_gpu_work() -> Iterator[None]:
-    """Inductor's own GPU work inside a compile, under the GPU's lock for the block. Each of
-    its timings (``benchmarker.benchmark_gpu*``: a template choice, a Triton config, a fusion)
-    holds the GPU alone through ``devicelock.measuring_within``; the work around them shares
-    it through ``devicelock.on_gpu``, one step at a time: one op's inputs made on the GPU
-    (``get_inputs``), each of its choices (``benchmark_choice``) or Triton configs (``bench``),
-    where the first call of the timed callable builds or loads the kernel (CPU work, with
-    the GPU idle), and ``freeze``'s fold on real weights. A timing calls its callable again,
-    so the extra first call changes nothing Inductor sees. Between two steps the compile
-    holds nothing, so a measurement waits for one step of it, never for a whole op: held
-    over an op's autotuning (or alone over it, or over a whole first call) instead, the GPU
-    idled while every other process's measurement waited
-    (docs/design-notes.md#autotuning-holds). The entry points are looked up by name (torch
-    2.11 and 2.13 have them); where a step's is missing, the GPU is shared over the op's
-    autotuning as a whole, and one that is missing too is left as it is."""
+    """Inductor's own GPU work inside a compile, under the GPU's lock for the block. One op's
+    autotuning (``benchmark_in_current_process``) runs twice: first to warm, its timings
+    skipped, sharing the GPU one step at a time (the op's inputs made on the GPU,
+    ``get_inputs``; each choice's first call, ``benchmark_choice``, which builds or loads its
+    kernel: CPU work, with the GPU idle); then timed, with the GPU alone for the whole op.
+    So a compile asks for the GPU alone once per op, not once per choice: each ask waits for
+    the other processes' shared steps under way to end (a drain, with the GPU idle), and
+    asked per choice, those drains set a run's wall time
+    (docs/design-notes.md#autotuning-holds). The warming's results are thrown away; the
+    timing calls everything again, as Inductor would have once. Elsewhere (a Triton
+    kernel's configs, ``bench``; coordinate descent) a timed callable's first call shares
+    the GPU, then its timing holds it alone, and ``freeze``'s fold on real weights shares
+    it. Between two steps the compile holds nothing. The entry points are looked up by name
+    (torch 2.11 and 2.13 have them); where a step's is missing, the GPU is shared over the
+    op's warming as a whole, and one that is missing too is left as it is. Without a lock
+    joined, nothing is run twice."""
+    import contextvars
     import functools
 
-    from torch._inductor import freezing, select_algorithm
+    from torch._inductor import autotune_process, freezing, select_algorithm
     from torch._inductor.runtime import benchmarking, triton_heuristics
 
     from pytest_opprof.capture.timing import synchronize
@@ -258,13 +261,19 @@ def _inductor_gpu_work() -> Iterator[None]:
     def sync() -> None:
         synchronize("cuda")
 
+    warming = contextvars.ContextVar("warming", default=False)
+
     def warmed_alone(fn: Callable[..., Any]) -> Callable[..., Any]:
         """``benchmark_gpu(callable, ...)``: the callable's first call sharing the GPU, then
-        the timing alone. A first call that fails is left to the timing, which calls it again
-        and fails, or reports it, as Inductor expects."""
+        the timing alone; while a batch warms, the first call only. A first call that fails
+        is left to the timing, which calls it again and fails, or reports it, as Inductor
+        expects. Inside a batch's timing (the GPU held alone already) there is no first call
+        apart: the batch's warming made it."""
 
         @functools.wraps(fn)
         def measured(*args: Any, **kwargs: Any) -> Any:
+            if devicelock.held_alone():
+                return fn(*args, **kwargs)
             if args and callable(args[0]):
                 t0 = time.perf_counter()
                 with contextlib.suppress(Exception), devicelock.on_gpu(sync, FIRST_CALL):
@@ -273,10 +282,38 @@ def _inductor_gpu_work() -> Iterator[None]:
                 took = time.perf_counter() - t0
                 if took >= devicelock.SHARED_NOTE_S:  # where a step's shared hold goes
                     phase(f"{FIRST_CALL} took {took:.2f} s")
+            if warming.get():
+                return 0.0  # a figure nobody reads: the timing pass times it
             with devicelock.measuring_within(sync):
                 return fn(*args, **kwargs)
 
         return measured
+
+    def kept_while_warming(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def cleanup(*args: Any, **kwargs: Any) -> Any:
+            return None if warming.get() else fn(*args, **kwargs)
+
+        return cleanup
+
+    def warmed_then_timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+        """A batch of timings: warmed (its steps sharing the GPU), then timed alone as one.
+        A warming that fails is left to the timing, which runs it all again."""
+
+        @functools.wraps(fn)
+        def batch(*args: Any, **kwargs: Any) -> Any:
+            if devicelock.joined_path() is None or devicelock.held_alone() or warming.get():
+                return fn(*args, **kwargs)
+            token = warming.set(True)
+            try:
+                with contextlib.suppress(Exception):
+                    fn(*args, **kwargs)
+            finally:
+                warming.reset(token)
+            with devicelock.measuring_within(sync):
+                return fn(*args, **kwargs)
+
+        return batch
 
     def on_gpu(fn: Callable[..., Any]) -> Callable[..., Any]:
         what = f"Inductor's {fn.__name__}"
@@ -308,6 +345,10 @@ def _inductor_gpu_work() -> Iterator[None]:
         steps = ("benchmark_in_current_process",)  # the op as a whole
     for name in steps:
         wrap(cache, name, on_gpu)
+    wrap(cache, "benchmark_in_current_process", warmed_then_timed)
+    # Kept loaded from the warming to the timing (torch 2.13 unloads each choice's kernels
+    # after its timing): the timing pass then loads nothing again, with the GPU alone.
+    wrap(autotune_process.TritonBenchmarkRequest, "cleanup_run_fn", kept_while_warming)
     wrap(autotuner, "bench" if "bench" in vars(autotuner) else "benchmark_all_configs", on_gpu)
     bench = benchmarking.benchmarker  # one instance, imported by name across Inductor
 

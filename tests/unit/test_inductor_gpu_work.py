@@ -1,6 +1,6 @@
 """Under max-autotune a compile goes off the GPU, and only Inductor's own GPU work takes it
-back: its timings alone, each step of the autotuning around them and freezing's fold shared
-(``stages.common.autotuning``)."""
+back: an op's autotuning warmed one shared step at a time, then timed alone as one; other
+timings alone, and freezing's fold shared (``stages.common.autotuning``)."""
 
 from __future__ import annotations
 
@@ -24,12 +24,14 @@ def _joined(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
     return lock
 
 
-def test_inductor_timings_hold_the_gpu_alone_and_each_step_around_them_shares_it(
+def test_an_op_is_warmed_sharing_the_gpu_step_by_step_then_timed_alone_at_once(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """One op's autotuning: its inputs made, then each choice loaded and first called beside
-    the GPU's other work, and timed alone. Between two steps the compile holds nothing, so a
-    measurement of another process waits for one step, not for the op."""
+    """One op's autotuning: warmed first (its inputs made, then each choice loaded and first
+    called beside the GPU's other work, its timing skipped), then run again with the GPU
+    alone for the whole op. Between two warming steps the compile holds nothing, so a
+    measurement of another process waits for one step, and the compile asks for the GPU
+    alone once per op. A Triton kernel's config is first called shared and timed alone."""
     from torch._inductor import freezing, select_algorithm
     from torch._inductor.runtime import benchmarking, triton_heuristics
 
@@ -92,19 +94,33 @@ def test_inductor_timings_hold_the_gpu_alone_and_each_step_around_them_shares_it
                 steps.append(("aside", lock.held, lock.aside))
 
             monkeypatch.setattr(lock, "go_aside", go_aside)
+            alone = 0
+            real_exclusive = lock.exclusive
+
+            def exclusive() -> None:
+                nonlocal alone
+                alone += lock.held != "exclusive"
+                real_exclusive()
+
+            monkeypatch.setattr(lock, "exclusive", exclusive)
             assert c.benchmark_in_current_process() == ["benchmark_gpu", "benchmark_gpu"]
+            assert alone == 1  # once for the op, not once per choice
             assert autotuner.bench(None, "config") == "benchmark_gpu"  # type: ignore[arg-type]
             assert lock.held is None and lock.aside  # the compile off the GPU again
         assert seen == [
-            ("inputs", "shared", False),
+            ("inputs", "shared", False),  # warming: no timing
             ("a", "shared", False),
-            ("benchmark_gpu", "exclusive", False),
             ("b", "shared", False),
+            ("inputs", "exclusive", False),  # timing: the op alone
+            ("a", "exclusive", False),
+            ("benchmark_gpu", "exclusive", False),
+            ("b", "exclusive", False),
             ("benchmark_gpu", "exclusive", False),
             ("config", "shared", False),
             ("benchmark_gpu", "exclusive", False),
         ]
-        assert len(steps) == 4  # after the inputs, each choice and the config
+        # aside after the inputs and each choice warmed, the op timed, and the config
+        assert len(steps) == 5
         # as they were after the block
         assert (
             bench.benchmark_gpu,
@@ -117,11 +133,11 @@ def test_inductor_timings_hold_the_gpu_alone_and_each_step_around_them_shares_it
         monkeypatch.setattr(devicelock, "_LOCK", None)
 
 
-def test_without_the_steps_entry_points_the_op_s_autotuning_shares_the_gpu_whole(
+def test_without_the_steps_entry_points_the_op_s_warming_shares_the_gpu_whole(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """A torch whose select_algorithm has no ``benchmark_choice`` still keeps the op's GPU
-    work under the lock: shared over the op's whole autotuning."""
+    work under the lock: shared over the op's whole warming, then alone for its timing."""
     from torch._inductor import select_algorithm
 
     cache = select_algorithm.AlgorithmSelectorCache
@@ -135,7 +151,7 @@ def test_without_the_steps_entry_points_the_op_s_autotuning_shares_the_gpu_whole
         with common._inductor_gpu_work(), devicelock.off_gpu(lambda: None):
             c: Any = cache
             c.benchmark_in_current_process()
-        assert held == ["shared"]
+        assert held == ["shared", "exclusive"]
     finally:
         lock.close()
         monkeypatch.setattr(devicelock, "_LOCK", None)
@@ -188,6 +204,100 @@ def test_a_timed_kernel_is_first_called_sharing_the_gpu_then_timed_alone(
     finally:
         lock.close()
         monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+def test_an_op_s_kernels_stay_loaded_from_warming_to_timing(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Warming calls each choice's kernel once, sharing the GPU, and times nothing; the
+    kernels it loaded stay loaded (torch 2.13 unloads a choice's after its timing), so the
+    timing pass, alone on the GPU, calls them with no first call apart and unloads them."""
+    from torch._inductor import autotune_process, select_algorithm
+    from torch._inductor.runtime import benchmarking
+
+    lock = _joined(monkeypatch, tmp_path)
+    calls: list[tuple[str, str | None]] = []
+
+    def timing(kernel: Any, rep: int = 100) -> float:
+        calls.append(("timing", lock.held))
+        kernel()
+        return 0.01
+
+    def kernel() -> None:
+        calls.append(("kernel", lock.held))
+
+    request = autotune_process.TritonBenchmarkRequest
+
+    def cleanup(self: Any) -> None:
+        calls.append(("unloaded", lock.held))
+
+    def op(cls: Any) -> float:  # one choice: timed, then its kernels unloaded
+        try:
+            return float(bench.benchmark_gpu(kernel))
+        finally:
+            request.cleanup_run_fn(None)  # type: ignore[arg-type]
+
+    bench: Any = benchmarking.benchmarker
+    monkeypatch.setattr(bench, "benchmark_gpu", timing, raising=False)
+    monkeypatch.setattr(request, "cleanup_run_fn", cleanup)
+    cache: Any = select_algorithm.AlgorithmSelectorCache
+    monkeypatch.setattr(cache, "benchmark_in_current_process", classmethod(op))
+    try:
+        with common._inductor_gpu_work(), devicelock.off_gpu(lambda: None):
+            assert cache.benchmark_in_current_process() == 0.01
+        assert calls == [
+            ("kernel", "shared"),  # warming: loaded and first called, kept loaded
+            ("timing", "exclusive"),
+            ("kernel", "exclusive"),
+            ("unloaded", "exclusive"),
+        ]
+    finally:
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+def test_an_op_whose_warming_fails_is_timed_as_inductor_would(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A warming that raises is set aside: the timing runs the op again, and what it raises
+    or returns is Inductor's answer. With no lock joined the op runs once, as it was."""
+    from torch._inductor import select_algorithm
+
+    runs: list[str | None] = []
+
+    def op(cls: Any) -> str:
+        runs.append(devicelock._LOCK.held if devicelock._LOCK is not None else None)
+        if len(runs) == 1:
+            raise RuntimeError("first run fails")
+        return "timed"
+
+    cache: Any = select_algorithm.AlgorithmSelectorCache
+    monkeypatch.setattr(cache, "benchmark_in_current_process", classmethod(op))
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    with common._inductor_gpu_work(), pytest.raises(RuntimeError, match="first run fails"):
+        cache.benchmark_in_current_process()
+    assert runs == [None]  # no lock: once
+    runs.clear()
+    lock = _joined(monkeypatch, tmp_path)
+    try:
+        with common._inductor_gpu_work(), devicelock.off_gpu(lambda: None):
+            assert cache.benchmark_in_current_process() == "timed"
+        assert runs == [None, "exclusive"]  # warming holds nothing outside its steps
+    finally:
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+def test_this_torch_has_the_autotuning_entry_points() -> None:
+    """The names ``_inductor_gpu_work`` wraps: where one goes missing in a new torch, its
+    fallback holds the GPU for longer, so the change is caught here, not in a run's wall time."""
+    from torch._inductor import select_algorithm
+    from torch._inductor.runtime import benchmarking, triton_heuristics
+
+    steps = {"get_inputs", "benchmark_choice", "benchmark_in_current_process"}
+    assert steps <= set(vars(select_algorithm.AlgorithmSelectorCache))
+    assert "bench" in vars(triton_heuristics.CachingAutotuner)
+    assert callable(getattr(benchmarking.benchmarker, "benchmark_gpu", None))
 
 
 def test_autotuning_on_the_cpu_changes_nothing() -> None:
