@@ -120,6 +120,9 @@ class DeviceLock:
         self.waited_s = 0.0
         self.alone_s = 0.0
         """Seconds this process has held the GPU exclusively (its measurements)."""
+        self.let_go_s = 0.0
+        """Seconds this process let go of a share in :func:`off_gpu` blocks, until it shared
+        again: what a hold of :func:`on_gpu` around such a block did not hold."""
         self._since = 0.0
         self.aside = False
         """The share was let go for CPU-only work (:func:`off_gpu`), to be taken back after."""
@@ -459,19 +462,22 @@ def off_gpu(sync: Callable[[], None]) -> Iterator[None]:
         yield
         return
     sync()
+    t0 = time.perf_counter()
     lock.go_aside()
     try:
         yield
     finally:
         lock.leave_aside()
         lock.share()
+        lock.let_go_s += time.perf_counter() - t0
 
 
 @contextlib.contextmanager
 def on_gpu(sync: Callable[[], None], what: str = "GPU work") -> Iterator[None]:
     """GPU work inside :func:`off_gpu` (weights folded on real tensors during a compile): the
     share taken back for the block, behind any measurer, and let go again after ``sync``;
-    a hold of ``SHARED_NOTE_S`` or more says so, and ``what`` it was. A no-op outside
+    a hold of ``SHARED_NOTE_S`` or more says so, and ``what`` it was (the time an
+    :func:`off_gpu` block inside it let go of the share not counted). A no-op outside
     ``off_gpu``."""
     lock = _LOCK
     if lock is None or not lock.aside:
@@ -479,14 +485,14 @@ def on_gpu(sync: Callable[[], None], what: str = "GPU work") -> Iterator[None]:
         return
     lock.leave_aside()
     lock.share()
-    since = time.perf_counter()
+    since, let_go = time.perf_counter(), lock.let_go_s
     try:
         yield
     finally:
         with contextlib.suppress(Exception):  # a failed block: its error, not the sync's
             sync()
         lock.go_aside()
-        held = time.perf_counter() - since
+        held = time.perf_counter() - since - (lock.let_go_s - let_go)
         if held >= SHARED_NOTE_S and lock.note is not None:
             lock.note(f"{SHARED} {held:.2f} s: {what}")
 

@@ -246,13 +246,15 @@ def _inductor_gpu_work() -> Iterator[None]:
     timing calls everything again, as Inductor would have once. Elsewhere (a Triton
     kernel's configs, ``bench``; coordinate descent) a timed callable's first call shares
     the GPU, then its timing holds it alone, and ``freeze``'s fold on real weights shares
-    it. Between two steps the compile holds nothing. The entry points are looked up by name
-    (torch 2.11 and 2.13 have them); where a step's is missing, the GPU is shared over the
-    op's warming as a whole, and one that is missing too is left as it is. Without a lock
-    joined, nothing is run twice."""
+    it. Between two steps the compile holds nothing, and inside one, a Triton kernel's build
+    on its first call (``CachingAutotuner.precompile``: CPU work) holds nothing either. The
+    entry points are looked up by name (torch 2.11 and 2.13 have them); where a step's is
+    missing, the GPU is shared over the op's warming as a whole, and one that is missing too
+    is left as it is. Without a lock joined, nothing is run twice."""
     import contextvars
     import functools
 
+    import torch
     from torch._inductor import autotune_process, freezing, select_algorithm
     from torch._inductor.runtime import benchmarking, triton_heuristics
 
@@ -295,6 +297,24 @@ def _inductor_gpu_work() -> Iterator[None]:
             return None if warming.get() else fn(*args, **kwargs)
 
         return cleanup
+
+    def built_off_gpu(fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``CachingAutotuner.precompile``: a Triton kernel built or loaded from the caches
+        on its first call, CPU work (the kernel loaded into this process's context, nothing
+        launched). Where this process's CPU work may run beside a measurement, the share held
+        around that call is let go of for it (``devicelock.off_gpu``: after ``sync``, and
+        taken back behind any measurer), so a measurer does not wait for the build; not while
+        a CUDA graph is being captured, which a sync would break."""
+
+        @functools.wraps(fn)
+        def precompile(*args: Any, **kwargs: Any) -> Any:
+            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+            if capturing or not _compiles_off_gpu("cuda"):
+                return fn(*args, **kwargs)
+            with devicelock.off_gpu(sync):
+                return fn(*args, **kwargs)
+
+        return precompile
 
     def warmed_then_timed(fn: Callable[..., Any]) -> Callable[..., Any]:
         """A batch of timings: warmed (its steps sharing the GPU), then timed alone as one.
@@ -350,6 +370,7 @@ def _inductor_gpu_work() -> Iterator[None]:
     # after its timing): the timing pass then loads nothing again, with the GPU alone.
     wrap(autotune_process.TritonBenchmarkRequest, "cleanup_run_fn", kept_while_warming)
     wrap(autotuner, "bench" if "bench" in vars(autotuner) else "benchmark_all_configs", on_gpu)
+    wrap(autotuner, "precompile", built_off_gpu)
     bench = benchmarking.benchmarker  # one instance, imported by name across Inductor
 
     def wrap_bound(name: str) -> None:
@@ -388,12 +409,18 @@ def _off_gpu_end(args: Any) -> None:
     _OFF_GPU.close()
 
 
+def _compiles_off_gpu(device: str) -> bool:
+    """Whether this process's CPU work may run beside another process's measurement: its CPUs
+    its own, or shared with siblings that hold their lock (``devicelock``)."""
+    return device == "cuda" and _OWN_CPUS and not (_SHARES_CPUS and not devicelock.has_siblings())
+
+
 def compile_off_gpu(device: str) -> None:
     """Where this process's CPUs are its own, let go of the GPU while Dynamo compiles (from
     its start to its end callback: ``devicelock.off_gpu``), so a measurer waits for no compile
     of ours; our backend takes the GPU back for the weights it folds. Registered again where a
     ``torch._dynamo.reset()`` cleared the callbacks; nothing on torch without them."""
-    if device != "cuda" or not _OWN_CPUS or (_SHARES_CPUS and not devicelock.has_siblings()):
+    if not _compiles_off_gpu(device):
         return
     try:
         from torch._dynamo.callback import callback_handler

@@ -5,6 +5,7 @@ timings alone, and freezing's fold shared (``stages.common.autotuning``)."""
 from __future__ import annotations
 
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -288,6 +289,60 @@ def test_an_op_whose_warming_fails_is_timed_as_inductor_would(
         monkeypatch.setattr(devicelock, "_LOCK", None)
 
 
+@pytest.mark.parametrize("own_cpus", [True, False])
+def test_a_kernel_s_build_on_its_first_call_lets_go_of_the_gpu(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    own_cpus: bool,
+) -> None:
+    """A Triton kernel built or loaded on its first call (``CachingAutotuner.precompile``) is
+    CPU work: inside a shared step, the process lets go of the GPU for it, so a measurer does
+    not wait for it, and shares again for the launch. The step's note counts only what it
+    held. A process whose CPU work must not run beside a measurement keeps its share."""
+    from torch._inductor.runtime import benchmarking, triton_heuristics
+
+    from pytest_opprof.capture import timing as capture_timing
+
+    monkeypatch.setattr(common, "_OWN_CPUS", own_cpus)
+    monkeypatch.setattr(capture_timing, "synchronize", lambda device: None)  # no GPU here
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
+    notes: list[str] = []
+    lock = devicelock.join(note=notes.append)
+    assert lock is not None
+    calls: list[tuple[str, str | None]] = []
+    autotuner: Any = triton_heuristics.CachingAutotuner
+
+    def precompile(self: Any) -> None:
+        calls.append(("built", lock.held))
+        time.sleep(0.3)
+
+    def kernel() -> None:
+        autotuner.precompile(None)
+        calls.append(("launched", lock.held))
+
+    def timing(fn: Any, rep: int = 100) -> float:
+        return 0.01
+
+    bench: Any = benchmarking.benchmarker
+    monkeypatch.setattr(bench, "benchmark_gpu", timing, raising=False)
+    monkeypatch.setattr(autotuner, "precompile", precompile)
+    monkeypatch.setattr(devicelock, "SHARED_NOTE_S", 0.2)
+    try:
+        with common._inductor_gpu_work(), devicelock.off_gpu(lambda: None):
+            bench.benchmark_gpu(kernel)
+            assert lock.held is None and lock.aside  # the compile off the GPU again
+        held_while_built = None if own_cpus else "shared"
+        assert calls == [("built", held_while_built), ("launched", "shared")]
+        assert f"{common.FIRST_CALL} took " in capsys.readouterr().out  # build and launch
+        shared = [n for n in notes if n.startswith(devicelock.SHARED)]
+        assert bool(shared) is not own_cpus, notes  # held 0.3 s only where it kept it
+    finally:
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
 def test_this_torch_has_the_autotuning_entry_points() -> None:
     """The names ``_inductor_gpu_work`` wraps: where one goes missing in a new torch, its
     fallback holds the GPU for longer, so the change is caught here, not in a run's wall time."""
@@ -296,7 +351,7 @@ def test_this_torch_has_the_autotuning_entry_points() -> None:
 
     steps = {"get_inputs", "benchmark_choice", "benchmark_in_current_process"}
     assert steps <= set(vars(select_algorithm.AlgorithmSelectorCache))
-    assert "bench" in vars(triton_heuristics.CachingAutotuner)
+    assert {"bench", "precompile"} <= set(vars(triton_heuristics.CachingAutotuner))
     assert callable(getattr(benchmarking.benchmarker, "benchmark_gpu", None))
 
 
