@@ -392,3 +392,54 @@ def test_a_max_autotune_compile_measures_alone_and_compiles_off_the_gpu(
         lock.close()
         monkeypatch.setattr(devicelock, "_LOCK", None)
         torch._dynamo.reset()
+
+
+@pytest.mark.gpu
+def test_a_max_autotune_op_is_warmed_shared_then_timed_in_one_hold(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """On this torch's Inductor: each choice of an autotuned op is called twice, first
+    sharing the GPU (warming), then with the GPU alone, all of an op's timings in one hold."""
+    import torch
+    from torch._inductor import select_algorithm
+
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
+    lock = devicelock.join()
+    assert lock is not None
+    monkeypatch.setattr(common, "_OWN_CPUS", True)
+    cache = select_algorithm.AlgorithmSelectorCache
+    seen: list[tuple[str | None, float | None]] = []
+    ops = 0
+    choice_of, op_of = (
+        vars(cache)[n].__func__ for n in ("benchmark_choice", "benchmark_in_current_process")
+    )
+
+    def choice(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append((lock.held, lock._since if lock.held == "exclusive" else None))
+        return choice_of(cls, *args, **kwargs)
+
+    def op(cls: Any, *args: Any, **kwargs: Any) -> Any:
+        nonlocal ops
+        ops += 1
+        return op_of(cls, *args, **kwargs)
+
+    monkeypatch.setattr(cache, "benchmark_choice", classmethod(choice))
+    monkeypatch.setattr(cache, "benchmark_in_current_process", classmethod(op))
+    try:
+        model = torch.nn.Linear(384, 768).cuda().eval()
+        x = torch.randn(128, 384, device="cuda")
+        fn = torch.compile(model, mode="max-autotune-no-cudagraphs")
+        fresh = {"fx_graph_cache": False, "autotune_local_cache": False}  # autotuned here
+        with torch._inductor.config.patch(fresh), common.autotuning("cuda"), torch.no_grad():
+            fn(x)
+        torch.cuda.synchronize()
+        warmed = [s for s in seen if s[0] == "shared"]
+        timed = [s for s in seen if s[0] == "exclusive"]
+        assert ops and ops % 2 == 0, ops  # each op run twice
+        assert len(warmed) == len(timed) == len(seen) // 2 > 0, seen
+        assert len({since for _, since in timed}) == ops // 2  # one hold per op
+    finally:
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+        torch._dynamo.reset()
