@@ -121,8 +121,9 @@ class DeviceLock:
         self.alone_s = 0.0
         """Seconds this process has held the GPU exclusively (its measurements)."""
         self.let_go_s = 0.0
-        """Seconds this process let go of a share in :func:`off_gpu` blocks, until it shared
-        again: what a hold of :func:`on_gpu` around such a block did not hold."""
+        """Seconds this process let go of a share inside a block that held it (an
+        :func:`off_gpu` block, a measurement within), until it shared again: what a hold of
+        :func:`on_gpu` around such a block did not hold."""
         self._since = 0.0
         self.aside = False
         """The share was let go for CPU-only work (:func:`off_gpu`), to be taken back after."""
@@ -439,13 +440,14 @@ def measuring_within(sync: Callable[[], None] | None = None) -> Iterator[None]:
                     sync()
             lock.go_aside()
         return
-    before = lock.held
+    before, t0 = lock.held, time.perf_counter()
     lock.exclusive()
     try:
         yield
     finally:
         if before == "shared":
             lock.share()
+            lock.let_go_s += time.perf_counter() - t0
         else:
             lock.release()
 
@@ -476,9 +478,9 @@ def off_gpu(sync: Callable[[], None]) -> Iterator[None]:
 def on_gpu(sync: Callable[[], None], what: str = "GPU work") -> Iterator[None]:
     """GPU work inside :func:`off_gpu` (weights folded on real tensors during a compile): the
     share taken back for the block, behind any measurer, and let go again after ``sync``;
-    a hold of ``SHARED_NOTE_S`` or more says so, and ``what`` it was (the time an
-    :func:`off_gpu` block inside it let go of the share not counted). A no-op outside
-    ``off_gpu``."""
+    a hold of ``SHARED_NOTE_S`` or more says so, and ``what`` it was (the time a block
+    inside it let go of the share, :func:`off_gpu` or :func:`measuring_within`, not counted,
+    nor the wait to go aside again). A no-op outside ``off_gpu``."""
     lock = _LOCK
     if lock is None or not lock.aside:
         yield
@@ -491,8 +493,10 @@ def on_gpu(sync: Callable[[], None], what: str = "GPU work") -> Iterator[None]:
     finally:
         with contextlib.suppress(Exception):  # a failed block: its error, not the sync's
             sync()
-        lock.go_aside()
+        # before going aside, which may wait (for a sibling's or a quiet measurement) with
+        # the GPU let go of already
         held = time.perf_counter() - since - (lock.let_go_s - let_go)
+        lock.go_aside()
         if held >= SHARED_NOTE_S and lock.note is not None:
             lock.note(f"{SHARED} {held:.2f} s: {what}")
 

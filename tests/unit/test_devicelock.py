@@ -772,6 +772,40 @@ def test_a_long_shared_hold_inside_a_compile_says_what_it_was(
         monkeypatch.setattr(devicelock, "_LOCK", None)
 
 
+def test_a_shared_hold_s_note_counts_only_what_it_held(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Inside a shared hold, a measurement (the share let go of for it) and a block off the GPU
+    are not held shared; nor is the wait to go aside after it (a sibling's or a quiet
+    measurement), the GPU let go of already. The note says the hold, not the span."""
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
+    monkeypatch.setattr(devicelock, "SHARED_NOTE_S", 0.2)
+    said: list[str] = []
+    lock = devicelock.join(note=said.append)
+    assert lock is not None
+    real_go_aside = lock.go_aside
+
+    def go_aside() -> None:  # waits, as behind a quiet measurement, holding nothing
+        real_go_aside()
+        time.sleep(0.3)
+
+    try:
+        with devicelock.off_gpu(lambda: None):
+            monkeypatch.setattr(lock, "go_aside", go_aside)
+            with devicelock.on_gpu(lambda: None, "a choice"):
+                with devicelock.measuring_within(lambda: None):
+                    time.sleep(0.3)
+                assert lock.held == "shared"
+                with devicelock.off_gpu(lambda: None):
+                    time.sleep(0.3)
+                time.sleep(0.05)
+        assert not [s for s in said if s.startswith(devicelock.SHARED)], said
+    finally:
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
 def test_a_measurement_within_a_compile_holds_the_gpu_alone_then_goes_aside_again(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
