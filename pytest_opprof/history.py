@@ -109,6 +109,11 @@ class StoredWorkload(Model):
     timing: TimingSettings | None = None
     variants: dict[str, LatencyStats] = Field(default_factory=dict)
     speedups: list[Speedup] = Field(default_factory=list)
+    seconds: float | None = Field(
+        default=None,
+        description="its stages' seconds in all, as its items took them: the next parallel "
+        "run starts the longest workloads first (longest_first)",
+    )
 
     def speedup(self, baseline: str, candidate: str = "optimized") -> Speedup | None:
         return next(
@@ -120,7 +125,7 @@ class StoredWorkload(Model):
 class StoredRun(Artifact):
     """``<storage>/NNNN[_NAME].json``: one session, kept by ``--opprof-save``."""
 
-    SCHEMA_VERSION: ClassVar[str] = "1.0"
+    SCHEMA_VERSION: ClassVar[str] = "1.1"
 
     number: int
     name: str | None = None
@@ -348,12 +353,20 @@ def save_run(storage: Path, run: StoredRun) -> Path:
 
 
 def build_run(
-    summaries: Sequence[WorkloadSummary], out: Path, device: str, source: Source, name: str | None
+    summaries: Sequence[WorkloadSummary],
+    out: Path,
+    device: str,
+    source: Source,
+    name: str | None,
+    seconds: Mapping[str, float] | None = None,
 ) -> StoredRun:
     """This session as a stored run (number 0 until saved). ``name``: ``auto`` takes the
-    branch's."""
+    branch's; ``seconds``: each workload's stage seconds in all, by name."""
     if name == "auto":
         name = slug(source.branch) if source.branch else None
+    workloads = [record_workload(s, Path(out) / s.name) for s in summaries]
+    for w in workloads:
+        w.seconds = (seconds or {}).get(w.name)
     return StoredRun(
         number=0,
         name=name,
@@ -362,7 +375,42 @@ def build_run(
         branch=source.branch,
         dirty=source.dirty,
         device=device,
-        workloads=[record_workload(s, Path(out) / s.name) for s in summaries],
+        workloads=workloads,
+    )
+
+
+LOOK_BACK = 5
+"""Stored runs read, newest first, for the last one that says how long its workloads took:
+a run saved by an older version says nothing, and reading the whole store would slow every
+collection of a long-kept one."""
+
+
+def last_seconds(storage: Path) -> dict[str, float]:
+    """Each workload's stage seconds in the newest stored run in ``storage`` that has them
+    (of the newest :data:`LOOK_BACK`); empty where none does. A file that does not read is
+    passed over: the order of a run is a guess, and never fails it."""
+    if not Path(storage).is_dir():
+        return {}
+    files = [(int(m[1]), p) for p in Path(storage).iterdir() if (m := RUN_FILE.match(p.name))]
+    for _, path in sorted(files, reverse=True)[:LOOK_BACK]:
+        try:
+            run = read_artifact(path, StoredRun)
+        except (ArtifactError, OSError):
+            continue
+        found = {w.name: w.seconds for w in run.workloads if w.seconds is not None}
+        if found:
+            return found
+    return {}
+
+
+def longest_first(names: Sequence[str | None], seconds: Mapping[str, float]) -> list[int]:
+    """The order to start workloads in (indices into ``names``) so that several workers end
+    together: the longest first (the classic longest-processing-time rule), by ``seconds``
+    from a stored run; a workload it does not know (new, or ``None``: no workload) first of
+    all, as one that may be long, and ties in the given order."""
+    return sorted(
+        range(len(names)),
+        key=lambda i: -seconds.get(names[i] or "", float("inf")),
     )
 
 
@@ -542,10 +590,12 @@ def record_session(
     compared: StoredRun | None,
     verdict: SessionSummary,
     summaries: Sequence[WorkloadSummary],
+    seconds: Mapping[str, float] | None = None,
 ) -> str:
     """The session's end: the measured commit into ``verdict``; with ``--opprof-save`` the
-    run stored (and its github-action-benchmark exports beside session.json); with save or
-    compare, the session report's section across runs (Markdown, else empty)."""
+    run stored, with each workload's stage ``seconds`` (and its github-action-benchmark
+    exports beside session.json); with save or compare, the session report's section across
+    runs (Markdown, else empty)."""
     source = git_source(Path.cwd())
     verdict.commit, verdict.branch, verdict.dirty = source.commit, source.branch, source.dirty
     if compared is not None:
@@ -559,7 +609,7 @@ def record_session(
         write_json,
     )
 
-    run = build_run(summaries, options.out, verdict.device, source, options.save)
+    run = build_run(summaries, options.out, verdict.device, source, options.save, seconds)
     if options.save is not None:
         try:
             path = save_run(options.storage, run)

@@ -189,6 +189,33 @@ def _named_file_without_entry(path: Path, config: pytest.Config) -> bool:
     return path.resolve() in named
 
 
+def pytest_collection_modifyitems(
+    session: pytest.Session, config: pytest.Config, items: list[pytest.Item]
+) -> None:
+    """Under xdist (``-n``), the workloads start longest first, by the stage seconds of the
+    newest stored run that has them (``history.longest_first``), so the last to start are
+    short and the workers end together: started in the given order, a long workload started
+    last kept the run going after the others were done. Each workload's items keep their
+    order (they stay on one worker: ``loadfile``), and every worker collects the same order
+    from the same store."""
+    if SESSION_KEY not in config.stash:
+        return
+    if not hasattr(config, "workerinput") and not getattr(config.option, "numprocesses", None):
+        return
+    opprof = config.stash[SESSION_KEY]
+    from pytest_opprof.history import last_seconds, longest_first
+
+    seconds = last_seconds(opprof.options.storage)
+    if not seconds:
+        return
+    groups: dict[Any, list[pytest.Item]] = {}
+    for item in items:
+        groups.setdefault(item.parent, []).append(item)
+    parents = list(groups)
+    names = [opprof.workload(p.spec).name if isinstance(p, WorkloadFile) else None for p in parents]
+    items[:] = [item for i in longest_first(names, seconds) for item in groups[parents[i]]]
+
+
 class StageFailure(Exception):
     """A stage's user-facing message; shown without a traceback."""
 
@@ -326,6 +353,13 @@ class StageRecorder:
             )
         )
 
+    def seconds(self) -> dict[str, float]:
+        """Each workload's stage seconds in all: what a stored run orders the next by."""
+        found: dict[str, float] = {}
+        for r in self.records:
+            found[r.workload] = found.get(r.workload, 0.0) + r.seconds
+        return found
+
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     """The session's fork server (stage processes) ends with it."""
@@ -375,7 +409,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     from pytest_opprof.session import session_device
 
     device = session_device(summaries, opprof.options.out, opprof.options.device)
-    config.stash[WRITTEN_KEY] = opprof.write_session(summaries, device)
+    seconds = config.stash[RECORDER_KEY].seconds()
+    config.stash[WRITTEN_KEY] = opprof.write_session(summaries, device, seconds)
     if not config.stash[WRITTEN_KEY][1].gate_passed and session.exitstatus in (
         pytest.ExitCode.OK,
         pytest.ExitCode.NO_TESTS_COLLECTED,

@@ -7,7 +7,7 @@ the same code. Pure Python: torch is imported only by the child processes.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -106,16 +106,20 @@ class OpprofSession:
         return [found[k] for k in sorted(found)]
 
     def write_session(
-        self, summaries: list[WorkloadSummary], device: str
+        self,
+        summaries: list[WorkloadSummary],
+        device: str,
+        seconds: Mapping[str, float] | None = None,
     ) -> tuple[Path, SessionSummary]:
-        """``session.json`` and the session ``report.md``: the report's path and the verdict."""
+        """``session.json`` and the session ``report.md``: the report's path and the verdict;
+        ``seconds``: each workload's stage seconds in all, for a stored run."""
         from pytest_opprof.history import record_session
         from pytest_opprof.report import render_session_report
 
         out = self.options.out
         verdict = session_summary(summaries, device)
         # the commit measured; with --opprof-save the stored run; the section across runs
-        across = record_session(self.options, self.compare_with, verdict, summaries)
+        across = record_session(self.options, self.compare_with, verdict, summaries, seconds)
         write_artifact(out / "session.json", verdict)
         path = out / "report.md"
         report = render_session_report(summaries, device=device, out_dir=out)

@@ -378,3 +378,27 @@ def test_the_commands_list_chart_and_export_stored_runs(
 
     assert cli.main(["export", "7", "--storage", str(storage), "--out", str(out)]) == 1
     assert "no run #7" in capsys.readouterr().err
+
+
+# --- the order of the next parallel run ----------------------------------------------------
+
+
+def test_the_newest_run_with_stage_seconds_orders_the_next(tmp_path: Path) -> None:
+    """A newer run without seconds (saved by an older version, or a resumed run) is passed
+    over, and so is a file that does not read; none within the look-back: no order."""
+    storage = tmp_path / "runs"
+    assert history.last_seconds(storage) == {}
+    timed = workload(name="resnet18")
+    timed.seconds = 120.0
+    save_run(storage, run_of(timed, workload(name="conv_block")))
+    save_run(storage, run_of(workload(name="resnet18")))  # newer, says nothing
+    (storage / "0003_broken.json").write_text("{")
+    assert history.last_seconds(storage) == {"resnet18": 120.0}
+    for _ in range(history.LOOK_BACK):
+        save_run(storage, run_of(workload(name="resnet18")))
+    assert history.last_seconds(storage) == {}
+
+
+def test_longest_first_puts_the_unknown_first_and_keeps_ties_in_order() -> None:
+    seconds = {"a": 10.0, "b": 300.0, "c": 10.0}
+    assert history.longest_first(["a", "b", "new", "c", None], seconds) == [2, 4, 1, 0, 3]

@@ -241,3 +241,53 @@ def test_xdist_workers_and_their_children_get_their_own_cpus(pytester: pytest.Py
         assert len(seen["cpus"]) in (total // 2, total - total // 2)
         assert seen["threads"] == str(len(seen["cpus"]))
         assert seen["own"] == "1"  # so its stage processes may compile beside a measurement
+
+
+def test_under_xdist_the_workloads_start_longest_first(pytester: pytest.Pytester) -> None:
+    """By the stage seconds of the newest stored run that has them: a workload it does not
+    know first, then the longest; each workload's items in their order. Without ``-n`` the
+    order is the given one."""
+    pytest.importorskip("xdist")
+    from pytest_opprof.history import StoredRun, StoredWorkload, save_run
+
+    for name in ("w1", "w2", "w3", "w4"):
+        pytester.makepyfile(**{name: "def get_model_and_input():\n    pass\n"})
+    took = {"w1": 50.0, "w2": 10.0, "w3": 100.0}
+    run = StoredRun(
+        number=0,
+        created="2026-12-04T10:00:00+00:00",
+        device="NVIDIA H200",
+        workloads=[
+            StoredWorkload(name=n, path=f"{n}.py", status="passed", seconds=s)
+            for n, s in took.items()
+        ],
+    )
+    save_run(pytester.path / ".opprof-runs", run)
+    (pytester.path / ".opprof-runs" / "0002.json").write_text("{not json")  # passed over
+
+    def order(*args: str) -> list[str]:
+        result = pytester.runpytest("--opprof", "--collect-only", "-q", *args)
+        return [line for line in result.outlines if line.startswith("w")]
+
+    parallel = order("-p", "xdist", "-n", "2")
+    assert [i.split(".py")[0] for i in parallel[::6]] == ["w4", "w3", "w1", "w2"]
+    assert [i.split("::")[1] for i in parallel[:6]] == [i.split("::")[1] for i in order()[:6]]
+    assert [i.split(".py")[0] for i in order()[::6]] == ["w1", "w2", "w3", "w4"]
+
+
+def test_a_stored_run_keeps_each_workloads_stage_seconds(pytester: pytest.Pytester) -> None:
+    """What the next run orders by: every workload's stage seconds in all, from the items'
+    reports on the xdist controller."""
+    pytest.importorskip("xdist")
+    from pytest_opprof.history import StoredRun, list_runs
+
+    body = "def get_model_and_input():\n    raise ValueError('no model here')\n"
+    pytester.makepyfile(w1=body, w2=body)
+    pytester.runpytest_subprocess(
+        "--opprof", "-n", "2", "--opprof-device=cpu", "--opprof-save", "-p", "no:cacheprovider"
+    )
+    (entry,) = list_runs(pytester.path / ".opprof-runs")
+    assert isinstance(entry.run, StoredRun)
+    seconds = {w.name: w.seconds for w in entry.run.workloads}
+    assert set(seconds) == {"w1", "w2"}
+    assert all(s is not None and s > 0 for s in seconds.values()), seconds
