@@ -7,6 +7,8 @@
 #                                                    # the stage logs so far when not
 #   OPPROF_PARTIAL=1 bash benchmarks/gpu_background.sh wait one 500   # and, when not, what
 #                     # has finished: $OUT/one/partial, a folder pack_results.sh takes
+#   OPPROF_GRACE=60 ...   # then, if the run packs its archive within 60 s more (it ended while
+#                         # the partial one was made), its complete results too
 # A lent machine goes back when idle past its release (30 s): a run survives only while each
 # `wait` call follows the last at once. A gap loses the run; only the logs that the last call
 # brought back remain.
@@ -25,6 +27,15 @@ case "$action" in
     ;;
   wait)
     limit=${1:-540}
+    copy_done() {  # the run's archive and tables, once gpu_session.sh has packed them
+      tail -4 "$dir/pytest.log"
+      if [ -n "${OUT:-}" ]; then
+        mkdir -p "$OUT/$name"
+        cp "$dir"/results.tar.xz "$dir"/pytest.log "$dir"/summary.md "$dir"/summary.json \
+          "$dir"/env.txt "$OUT/$name/" 2>/dev/null
+        echo "copied to $OUT/$name"
+      fi
+    }
     # gpu_session.sh's last line: the archive is complete
     until grep -q "^packed: " "$dir/session.out" 2>/dev/null; do
       if ! kill -0 "$(cat "$dir/pid" 2>/dev/null)" 2>/dev/null; then
@@ -59,17 +70,24 @@ case "$action" in
             cp "$dir/env.txt" "$part/" 2>/dev/null
           fi
         fi
+        # A run that ends while the above is made (its last workload finishing meanwhile)
+        # would lose that workload with the call; given OPPROF_GRACE seconds, wait for its
+        # own archive too.
+        grace_end=$(( SECONDS + ${OPPROF_GRACE:-0} ))
+        while [ "$SECONDS" -lt "$grace_end" ]; do
+          if grep -q "^packed: " "$dir/session.out" 2>/dev/null; then
+            echo "ended within the grace"
+            copy_done
+            break
+          fi
+          kill -0 "$(cat "$dir/pid" 2>/dev/null)" 2>/dev/null || break
+          sleep 2
+        done
         exit 0
       fi
       sleep 5
     done
-    tail -4 "$dir/pytest.log"
-    if [ -n "${OUT:-}" ]; then
-      mkdir -p "$OUT/$name"
-      cp "$dir"/results.tar.xz "$dir"/pytest.log "$dir"/summary.md "$dir"/summary.json \
-        "$dir"/env.txt "$OUT/$name/" 2>/dev/null
-      echo "copied to $OUT/$name"
-    fi
+    copy_done
     ;;
   *) echo "usage: gpu_background.sh start|wait NAME ..." >&2; exit 2 ;;
 esac

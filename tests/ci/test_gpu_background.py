@@ -79,3 +79,40 @@ def test_with_partial_it_brings_back_the_workloads_finished_so_far(
     assert (part / "env.txt").read_text() == "NVIDIA H200\n"
     with tarfile.open(part / "results.tar.xz") as packed:
         assert "work/conv_block/profile.json.gz" in packed.getnames()
+
+
+@pytest.mark.parametrize("ends", [True, False])
+def test_a_run_that_ends_within_the_grace_comes_back_whole(
+    running: tuple[str, Path], ends: bool
+) -> None:
+    """The last call's partial results are made while the run goes on; where the run packs
+    its own archive within OPPROF_GRACE seconds after, that comes back too, so a workload
+    that finished meanwhile is not lost. Where it does not, the call returns at the grace's
+    end with the partial results alone."""
+    import threading
+    import time
+
+    name, tmp_path = running
+    folder = Path("/tmp/opprof-background") / name
+
+    def finish() -> None:
+        for f in ("results.tar.xz", "pytest.log", "summary.md", "summary.json"):
+            (folder / f).write_text(f"the whole run's {f}\n")
+        with (folder / "session.out").open("a") as out:
+            out.write(f"packed: {folder}/results.tar.xz\n")
+
+    timer = threading.Timer(1.0, finish)
+    if ends:
+        timer.start()
+    t0 = time.perf_counter()
+    try:
+        got = _wait(name, tmp_path, OPPROF_PARTIAL="1", OPPROF_GRACE="4")
+    finally:
+        timer.cancel()
+    assert (got / "partial" / "summary.md").is_file()
+    if ends:
+        assert (got / "results.tar.xz").read_text() == "the whole run's results.tar.xz\n"
+        assert (got / "summary.md").read_text() == "the whole run's summary.md\n"
+    else:
+        assert not (got / "results.tar.xz").exists()
+        assert time.perf_counter() - t0 >= 4  # it waited out the grace
