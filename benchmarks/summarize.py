@@ -791,8 +791,9 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [
             "",
             "Stage children's own time (s, from their logs; counters is the Nsight Compute pass "
-            "inside capture, stock the stock baseline's task (--opprof-stock) before selection, "
-            "retime the recapture's extra timing processes summed, which run "
+            "inside capture, stock the stock baseline's task (--opprof-stock), beside "
+            "selection or before it, retime the recapture's extra timing processes summed, "
+            "which run "
             "beside the recapture where they start together; waiting, the part of all of it "
             "spent waiting for the GPU's lock"
             + ("; alone, the part spent holding it exclusively, measuring" if alone else "")
