@@ -253,6 +253,7 @@ def _inductor_gpu_work() -> Iterator[None]:
     is left as it is. Without a lock joined, nothing is run twice."""
     import contextvars
     import functools
+    import threading
 
     import torch
     from torch._inductor import autotune_process, freezing, select_algorithm
@@ -304,10 +305,13 @@ def _inductor_gpu_work() -> Iterator[None]:
         launched). Where this process's CPU work may run beside a measurement, the share held
         around that call is let go of for it (``devicelock.off_gpu``: after ``sync``, and
         taken back behind any measurer), so a measurer does not wait for the build; not while
-        a CUDA graph is being captured, which a sync would break."""
+        a CUDA graph is being captured, which a sync would break, and not from another thread
+        (Inductor's precompiling pool), whose caller may hold the share in the meantime."""
 
         @functools.wraps(fn)
         def precompile(*args: Any, **kwargs: Any) -> Any:
+            if threading.current_thread() is not threading.main_thread():
+                return fn(*args, **kwargs)
             capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
             if capturing or not _compiles_off_gpu("cuda"):
                 return fn(*args, **kwargs)

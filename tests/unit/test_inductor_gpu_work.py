@@ -5,6 +5,7 @@ timings alone, and freezing's fold shared (``stages.common.autotuning``)."""
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -338,6 +339,16 @@ def test_a_kernel_s_build_on_its_first_call_lets_go_of_the_gpu(
         assert f"{common.FIRST_CALL} took " in capsys.readouterr().out  # build and launch
         shared = [n for n in notes if n.startswith(devicelock.SHARED)]
         assert bool(shared) is not own_cpus, notes  # held 0.3 s only where it kept it
+        calls.clear()
+        built = threading.Thread(target=lambda: autotuner.precompile(None))  # a pool's thread
+        with (
+            common._inductor_gpu_work(),
+            devicelock.off_gpu(lambda: None),
+            devicelock.on_gpu(lambda: None, "a step"),
+        ):
+            built.start()
+            built.join()
+        assert calls == [("built", "shared")]  # the step's share left as it was
     finally:
         lock.close()
         monkeypatch.setattr(devicelock, "_LOCK", None)
