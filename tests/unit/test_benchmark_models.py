@@ -75,3 +75,6 @@ def test_the_entry_point_parses_and_resolves_the_suite() -> None:
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text(encoding="utf-8")
     assert "benchmarks/models/$n" in text and "models)" in text and "examples)" in text
+    # the benchmark's own stage timeout, before the caller's arguments, which may override it
+    command = text[text.index("python3 -m pytest") :]
+    assert 0 < command.index("--opprof-timeout=") < command.index('"${extra[@]}"')
