@@ -310,10 +310,11 @@ def _inductor_gpu_work() -> Iterator[None]:
 
         @functools.wraps(fn)
         def precompile(*args: Any, **kwargs: Any) -> Any:
-            if threading.current_thread() is not threading.main_thread():
-                return fn(*args, **kwargs)
-            capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-            if capturing or not _compiles_off_gpu("cuda"):
+            if (
+                threading.current_thread() is not threading.main_thread()
+                or not _compiles_off_gpu("cuda")
+                or (torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+            ):
                 return fn(*args, **kwargs)
             with devicelock.off_gpu(sync):
                 return fn(*args, **kwargs)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +19,12 @@ from pytest_opprof.stages import common
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="flock is POSIX")
 
 
-def _joined(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Any:
+def _joined(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, note: Callable[[str], None] | None = None
+) -> Any:
     monkeypatch.setattr(devicelock, "_LOCK", None)
     monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
-    lock = devicelock.join()
+    lock = devicelock.join(note=note)
     assert lock is not None
     return lock
 
@@ -307,11 +310,8 @@ def test_a_kernel_s_build_on_its_first_call_lets_go_of_the_gpu(
 
     monkeypatch.setattr(common, "_OWN_CPUS", own_cpus)
     monkeypatch.setattr(capture_timing, "synchronize", lambda device: None)  # no GPU here
-    monkeypatch.setattr(devicelock, "_LOCK", None)
-    monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
     notes: list[str] = []
-    lock = devicelock.join(note=notes.append)
-    assert lock is not None
+    lock = _joined(monkeypatch, tmp_path, notes.append)
     calls: list[tuple[str, str | None]] = []
     autotuner: Any = triton_heuristics.CachingAutotuner
 
@@ -414,10 +414,7 @@ def test_a_max_autotune_op_is_warmed_shared_then_timed_in_one_hold(
     import torch
     from torch._inductor import select_algorithm
 
-    monkeypatch.setattr(devicelock, "_LOCK", None)
-    monkeypatch.setenv(devicelock.LOCK_ENV, str(tmp_path / "gpu.lock"))
-    lock = devicelock.join()
-    assert lock is not None
+    lock = _joined(monkeypatch, tmp_path)
     monkeypatch.setattr(common, "_OWN_CPUS", True)
     cache = select_algorithm.AlgorithmSelectorCache
     seen: list[tuple[str | None, float | None]] = []
