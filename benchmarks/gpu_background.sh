@@ -50,13 +50,15 @@ case "$action" in
           log=$(ls -t "$w"/*.log 2>/dev/null | head -1)
           [ -n "$log" ] && echo "$(basename "$(dirname "$w")") $(basename "$log"): $(tail -1 "$log" | cut -c1-150)"
         done
-        # The stage logs so far come back with every call, so a run the machine outlives
-        # (released while idle, or out of device time) still tells where its time went.
+        # The stage logs so far and the host's CPU samples (host_load.txt) come back with
+        # every call, so a run the machine outlives (released while idle, or out of device
+        # time) still tells where its time went.
         # With OPPROF_PARTIAL=1 (a call that may be the run's last), also the table of the
         # workloads finished so far and all their artifacts, as pack_results.sh reads them.
         if [ -n "${OUT:-}" ]; then
           mkdir -p "$OUT/$name"
-          (cd "$(dirname "$work")" && find "$(basename "$work")" -name '*.log' -print0 \
+          (cd "$(dirname "$work")" && find "$(basename "$work")" \
+            \( -name '*.log' -o -name host_load.txt \) -print0 \
             | tar --null -T - -cJf "$OUT/$name/logs-so-far.tar.xz") 2>/dev/null
           cp "$dir/session.out" "$OUT/$name/" 2>/dev/null
           if [ "${OPPROF_PARTIAL:-0}" = 1 ]; then

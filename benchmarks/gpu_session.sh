@@ -42,6 +42,9 @@ work=${OPPROF_WORK:-/tmp/opprof-results}
 [ "${OPPROF_FRESH:-0}" = 1 ] && rm -rf "$work"
 mkdir -p "$work"
 start=$(date +%s)
+# The host's CPUs through the run (benchmarks/host_load.py), beside the stage logs: whether the
+# run waited for the GPU or for its compiles (benchmarks/gpu_timeline.py reads it).
+python3 benchmarks/host_load.py "$work/host_load.txt" & sampler=$!
 # A call on a lent machine has a hard limit: stop pytest (SIGINT: it still writes the summary)
 # before it, so the artifacts packed below come back.
 # The benchmark always measures the stock baseline (--opprof-stock): the bar beside eager and
@@ -53,6 +56,7 @@ timeout --signal=INT "${OPPROF_CALL_BUDGET:-540}" python3 -m pytest -p no:benchm
   -p no:cacheprovider -v -rA --opprof-junit="$work/opprof-junit.xml" \
   --junitxml="$work/junit.xml" "${extra[@]}" 2>&1 | tee "$OUT/pytest.log"
 status=${PIPESTATUS[0]}
+kill "$sampler" 2>/dev/null
 echo "pytest exit $status after $(( $(date +%s) - start )) s" | tee -a "$OUT/pytest.log"
 # Every call's wall time, so a run cut into calls adds up (resumed stages are not re-run).
 echo "$(( $(date +%s) - start )) ${extra[*]}" >> "$work/wall_seconds.txt"

@@ -10,12 +10,22 @@ turnstile. The compiles' holds of the GPU shared for a quarter second or more
 (``devicelock.SHARED``), which such drains wait for, are summed by what they were.
 
     python benchmarks/gpu_timeline.py OUT_DIR        # the --opprof-out of a run (w-p/)
+    python benchmarks/gpu_timeline.py OUT_DIR --until 547   # its first 547 s only
+
+Where the run folder holds ``host_load.txt`` (``benchmarks/host_load.py``, which
+``gpu_session.sh`` runs beside pytest), it also says how busy the host's CPUs were over the
+same span: a run whose processes wait for the GPU while the CPUs are full is bound by its
+compiles, not by the GPU's lock.
+
+``--until`` lays a whole run beside one cut short (a lent machine taken back mid-run, only
+the stage logs so far brought back): the same span of both, from each run's first process.
 
 Logs without the wall clock (runs before 2026-12-03's 32af259) are skipped, said on stderr.
 """
 
 from __future__ import annotations
 
+import argparse
 import re
 import sys
 from dataclasses import dataclass, field
@@ -102,6 +112,64 @@ def past_midnight(procs: list[Process]) -> None:
             p.shared[:] = [(a + day, b + day, what) for a, b, what in p.shared]
 
 
+def cut_at(procs: list[Process], end: float) -> list[Process]:
+    """The processes as they stood at ``end`` (clock seconds): those started by then, each span
+    clipped to it and those begun after it dropped; a wait or hold under way at ``end`` counts
+    up to it, as a cut run's logs would have shown (less its closing line)."""
+
+    def clip(spans: list[Span]) -> list[Span]:
+        return [(a, min(b, end)) for a, b in spans if a < end]
+
+    kept = []
+    for p in procs:
+        if p.start >= end:
+            continue
+        q = Process(p.name, p.start, min(p.end, end))
+        q.waits, q.alone = clip(p.waits), clip(p.alone)
+        q.quiet_waits, q.host_waits = clip(p.quiet_waits), clip(p.host_waits)
+        q.shared = [(a, min(b, end), what) for a, b, what in p.shared if a < end]
+        kept.append(q)
+    return kept
+
+
+def read_host_load(path: Path, t0: float) -> list[tuple[float, float, float]]:
+    """``host_load.txt``'s samples as (clock seconds, busy share, runnable threads per CPU),
+    a sample stamped past midnight moved a day on where the run began before it; lines that
+    do not parse (a sampler killed mid-line) are skipped."""
+    day = 86400.0
+    samples = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        parts = line.split()
+        try:
+            at, busy = _seconds(parts[0]), float(parts[1])
+            runnable, cpus = int(parts[2]), int(parts[3])
+        except (IndexError, ValueError):
+            continue
+        if at < t0 - day / 2:
+            at += day
+        samples.append((at, busy, runnable / cpus if cpus else 0.0))
+    return samples
+
+
+def host_load(samples: list[tuple[float, float, float]], t0: float, t1: float) -> str | None:
+    """One line on the host's CPUs over the run's span, or None without a sample in it."""
+    inside = [s for s in samples if t0 <= s[0] <= t1]
+    if not inside:
+        return None
+    busy = sorted(s[1] for s in inside)
+    per_cpu = sorted(s[2] for s in inside)
+    full = sum(1 for b in busy if b >= FULL) / len(busy)
+    return (
+        f"Host CPUs ({len(inside)} samples): {sum(busy) / len(busy):.0%} busy on average, "
+        f"{FULL:.0%} or more for {full:.0%} of the run; runnable threads per CPU: median "
+        f"{per_cpu[len(per_cpu) // 2]:.1f}, most {per_cpu[-1]:.1f}\n"
+    )
+
+
+FULL = 0.9
+"""A host whose CPUs are this busy has none to spare for another compile."""
+
+
 def overlap(span: Span, others: list[Span]) -> float:
     """Seconds of ``span`` covered by the union of ``others``."""
     cut = sorted(
@@ -115,7 +183,7 @@ def overlap(span: Span, others: list[Span]) -> float:
     return total
 
 
-def main(root: Path) -> int:
+def main(root: Path, until: float | None = None) -> int:
     procs: list[Process] = []
     skipped = 0
     for log in sorted(root.glob("*/profiler_output/*.log")):
@@ -137,6 +205,8 @@ def main(root: Path) -> int:
         return 1
     past_midnight(procs)
     t0 = min(p.start for p in procs)
+    if until is not None:
+        procs = cut_at(procs, t0 + until)
     t1 = max(p.end for p in procs)
     every_alone = [s for p in procs for s in p.alone]
     busy = overlap((t0, t1), every_alone)
@@ -144,6 +214,10 @@ def main(root: Path) -> int:
         f"{len(procs)} stage processes over {t1 - t0:.0f} s; the GPU held alone (measuring) "
         f"for {busy:.0f} s of it ({busy / (t1 - t0):.0%})\n"
     )
+    load = root / "host_load.txt"
+    line = host_load(read_host_load(load, t0), t0, t1) if load.is_file() else None
+    if line is not None:
+        print(line)
     idle = overlap((t0, t1), [s for p in procs for s in p.quiet_waits])
     hushed = overlap((t0, t1), [s for p in procs for s in p.host_waits])
     print(
@@ -208,7 +282,12 @@ def shared_holds(procs: list[Process]) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
-        print(__doc__, file=sys.stderr)
-        sys.exit(2)
-    sys.exit(main(Path(sys.argv[1])))
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("out_dir", type=Path, help="a run's --opprof-out folder")
+    parser.add_argument(
+        "--until", type=float, help="only the run's first UNTIL seconds, from its first process"
+    )
+    args = parser.parse_args()
+    sys.exit(main(args.out_dir, args.until))

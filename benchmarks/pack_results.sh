@@ -6,10 +6,11 @@
 #
 # SRC is a folder that gpu_session.sh wrote under $OUT (results.tar.xz, env.txt, pytest.log,
 # summary.json, summary.md); DEST the run's folder, benchmarks/results/<session>/<run>. Packed
-# into DEST: the run's env, log, summaries, session.json, stage JUnit and wall time, and per
-# workload its stage logs. Unless `lean`, also its workload_summary.json, validation_report.json,
-# and gzipped (`name.gz`, as summarize.py reads them) its profiles, optimizations.json and
-# backend_selection.json. Traces, plots and generated code stay out.
+# into DEST: the run's env, log, summaries, session.json, stage JUnit, wall time and host CPU
+# samples (host_load.txt), and per workload its stage logs. Unless `lean`, also its
+# workload_summary.json, validation_report.json, and gzipped (`name.gz`, as summarize.py reads
+# them) its profiles, optimizations.json and backend_selection.json. Traces, plots and
+# generated code stay out.
 #
 # Where DEST is under this repository's benchmarks/results/, the packed run is then committed to
 # the orphan `results` branch at that path (publish_results.sh; main's index is not touched),
@@ -31,7 +32,7 @@ tar -C "$tmp" -xJf "$src/results.tar.xz"
 work=$(find "$tmp" -mindepth 1 -maxdepth 1 -type d | head -1)
 mkdir -p "$dest"
 for f in env.txt pytest.log summary.json summary.md; do cp "$src/$f" "$dest/"; done
-for f in opprof-junit.xml session.json wall_seconds.txt; do
+for f in opprof-junit.xml session.json wall_seconds.txt host_load.txt; do
   if [ -f "$work/$f" ]; then cp "$work/$f" "$dest/"; fi
 done
 for d in "$work"/*/; do

@@ -64,8 +64,13 @@ def _wait(name: str, tmp_path: Path, **env: str) -> Path:
 
 
 def test_a_wait_cut_short_brings_back_the_logs_so_far(running: tuple[str, Path]) -> None:
-    got = _wait(*running)
-    assert (got / "logs-so-far.tar.xz").is_file()
+    name, tmp_path = running
+    (tmp_path / "work" / "host_load.txt").write_text("21:27:30.000000 0.950 20 16\n")
+    got = _wait(name, tmp_path)
+    with tarfile.open(got / "logs-so-far.tar.xz") as packed:
+        names = packed.getnames()
+    assert "work/conv_block/profiler_output/capture.log" in names
+    assert "work/host_load.txt" in names  # the host's CPUs, beside the stage logs
     assert not (got / "partial").exists()  # only where asked
 
 

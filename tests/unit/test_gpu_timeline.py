@@ -177,3 +177,61 @@ def test_long_shared_holds_are_summed_by_what_they_were(
         "| Inductor's benchmark_choice | 2 | 4.0 | 2.5 |",
         "| freezing | 1 | 4.0 | 4.0 |",
     ]
+
+
+def _two_processes(folder: Path) -> None:
+    """a measures 2-4 s and b waits behind it 1-4 s, then b measures 6-9 s (clock 10:00:00)."""
+    from pytest_opprof import devicelock
+
+    _log(
+        folder,
+        "a",
+        "capture",
+        [
+            "[opprof] +    0.0 s  started at 10:00:00.000 UTC",
+            f"[opprof] +    4.0 s  {devicelock.MEASURED} 2.00 s",
+        ],
+    )
+    _log(
+        folder,
+        "b",
+        "capture",
+        [
+            "[opprof] +    0.0 s  started at 10:00:00.000 UTC",
+            "[opprof] +    4.0 s  had the GPU after 3.0 s",
+            f"[opprof] +    9.0 s  {devicelock.MEASURED} 3.00 s",
+        ],
+    )
+
+
+def test_until_reads_a_run_as_it_stood_at_that_second(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run cut short (the machine taken back) beside a whole one: the same first seconds of
+    each. A measurement under way at the cut counts up to it."""
+    _two_processes(tmp_path)
+    tl = _timeline()
+    assert tl.main(tmp_path, until=7.0) == 0
+    out = capsys.readouterr().out
+    assert "2 stage processes over 7 s; the GPU held alone (measuring) for 3 s" in out
+    assert tl.main(tmp_path) == 0
+    assert "over 9 s; the GPU held alone (measuring) for 5 s" in capsys.readouterr().out
+
+
+def test_the_host_s_cpus_beside_the_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """host_load.txt's samples inside the run's span (10:00:00-10:00:09) are summed; the one
+    before it, and a line cut mid-write, are not."""
+    _two_processes(tmp_path)
+    (tmp_path / "host_load.txt").write_text(
+        "09:59:58.000000 0.100 1 16\n"
+        "10:00:02.000000 0.950 40 16\n"
+        "10:00:04.000000 1.000 32 16\n"
+        "10:00:06.000000 0.500 8 16\n"
+        "10:00:08.000000 0.97\n"
+    )
+    assert _timeline().main(tmp_path) == 0
+    out = capsys.readouterr().out
+    assert (
+        "Host CPUs (3 samples): 82% busy on average, 90% or more for 67% of the run; "
+        "runnable threads per CPU: median 2.0, most 2.5" in out
+    )
