@@ -20,6 +20,7 @@ written, so a run stopped at any point keeps what was sampled. It runs until kil
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from datetime import datetime, timezone
@@ -93,11 +94,8 @@ def main(argv: list[str] | None = None) -> int:
     if not STAT.exists():
         print(f"host_load: no {STAT} on this host; the run goes on unsampled", file=sys.stderr)
         return 0
-    with args.out_file.open("a", encoding="utf-8") as out:
-        try:
-            run(out, args.every)
-        except KeyboardInterrupt:
-            pass
+    with args.out_file.open("a", encoding="utf-8") as out, contextlib.suppress(KeyboardInterrupt):
+        run(out, args.every)
     return 0
 
 
