@@ -44,6 +44,10 @@ HUSHED = re.compile(rf"^{re.escape(devicelock.QUIETED)} ([\d.]+) s$")
 """The same wait holding nothing of the GPU (``devicelock.QUIETED``)."""
 MEASURED = re.compile(rf"^{re.escape(devicelock.MEASURED)} ([\d.]+) s$")
 SHARED = re.compile(rf"^{re.escape(devicelock.SHARED)} ([\d.]+) s: (.*)$")
+HELD_BACK = re.compile(rf"^{re.escape(devicelock.COMPILES_AGAIN)} ([\d.]+) s$")
+"""A compile's wait at the turnstile of a quiet measurement (``devicelock.COMPILES_AGAIN``)."""
+PAUSED = re.compile(rf"^{re.escape(devicelock.PAUSED)} (\d+) processes$")
+"""A quiet measurement that paused the compiles under way (``devicelock.PAUSED``)."""
 """A compile's long hold of the GPU shared (``devicelock.SHARED``): what drains wait for."""
 
 Span = tuple[float, float]
@@ -59,6 +63,8 @@ class Process:
     quiet_waits: list[Span] = field(default_factory=list)
     host_waits: list[Span] = field(default_factory=list)
     shared: list[tuple[float, float, str]] = field(default_factory=list)  # span, what
+    held_back: list[Span] = field(default_factory=list)  # compiles behind a quiet measurement
+    paused: list[tuple[float, int]] = field(default_factory=list)  # when, processes stopped
 
 
 def _seconds(clock: str) -> float:
@@ -91,6 +97,12 @@ def read(log: Path, name: str) -> Process | None:
             w = pattern.match(what)
             if w is not None:
                 spans.append((at - float(w.group(1)), at))
+        back = HELD_BACK.match(what)
+        if back is not None:
+            proc.held_back.append((at - float(back.group(1)), at))
+        stopped = PAUSED.match(what)
+        if stopped is not None:
+            proc.paused.append((at, int(stopped.group(1))))
         held = SHARED.match(what)
         if held is not None:
             proc.shared.append((at - float(held.group(1)), at, held.group(2)))
@@ -107,9 +119,10 @@ def past_midnight(procs: list[Process]) -> None:
         if p.start < day / 2:
             p.start += day
             p.end += day
-            for spans in (p.waits, p.alone, p.quiet_waits, p.host_waits):
+            for spans in (p.waits, p.alone, p.quiet_waits, p.host_waits, p.held_back):
                 spans[:] = [(a + day, b + day) for a, b in spans]
             p.shared[:] = [(a + day, b + day, what) for a, b, what in p.shared]
+            p.paused[:] = [(t + day, n) for t, n in p.paused]
 
 
 def cut_at(procs: list[Process], end: float) -> list[Process]:
@@ -128,6 +141,8 @@ def cut_at(procs: list[Process], end: float) -> list[Process]:
         q.waits, q.alone = clip(p.waits), clip(p.alone)
         q.quiet_waits, q.host_waits = clip(p.quiet_waits), clip(p.host_waits)
         q.shared = [(a, min(b, end), what) for a, b, what in p.shared if a < end]
+        q.held_back = clip(p.held_back)
+        q.paused = [(t, n) for t, n in p.paused if t < end]
         kept.append(q)
     return kept
 
@@ -225,6 +240,14 @@ def main(root: Path, until: float | None = None) -> int:
         f"{idle:.0f} s; quiet measurements waiting for them holding nothing of the GPU: "
         f"{hushed:.0f} s\n"
     )
+    back = [s for p in procs for s in p.held_back]
+    pauses = [n for p in procs for _, n in p.paused]
+    if back or pauses:
+        print(
+            f"Compiles held back by a quiet measurement: {len(back)} waits, "
+            f"{sum(b - a for a, b in back):.0f} s in all; quiet measurements that paused the "
+            f"compiles under way: {len(pauses)}, {sum(pauses)} processes stopped in all\n"
+        )
     print(
         "| workload | ends at s | waited s | behind another process's measurement | behind a "
         "quiet wait | other (drains) |"

@@ -52,6 +52,19 @@ that a quiet measurer holds while it waits, so a stream of them cannot keep it w
 quiet measurers queued behind it measure before any compile starts again. Selection's
 measurements, which compare two calls round by round, do not wait for it.
 
+Waiting for the compiles to end, a quiet measurement waited for the longest stretch of CPU work
+under way on the host (a max-autotune compile's, minutes), and the compiles that reached the
+turnstile meanwhile stood idle behind it (docs/design-notes.md#pausing-the-compiles). So where
+the host allows, a quiet measurement pauses them instead (:meth:`DeviceLock.pause_compiles`,
+the default; ``OPPROF_QUIET=wait`` keeps the wait): with the GPU to itself, it takes
+``path.cpu.turn`` (no compile starts), then stops with ``SIGSTOP`` every process that holds
+``path.cpu`` (each says so by a file in ``path.cpu.d`` for the span), its process group with
+it (Inductor's compile workers), and continues them once it has measured. A stopped process
+holds nothing of the GPU, nor anything the measurement waits on, so the pause cannot close a
+cycle of waits. A guardian process continues them too, should the measurer die, and after
+:data:`MAX_PAUSE_S` whatever happens. Where a compile's process cannot be stopped (another
+user's) the measurement waits for the compiles as before.
+
 A recapture's timing processes run side by side on one CPU slice (:data:`OWN_CPUS_ENV` is not
 theirs alone), so each of their measurements must run beside no compile of the others. Holding
 the GPU shared through their compiles did that, but it held every other process's measurement
@@ -70,6 +83,7 @@ import os
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 try:
     import fcntl
@@ -89,6 +103,9 @@ QUIETED = "the host's compiles were done after"
 """Said, with the seconds waited, as a quiet measurement's wait for the host's compiles ends
 and it asks for the GPU. (Before that order, the wait came with the GPU held and was said as
 "the host was quiet after".)"""
+WAITING_TO_COMPILE = "waiting to compile: a quiet measurement has the host"
+COMPILES_AGAIN = "compiling again after"
+"""Said, with the seconds waited, as a compile passes the turnstile a quiet measurement held."""
 WAITING_SIBLINGS = "waiting for the compiles of this workload's sibling processes to end"
 MEASURED = "let go of the GPU, held to itself for"
 """Said as a measurement ends, with its seconds: with the waits, and the wall clock each stage
@@ -96,6 +113,13 @@ log starts with, a run's logs say who had the GPU when (``benchmarks/gpu_timelin
 SHARED = "held the GPU shared inside a compile for"
 """Said, with its seconds and what it was, as a hold of :func:`on_gpu` of ``SHARED_NOTE_S`` or
 more ends: what a measurer's wait drained behind (``benchmarks/gpu_timeline.py``)."""
+QUIET_ENV = "OPPROF_QUIET"
+"""``wait``: a quiet measurement waits for the host's compiles to end, not pausing them."""
+PAUSED = "paused the host's compiles for the measurement:"
+"""Said, with the number of processes, as a quiet measurement pauses the compiles under way."""
+MAX_PAUSE_S = 120.0
+"""The longest a pause lasts: the guardian continues the compiles after it even if the
+measurement goes on (its figures then beside them, as under a lock without pausing)."""
 SHARED_NOTE_S = 0.25
 """Shorter holds are too many to say; one max-autotune choice's step is longer
 (docs/design-notes.md#autotuning-holds)."""
@@ -116,6 +140,8 @@ class DeviceLock:
         self._want = _open_shared(path.with_name(path.name + ".want"))
         self._cpu = _open_shared(path.with_name(path.name + ".cpu"))
         self._cpu_turn = _open_shared(path.with_name(path.name + ".cpu.turn"))
+        self._compiles = path.with_name(path.name + ".cpu.d")
+        self._entry: Path | None = None
         self.held: str | None = None
         self.waited_s = 0.0
         self.alone_s = 0.0
@@ -245,14 +271,45 @@ class DeviceLock:
 
     def compiling(self) -> None:
         """Off the GPU: hold ``path.cpu`` shared, after any quiet measurement under way or
-        waiting (its turnstile)."""
+        waiting (its turnstile); this process is listed in ``path.cpu.d`` from before the
+        turnstile, so a quiet measurement that takes the turnstile next finds it (and may
+        pause it, holding nothing of the GPU) until :meth:`compiled`."""
         t0 = time.perf_counter()
-        _pass_turnstile(self._cpu_turn)
-        fcntl.flock(self._cpu, fcntl.LOCK_SH)
+        if self._entry is None:
+            self._entry = _listed(self._compiles)
+        if not (_passed_at_once(self._cpu_turn) and _took_at_once(self._cpu, fcntl.LOCK_SH)):
+            if self.note is not None:
+                self.note(WAITING_TO_COMPILE)
+            _pass_turnstile(self._cpu_turn)
+            fcntl.flock(self._cpu, fcntl.LOCK_SH)
+            if self.note is not None:
+                self.note(f"{COMPILES_AGAIN} {time.perf_counter() - t0:.1f} s")
         self.waited_s += time.perf_counter() - t0
 
     def compiled(self) -> None:
+        _unlisted(self._entry)  # first: a process listed never holds or waits for the GPU
+        self._entry = None
         fcntl.flock(self._cpu, fcntl.LOCK_UN)
+
+    def pause_compiles(self) -> Paused | None:
+        """Holding the GPU alone, for a quiet measurement: no compile starts (``path.cpu.turn``
+        held) and every one under way is stopped until :meth:`Paused.resume`. None where one
+        could not be stopped (another user's process): the caller then waits for them
+        (:meth:`quiet`), nothing paused and the turnstile let go of."""
+        fcntl.flock(self._cpu_turn, fcntl.LOCK_EX)
+        targets = _compiling_processes(self._compiles)
+        paused = Paused(self, targets or [])
+        try:
+            if targets is None:
+                raise PermissionError("CPU work that is not to be stopped is under way")
+            paused.stop()
+        except OSError:  # not ours to stop, or no guardian: wait for them instead
+            paused.resume()
+            return None
+        self.is_quiet = True
+        if targets and self.note is not None:
+            self.note(f"{PAUSED} {len(targets)} processes")
+        return paused
 
     def go_aside(self) -> None:
         """Holding nothing of the GPU, start CPU-only work (a compile): the siblings' lock
@@ -303,6 +360,8 @@ class DeviceLock:
 
     def close(self) -> None:
         self.release()
+        _unlisted(self._entry)
+        self._entry = None
         for fd in (self._main, self._turn, self._want, self._cpu, self._cpu_turn):
             os.close(fd)
         if self._siblings is not None:
@@ -337,6 +396,25 @@ def _take_in_turn(turn: int, fd: int, mode: int) -> None:
         fcntl.flock(turn, fcntl.LOCK_UN)
 
 
+def _passed_at_once(fd: int) -> bool:
+    """Pass the turnstile ``fd`` if nobody holds it; False (not passed) where somebody does."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    fcntl.flock(fd, fcntl.LOCK_UN)
+    return True
+
+
+def _took_at_once(fd: int, mode: int) -> bool:
+    """Take ``fd`` in ``mode`` if nobody holds it against that; False (not taken) otherwise."""
+    try:
+        fcntl.flock(fd, mode | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return False
+    return True
+
+
 def _pass_turnstile(fd: int) -> None:
     """Wait until nobody holds the turnstile ``fd`` (a waiting writer), holding it no longer."""
     fcntl.flock(fd, fcntl.LOCK_EX)
@@ -349,6 +427,146 @@ def _open_shared(path: Path) -> int:
     with contextlib.suppress(OSError):  # another user's file: theirs to set, already 0o666
         os.fchmod(fd, 0o666)
     return fd
+
+
+class Paused:
+    """The compiles a quiet measurement stopped (:meth:`DeviceLock.pause_compiles`): each
+    target a pid, or minus a process group's id where the process leads its own group (a
+    stage process, with its compile workers), as ``os.kill`` takes them."""
+
+    def __init__(self, lock: DeviceLock, targets: list[int]) -> None:
+        self.lock = lock
+        self.targets = targets
+        self._guardian: Any = None
+
+    def stop(self) -> None:
+        """Start the guardian, then stop every target (a target gone is skipped); raises
+        PermissionError where one may not be signalled, the ones before it stopped."""
+        import signal
+
+        if not self.targets:
+            return
+        self._guardian = _guardian(self.targets)
+        for target in self.targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(target, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        """Continue the targets, let the guardian go and open the turnstile to compiles."""
+        import signal
+
+        for target in self.targets:
+            with contextlib.suppress(OSError):
+                os.kill(target, signal.SIGCONT)
+        if self._guardian is not None:
+            with contextlib.suppress(OSError):
+                self._guardian.stdin.close()  # it wakes, continues them again, and exits
+            with contextlib.suppress(Exception):
+                self._guardian.wait(timeout=5)
+            self._guardian = None
+        self.lock.is_quiet = False
+        fcntl.flock(self.lock._cpu_turn, fcntl.LOCK_UN)
+
+
+_GUARDIAN = """import os, select, signal, sys
+select.select([sys.stdin], [], [], float(sys.argv[1]))
+for target in sys.argv[2:]:
+    try:
+        os.kill(int(target), signal.SIGCONT)
+    except OSError:
+        pass
+"""
+"""Waits until its stdin closes (the measurer let go of it, or died) or ``MAX_PAUSE_S``,
+then continues the targets."""
+
+
+def _guardian(targets: list[int]) -> Any:
+    """A process of its own session that continues ``targets`` should this one die
+    mid-pause: a stopped process cannot continue itself, and would hold its stage until the
+    stage's timeout."""
+    import subprocess
+    import sys
+
+    argv = [sys.executable, "-S", "-c", _GUARDIAN, str(MAX_PAUSE_S), *map(str, targets)]
+    return subprocess.Popen(argv, stdin=subprocess.PIPE, start_new_session=True, close_fds=True)
+
+
+def _start_time(pid: int) -> str | None:
+    """The process's start time since boot (``/proc/PID/stat``'s 22nd field): with the pid,
+    it names one process, not a later one given the same pid; None where there is none."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rfind(")") + 2 :].split()
+    return fields[19] if len(fields) > 19 else None
+
+
+WAIT_FOR = "wait"
+"""The suffix of a listing a quiet measurement waits for rather than pauses."""
+
+
+def _listed(folder: Path, suffix: str = "") -> Path | None:
+    """List this process in ``folder`` as compiling (``PID-STARTTIME[-SUFFIX]``, an empty file
+    created at once); None where it cannot be (no ``/proc``, a folder it cannot write): a
+    quiet measurement then does not find it, as before this list."""
+    pid = os.getpid()
+    start = _start_time(pid)
+    if start is None:
+        return None
+    try:
+        if not folder.is_dir():
+            folder.mkdir(exist_ok=True)
+            with contextlib.suppress(OSError):  # every user's compiles are listed here
+                folder.chmod(0o1777)
+        entry = folder / (f"{pid}-{start}-{suffix}" if suffix else f"{pid}-{start}")
+        os.close(os.open(entry, os.O_WRONLY | os.O_CREAT, 0o666))
+    except OSError:
+        return None
+    return entry
+
+
+def _unlisted(entry: Path | None) -> None:
+    if entry is not None:
+        with contextlib.suppress(OSError):
+            entry.unlink()
+
+
+def _compiling_processes(folder: Path) -> list[int] | None:
+    """The processes listed in ``folder`` (this one aside) as ``os.kill`` targets: a process
+    that leads its own group (a stage process) as the group, with its compile workers; one in
+    this process's group as itself. An entry whose process is gone, or whose pid a later
+    process has, is removed. None where one is listed as CPU work to wait for, not stop
+    (:func:`host_work`: a fork server's import, done for another process)."""
+    try:
+        entries = list(folder.iterdir())
+    except OSError:
+        return []
+    mine = os.getpgid(0)
+    targets = []
+    for entry in entries:
+        pid_s, _, start = entry.name.partition("-")
+        if not pid_s.isdigit() or int(pid_s) == os.getpid():
+            continue
+        start, _, kind = start.partition("-")
+        if kind == WAIT_FOR and _start_time(int(pid_s)) == start:
+            return None
+        pid = int(pid_s)
+        if _start_time(pid) != start:
+            _unlisted(entry)
+            continue
+        try:
+            group = os.getpgid(pid)
+        except OSError:
+            continue
+        targets.append(-pid if group == pid and group != mine else pid)
+    return targets
+
+
+def pausing() -> bool:
+    """Whether a quiet measurement pauses the host's compiles (:data:`QUIET_ENV` not ``wait``,
+    and a ``/proc`` to name them by)."""
+    return os.environ.get(QUIET_ENV, "pause") != "wait" and Path("/proc/self/stat").exists()
 
 
 _LOCK: DeviceLock | None = None
@@ -400,13 +618,23 @@ def measuring(*, share_after: bool = True, quiet: bool = False) -> Iterator[None
         yield
         return
     apart = lock.siblings_apart()
+    paused: Paused | None = None
+    waited_quiet = False
     try:
-        if quiet:  # the host's compiles first, holding nothing of the GPU (the order of the locks)
+        if quiet and pausing() and lock.held != "exclusive":
+            lock.exclusive()  # the GPU first: the pause waits for nobody
+            paused = lock.pause_compiles()
+        if quiet and paused is None:
+            # the host's compiles end first, holding nothing of the GPU (the order of the
+            # locks), unless held alone already
             lock.quiet()
+            waited_quiet = True
         lock.exclusive()
         yield
     finally:
-        if quiet:
+        if paused is not None:
+            paused.resume()
+        elif waited_quiet:
             lock.unquiet()
         if apart:
             lock._siblings_unlock()
@@ -520,12 +748,16 @@ def host_work() -> Iterator[None]:
         turn = _open_shared(Path(path + ".cpu.turn"))
     except OSError:
         turn = None
+    # Listed, so that a quiet measurement that would pause the compiles waits instead: the
+    # work is another process's, which this one cannot name.
+    entry = _listed(Path(path + ".cpu.d"), WAIT_FOR)
     try:
         if turn is not None:  # after the quiet measurers waiting
             _pass_turnstile(turn)
         fcntl.flock(fd, fcntl.LOCK_SH)
         yield
     finally:
+        _unlisted(entry)
         os.close(fd)  # lets go of the lock with it
         if turn is not None:
             os.close(turn)

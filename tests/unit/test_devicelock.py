@@ -4,6 +4,7 @@ and a dead holder never blocks the GPU. Real processes on a real ``flock``."""
 from __future__ import annotations
 
 import fcntl
+import functools
 import itertools
 import os
 import signal
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -835,3 +837,225 @@ def test_a_measurement_within_a_compile_holds_the_gpu_alone_then_goes_aside_agai
     finally:
         lock.close()
         monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+# A compile off the GPU that never ends on its own: it and a child of its process group (as
+# Inductor's compile workers are) each write a tick to the log every 20 ms. It leads its own
+# process group, as a stage process does.
+COMPILER = (
+    PRELUDE
+    + """
+import subprocess
+child = subprocess.Popen([sys.executable, "-c", '''
+import sys, time
+while True:
+    with open(sys.argv[1], "a") as fh:
+        fh.write(f"worker tick {time.time():.4f}\\\\n")
+    time.sleep(0.02)
+''', log])
+with devicelock.off_gpu(lambda: None):
+    note("compiling")
+    while True:
+        note("tick")
+        time.sleep(0.02)
+"""
+)
+
+# Measures quietly for a minute; says when it has the GPU and the host.
+QUIET_MEASURER = (
+    PRELUDE
+    + """
+with devicelock.measuring(quiet=True):
+    note("measure")
+    time.sleep(60)
+"""
+)
+
+
+def _ticks(log: Path, who: str) -> list[float]:
+    if not log.exists():
+        return []
+    return [
+        float(t)
+        for name, event, t in (line.split() for line in log.read_text().splitlines())
+        if name == who and event == "tick"
+    ]
+
+
+def _ticked_after(log: Path, who: str, t: float) -> bool:
+    return any(tick > t for tick in _ticks(log, who))
+
+
+def _until(check: Callable[[], bool], seconds: float = 20.0) -> bool:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if check():
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def _compiler(path: Path, log: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, devicelock.LOCK_ENV: str(path)}
+    argv = [sys.executable, "-c", COMPILER, "c", str(log)]
+    proc = subprocess.Popen(argv, env=env, text=True, start_new_session=True)
+    if not _until(lambda: len(_ticks(log, "c")) > 3 and len(_ticks(log, "worker")) > 3):
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        pytest.fail("the compiler did not start ticking")
+    return proc
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="names processes by /proc")
+def test_a_quiet_measurement_pauses_the_compiles_under_way_and_continues_them(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """It does not wait for a compile that would not end: it stops the compile's process and
+    its compile workers for the measurement, and they go on after it."""
+    monkeypatch.delenv(devicelock.QUIET_ENV, raising=False)
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    path, log = tmp_path / "gpu.lock", tmp_path / "log"
+    compiler = _compiler(path, log)
+    notes: list[str] = []
+    try:
+        monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
+        lock = devicelock.join(notes.append)
+        assert lock is not None
+        inside, spans = threading.Event(), []
+
+        def measure() -> None:
+            with devicelock.measuring(quiet=True):
+                inside.set()
+                time.sleep(0.2)  # a tick under way when the pause came has ended
+                start = time.time()
+                time.sleep(0.6)
+                spans.append((start, time.time(), devicelock.quiet_now()))
+
+        measurer = threading.Thread(target=measure, daemon=True)
+        measurer.start()
+        assert inside.wait(5)  # not at the compile's end: it has none
+        measurer.join(10)
+        ((start, end, quiet),) = spans
+        assert quiet
+        assert f"{devicelock.PAUSED} 1 processes" in notes
+        for who in ("c", "worker"):
+            assert _until(functools.partial(_ticked_after, log, who, end))  # going on again
+            assert not [t for t in _ticks(log, who) if start <= t <= end], who
+        assert not devicelock.quiet_now()
+    finally:
+        os.killpg(compiler.pid, signal.SIGKILL)
+        compiler.wait(10)
+        if devicelock._LOCK is not None:
+            devicelock._LOCK.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="names processes by /proc")
+def test_a_measurer_that_dies_mid_pause_leaves_no_compile_stopped(tmp_path: Path) -> None:
+    """A stopped process cannot continue itself: the measurer's guardian continues it."""
+    path, log = tmp_path / "gpu.lock", tmp_path / "log"
+    compiler = _compiler(path, log)
+    measurer = _spawn(QUIET_MEASURER, path, log, "m")
+    try:
+        assert _until(lambda: "m measure" in log.read_text())
+        time.sleep(0.3)
+        paused_at = time.time()
+        assert not [t for t in _ticks(log, "c") if t > paused_at]
+        measurer.kill()
+        measurer.wait(10)
+        died = time.time()
+        assert _until(functools.partial(_ticked_after, log, "c", died), 10)
+        assert _until(functools.partial(_ticked_after, log, "worker", died), 10)
+    finally:
+        measurer.kill()
+        os.killpg(compiler.pid, signal.SIGKILL)
+        compiler.wait(10)
+
+
+def test_with_quiet_wait_a_quiet_measurement_waits_for_the_compiles_instead(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """OPPROF_QUIET=wait: the compile under way ends before the measurement starts."""
+    monkeypatch.setenv(devicelock.QUIET_ENV, "wait")
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    path = tmp_path / "gpu.lock"
+    compiler = DeviceLock(path)
+    compiler.compiling()
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
+    lock = devicelock.join()
+    assert lock is not None
+    ended: list[float] = []
+
+    def end_compile() -> None:
+        time.sleep(0.5)
+        ended.append(time.monotonic())
+        compiler.compiled()
+
+    ender = threading.Thread(target=end_compile)
+    ender.start()
+    try:
+        with devicelock.measuring(quiet=True):
+            assert ended and time.monotonic() >= ended[0]
+    finally:
+        ender.join(10)
+        compiler.close()
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="names processes by /proc")
+def test_a_fork_servers_import_is_waited_for_not_paused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """``host_work`` holds the host for CPU work another process does (a fork server's
+    import): a quiet measurement cannot name that process, so it waits for the work."""
+    monkeypatch.delenv(devicelock.QUIET_ENV, raising=False)
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    path, log = tmp_path / "gpu.lock", tmp_path / "log"
+    script = PRELUDE.replace("devicelock.join()\n", "") + (
+        "with devicelock.host_work():\n"
+        "    note('importing')\n"
+        "    time.sleep(1.0)\n"
+        "    note('imported')\n"
+    )
+    importer = _spawn(script, path, log, "server")
+    try:
+        assert _until(lambda: log.exists() and "server importing" in log.read_text())
+        monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
+        lock = devicelock.join()
+        assert lock is not None
+        with devicelock.measuring(quiet=True):
+            measured = time.time()
+        assert measured >= _events(log)[("server", "imported")]
+        assert importer.wait(10) == 0
+    finally:
+        importer.kill()
+        if devicelock._LOCK is not None:
+            devicelock._LOCK.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+def test_a_compile_held_back_by_a_quiet_measurement_says_how_long(tmp_path: Path) -> None:
+    """Its stage log shows the wait, which holds nothing of the GPU's lock (not a wait for
+    the GPU: gpu_timeline.py would not see it otherwise)."""
+    path = tmp_path / "gpu.lock"
+    measurer, compiler = DeviceLock(path), DeviceLock(path)
+    notes: list[str] = []
+    compiler.note = notes.append
+    compiler.compiling()  # nobody in the way: nothing said
+    compiler.compiled()
+    assert notes == []
+    measurer.quiet()
+    waiter = threading.Thread(target=compiler.compiling)
+    waiter.start()
+    time.sleep(0.4)
+    try:
+        assert notes == [devicelock.WAITING_TO_COMPILE]
+    finally:
+        measurer.unquiet()
+        waiter.join(10)
+    assert notes[1].startswith(devicelock.COMPILES_AGAIN)
+    assert float(notes[1].split()[-2]) >= 0.3
+    compiler.compiled()
+    measurer.close()
+    compiler.close()

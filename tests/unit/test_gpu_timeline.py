@@ -235,3 +235,37 @@ def test_the_host_s_cpus_beside_the_run(tmp_path: Path, capsys: pytest.CaptureFi
         "Host CPUs (3 samples): 82% busy on average, 90% or more for 67% of the run; "
         "runnable threads per CPU: median 2.0, most 2.5" in out
     )
+
+
+def test_compiles_held_back_and_pauses_are_counted(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A quiet measurement's pause of the compiles, and a compile's wait behind one, as the
+    stage logs say them (``devicelock.PAUSED``, ``devicelock.COMPILES_AGAIN``)."""
+    from pytest_opprof import devicelock
+
+    _log(
+        tmp_path,
+        "a",
+        "recapture",
+        [
+            "[opprof] +    0.0 s  started at 10:00:00.000 UTC",
+            f"[opprof] +    1.0 s  {devicelock.PAUSED} 3 processes",
+            f"[opprof] +    4.0 s  {devicelock.MEASURED} 3.00 s",
+        ],
+    )
+    _log(
+        tmp_path,
+        "b",
+        "stock",
+        [
+            "[opprof] +    0.0 s  started at 10:00:00.000 UTC",
+            f"[opprof] +    2.0 s  {devicelock.WAITING_TO_COMPILE}",
+            f"[opprof] +    4.0 s  {devicelock.COMPILES_AGAIN} 2.0 s",
+        ],
+    )
+    assert _timeline().main(tmp_path) == 0
+    assert (
+        "Compiles held back by a quiet measurement: 1 waits, 2 s in all; quiet measurements "
+        "that paused the compiles under way: 1, 3 processes stopped in all"
+    ) in capsys.readouterr().out
