@@ -612,7 +612,9 @@ def measuring(*, share_after: bool = True, quiet: bool = False) -> Iterator[None
     shared again after it, or, with ``share_after=False``, released: for a measurement after
     which the process does no GPU work until it calls :func:`resume` (or none at all), so it
     does not wait for the measurers queued behind it to share again. ``quiet``: a measurement
-    whose figures are reported, which also waits until no process compiles off the GPU."""
+    whose figures are reported, which runs beside no compile on the host either: with the GPU
+    to itself it pauses them (:func:`pausing`), or, where it may not, it first waits for them
+    to end, holding nothing of the GPU."""
     lock = _LOCK
     if lock is None:
         yield
