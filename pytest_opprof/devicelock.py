@@ -63,7 +63,8 @@ it (Inductor's compile workers), and continues them once it has measured. A stop
 holds nothing of the GPU, nor anything the measurement waits on, so the pause cannot close a
 cycle of waits. A guardian process continues them too, should the measurer die, and after
 :data:`MAX_PAUSE_S` whatever happens. Where a compile's process cannot be stopped (another
-user's) the measurement waits for the compiles as before.
+user's), or holds ``path.cpu`` without being listed (``/proc/locks``), the measurement waits
+for the compiles as before.
 
 A recapture's timing processes run side by side on one CPU slice (:data:`OWN_CPUS_ENV` is not
 theirs alone), so each of their measurements must run beside no compile of the others. Holding
@@ -300,7 +301,7 @@ class DeviceLock:
         targets = _compiling_processes(self._compiles)
         paused = Paused(self, targets or [])
         try:
-            if targets is None:
+            if targets is None or _unlisted_holders(self._cpu, targets):
                 raise PermissionError("CPU work that is not to be stopped is under way")
             paused.stop()
         except OSError:  # not ours to stop, or no guardian: wait for them instead
@@ -488,7 +489,14 @@ def _guardian(targets: list[int]) -> Any:
     import sys
 
     argv = [sys.executable, "-S", "-c", _GUARDIAN, str(MAX_PAUSE_S), *map(str, targets)]
-    return subprocess.Popen(argv, stdin=subprocess.PIPE, start_new_session=True, close_fds=True)
+    return subprocess.Popen(
+        argv,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,  # not the stage log's pipe, which it would hold open
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        close_fds=True,  # nor the locks: a lock's file open in it would outlive the measurer
+    )
 
 
 def _start_time(pid: int) -> str | None:
@@ -561,6 +569,28 @@ def _compiling_processes(folder: Path) -> list[int] | None:
             continue
         targets.append(-pid if group == pid and group != mine else pid)
     return targets
+
+
+def _unlisted_holders(fd: int, targets: list[int]) -> bool:
+    """Whether a process that is not among ``targets`` (nor this one) holds ``fd``'s file
+    locked, by ``/proc/locks``: CPU work a pause would leave running (a session of an older
+    version, a process that holds the file without listing itself). True where the table
+    cannot be read: nothing then says the host is quiet but the wait."""
+    st = os.fstat(fd)
+    where = f"{os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x}:{st.st_ino}"
+    known = {abs(t) for t in targets} | {os.getpid()}
+    try:
+        table = Path("/proc/locks").read_text()
+    except OSError:
+        return True
+    for line in table.splitlines():
+        fields = line.split()
+        if len(fields) < 6 or fields[1] == "->":  # a waiter, not a holder
+            continue
+        pid, file = fields[4], fields[5]
+        if file == where and pid.isdigit() and int(pid) not in known:
+            return True
+    return False
 
 
 def pausing() -> bool:

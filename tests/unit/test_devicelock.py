@@ -1059,3 +1059,38 @@ def test_a_compile_held_back_by_a_quiet_measurement_says_how_long(tmp_path: Path
     compiler.compiled()
     measurer.close()
     compiler.close()
+
+
+@pytest.mark.skipif(not Path("/proc/locks").exists(), reason="reads /proc/locks")
+def test_a_compile_that_did_not_list_itself_is_waited_for(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A process that holds the host's compile lock without listing itself (a session of an
+    older version) is CPU work a pause would leave running: the measurement waits for it."""
+    monkeypatch.delenv(devicelock.QUIET_ENV, raising=False)
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    path, log = tmp_path / "gpu.lock", tmp_path / "log"
+    DeviceLock(path).close()  # the lock's files
+    script = PRELUDE.replace("devicelock.join()\n", "") + (
+        "import fcntl, os\n"
+        f"fd = os.open({str(path) + '.cpu'!r}, os.O_RDWR)\n"
+        "fcntl.flock(fd, fcntl.LOCK_SH)\n"
+        "note('holding')\n"
+        "time.sleep(1.0)\n"
+        "note('released')\n"
+    )
+    holder = _spawn(script, path, log, "old")
+    try:
+        assert _until(lambda: log.exists() and "old holding" in log.read_text())
+        monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
+        lock = devicelock.join()
+        assert lock is not None
+        with devicelock.measuring(quiet=True):
+            measured = time.time()
+        assert measured >= _events(log)[("old", "released")]
+        assert holder.wait(10) == 0
+    finally:
+        holder.kill()
+        if devicelock._LOCK is not None:
+            devicelock._LOCK.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
