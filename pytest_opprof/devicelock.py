@@ -348,6 +348,13 @@ class DeviceLock:
         self.release()
         self.share()  # after the measurers
 
+    def give_back(self) -> None:
+        """Let go of the GPU held alone without having measured: no note, no time alone."""
+        if self.held == "exclusive":
+            fcntl.flock(self._main, fcntl.LOCK_UN)
+            fcntl.flock(self._want, fcntl.LOCK_UN)
+            self.held = None
+
     def release(self) -> None:
         if self.held is not None:
             fcntl.flock(self._main, fcntl.LOCK_UN)
@@ -656,6 +663,8 @@ def measuring(*, share_after: bool = True, quiet: bool = False) -> Iterator[None
         if quiet and pausing() and lock.held != "exclusive":
             lock.exclusive()  # the GPU first: the pause waits for nobody
             paused = lock.pause_compiles()
+            if paused is None:  # not paused: the GPU given back for the wait, measuring nothing
+                lock.give_back()
         if quiet and paused is None:
             # the host's compiles end first, holding nothing of the GPU (the order of the
             # locks), unless held alone already

@@ -1066,7 +1066,9 @@ def test_a_compile_that_did_not_list_itself_is_waited_for(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """A process that holds the host's compile lock without listing itself (a session of an
-    older version) is CPU work a pause would leave running: the measurement waits for it."""
+    older version) is CPU work a pause would leave running: the measurement waits for it,
+    holding nothing of the GPU meanwhile (another measurement has it at once), and says one
+    measurement, not two."""
     monkeypatch.delenv(devicelock.QUIET_ENV, raising=False)
     monkeypatch.setattr(devicelock, "_LOCK", None)
     path, log = tmp_path / "gpu.lock", tmp_path / "log"
@@ -1083,11 +1085,27 @@ def test_a_compile_that_did_not_list_itself_is_waited_for(
     try:
         assert _until(lambda: log.exists() and "old holding" in log.read_text())
         monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
-        lock = devicelock.join()
+        notes: list[str] = []
+        lock = devicelock.join(notes.append)
         assert lock is not None
-        with devicelock.measuring(quiet=True):
-            measured = time.time()
-        assert measured >= _events(log)[("old", "released")]
+        measured: list[float] = []
+
+        def measure() -> None:
+            with devicelock.measuring(quiet=True):
+                measured.append(time.time())
+
+        measurer = threading.Thread(target=measure)
+        measurer.start()
+        assert _until(lambda: devicelock.WAITING_QUIET in notes, 5)
+        gpu = os.open(path, os.O_RDWR)
+        try:  # the GPU is free while the measurer waits for the host
+            fcntl.flock(gpu, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(gpu, fcntl.LOCK_UN)
+        finally:
+            os.close(gpu)
+        measurer.join(10)
+        assert measured and measured[0] >= _events(log)[("old", "released")]
+        assert sum(n.startswith(devicelock.MEASURED) for n in notes) == 1
         assert holder.wait(10) == 0
     finally:
         holder.kill()
