@@ -34,6 +34,8 @@ done
   nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
   command -v ncu && ncu --version | tail -1
+  # how quiet measurements kept the host quiet (docs/design-notes.md#pausing-the-compiles)
+  echo "OPPROF_QUIET=${OPPROF_QUIET:-pause}"
 } > "$OUT/env.txt" 2>&1
 # Kept between calls on a machine still warm, so a later call resumes from the stage cache;
 # OPPROF_FRESH=1 starts over. OPPROF_WORK names another folder, so that two runs (say -n 2 and
