@@ -295,7 +295,8 @@ class DeviceLock:
     def pause_compiles(self) -> Paused | None:
         """Holding the GPU alone, for a quiet measurement: no compile starts (``path.cpu.turn``
         held) and every one under way is stopped until :meth:`Paused.resume`. None where one
-        could not be stopped (another user's process): the caller then waits for them
+        could not be stopped (another user's process), holds ``path.cpu`` unlisted, or is
+        listed to be waited for (:func:`host_work`): the caller then waits for them
         (:meth:`quiet`), nothing paused and the turnstile let go of."""
         fcntl.flock(self._cpu_turn, fcntl.LOCK_EX)
         targets = _compiling_processes(self._compiles)
