@@ -26,11 +26,13 @@ Logs without the wall clock (runs before 2026-12-03's 32af259) are skipped, said
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import re
 import sys
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 from pytest_opprof import devicelock
 
@@ -147,6 +149,17 @@ def cut_at(procs: list[Process], end: float) -> list[Process]:
     return kept
 
 
+def _host_load() -> Any:
+    """benchmarks/host_load.py, beside this file (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(
+        "host_load", Path(__file__).with_name("host_load.py")
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def read_host_load(path: Path, t0: float) -> list[tuple[float, float, float]]:
     """``host_load.txt``'s samples as (clock seconds, busy share, runnable threads per CPU),
     a sample stamped past midnight moved a day on where the run began before it; lines that
@@ -154,11 +167,13 @@ def read_host_load(path: Path, t0: float) -> list[tuple[float, float, float]]:
     day = 86400.0
     samples = []
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        parts = line.split()
+        sample = _host_load().parse_line(line)
+        if sample is None:
+            continue
+        clock, busy, runnable, cpus = sample
         try:
-            at, busy = _seconds(parts[0]), float(parts[1])
-            runnable, cpus = int(parts[2]), int(parts[3])
-        except (IndexError, ValueError):
+            at = _seconds(clock)
+        except ValueError:
             continue
         if at < t0 - day / 2:
             at += day

@@ -69,6 +69,24 @@ def sample_line(before: Ticks, after: Ticks, at: datetime) -> str:
     return f"{at:%H:%M:%S.%f} {busy:.3f} {after.runnable} {after.cpus}"
 
 
+def parse_line(line: str) -> tuple[str, float, int, int] | None:
+    """A written line as (clock, busy share, runnable threads, CPUs); None for a line that
+    does not parse (the sampler stopped mid-line)."""
+    parts = line.split()
+    try:
+        return parts[0], float(parts[1]), int(parts[2]), int(parts[3])
+    except (IndexError, ValueError):
+        return None
+
+
+def mean_busy(path: Path) -> float | None:
+    """The busy share averaged over a file's samples; None without one."""
+    if not path.is_file():
+        return None
+    busy = [x[1] for x in map(parse_line, path.read_text(encoding="utf-8").splitlines()) if x]
+    return sum(busy) / len(busy) if busy else None
+
+
 def run(out: TextIO, every: float, stat: Path = STAT, samples: int | None = None) -> None:
     """Append a line to ``out`` every ``every`` seconds (``samples`` lines, or until killed)."""
     before = read_stat(stat.read_text())

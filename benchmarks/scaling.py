@@ -41,13 +41,18 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _summarize() -> Any:
-    """benchmarks/summarize.py, which reads the stage JUnit and the stage logs."""
-    spec = importlib.util.spec_from_file_location("summarize", ROOT / "benchmarks" / "summarize.py")
+def _benchmark_module(name: str) -> Any:
+    """benchmarks/NAME.py, loaded by path (benchmarks/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _summarize() -> Any:
+    """benchmarks/summarize.py, which reads the stage JUnit and the stage logs."""
+    return _benchmark_module("summarize")
 
 
 def suite_workloads(suite: str) -> list[Path]:
@@ -128,6 +133,11 @@ def run_point(
         "-q",
         *extra,
     ]
+    # the host's CPUs beside the run (benchmarks/host_load.py): a run bound by its compiles
+    # shows them full
+    sampler = subprocess.Popen(
+        [sys.executable, str(ROOT / "benchmarks" / "host_load.py"), str(folder / "host_load.txt")]
+    )
     start = time.monotonic()
     with open(folder / "pytest.log", "w", encoding="utf-8") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
@@ -141,6 +151,8 @@ def run_point(
                 proc.kill()
                 code = proc.wait()
     wall = time.monotonic() - start
+    sampler.terminate()
+    sampler.wait()
     return {
         "count": count,
         "workers": workers,
@@ -176,7 +188,12 @@ def measure_point(point: dict[str, Any], folder: Path) -> dict[str, Any]:
         "waiting_s": round(waiting, 1),
         "measuring_s": round(alone, 1),
         "measuring_share": round(alone / wall, 3) if wall > 0 else None,
+        "host_busy": _rounded(_benchmark_module("host_load").mean_busy(folder / "host_load.txt")),
     }
+
+
+def _rounded(share: float | None) -> float | None:
+    return None if share is None else round(share, 3)
 
 
 def with_growth(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -198,7 +215,7 @@ STAGES = ("capture", "propose", "backend", "validate", "recapture", "speedup")
 def markdown(points: list[dict[str, Any]], label: str) -> str:
     head = (
         "| workloads | -n | wall s | finished | s per added workload | GPU measuring "
-        "| waiting for the GPU (process-s) | " + " | ".join(STAGES) + " |"
+        "| waiting for the GPU (process-s) | host CPUs busy | " + " | ".join(STAGES) + " |"
     )
     lines = [
         f"Pipeline wall time by number of workloads ({label}; each run from empty Inductor "
@@ -206,7 +223,7 @@ def markdown(points: list[dict[str, Any]], label: str) -> str:
         "stage JUnit):",
         "",
         head,
-        "|" + "---|" * (7 + len(STAGES)),
+        "|" + "---|" * (8 + len(STAGES)),
     ]
     for p in points:
         share = p["measuring_share"]
@@ -218,6 +235,7 @@ def markdown(points: list[dict[str, Any]], label: str) -> str:
             "—" if p["per_added_s"] is None else f"{p['per_added_s']:.1f}",
             "—" if share is None else f"{p['measuring_s']:.0f} s ({share:.0%})",
             f"{p['waiting_s']:.0f}",
+            "—" if p.get("host_busy") is None else f"{p['host_busy']:.0%}",
             *(f"{p['stage_s'][s]:.0f}" if s in p["stage_s"] else "—" for s in STAGES),
         ]
         lines.append("| " + " | ".join(cells) + " |")

@@ -64,6 +64,10 @@ def test_the_table_counts_what_finished_and_the_gpu_s_measuring_share(tmp_path: 
         (folder / "opprof-junit.xml").write_text(
             JUNIT.format(cases="\n".join(cases)), encoding="utf-8"
         )
+        if count == 3:  # the host's CPUs over the run (benchmarks/host_load.py)
+            (folder / "host_load.txt").write_text(
+                "10:00:00.000000 0.900 20 16\n10:00:02.000000 0.700 12 16\n10:00:04.0"
+            )
         point = {"count": count, "workers": count, "workloads": names, "stopped": False}
         point["wall_s"] = 100.0 if count == 1 else 160.0
         points.append(tool.measure_point(point, folder))
@@ -74,7 +78,9 @@ def test_the_table_counts_what_finished_and_the_gpu_s_measuring_share(tmp_path: 
     assert three["stage_s"]["capture"] == 30.0  # 10 s for each of the three
     assert three["per_added_s"] is None  # one of them did not finish: no growth figure
     table = tool.markdown([one, three], "one GPU")
-    assert "| 3 | 3 | 160 | 2 of 3 | — | 6 s (4%) | 15 |" in table
+    assert one["host_busy"] is None and three["host_busy"] == 0.8
+    assert "| 1 | 1 | 100 | 1 of 1 | — | 2 s (2%) | 5 | — |" in table
+    assert "| 3 | 3 | 160 | 2 of 3 | — | 6 s (4%) | 15 | 80% |" in table
     points[1]["workloads"] = ["a", "b"]
     points[1]["count"] = 2
     points[1] = tool.measure_point({**points[1], "finished": []}, tmp_path / "n3")
