@@ -48,7 +48,7 @@ MEASURED = re.compile(rf"^{re.escape(devicelock.MEASURED)} ([\d.]+) s$")
 SHARED = re.compile(rf"^{re.escape(devicelock.SHARED)} ([\d.]+) s: (.*)$")
 HELD_BACK = re.compile(rf"^{re.escape(devicelock.COMPILES_AGAIN)} ([\d.]+) s$")
 """A compile's wait at the turnstile of a quiet measurement (``devicelock.COMPILES_AGAIN``)."""
-PAUSED = re.compile(rf"^{re.escape(devicelock.PAUSED)} (\d+) processes$")
+PAUSED = re.compile(rf"^{re.escape(devicelock.PAUSED)} (\d+) processes(?:, (\d+) .*)?$")
 """A quiet measurement that paused the compiles under way (``devicelock.PAUSED``)."""
 """A compile's long hold of the GPU shared (``devicelock.SHARED``): what drains wait for."""
 

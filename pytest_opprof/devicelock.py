@@ -59,7 +59,9 @@ the host allows, a quiet measurement pauses them instead (:meth:`DeviceLock.paus
 the default; ``OPPROF_QUIET=wait`` keeps the wait): with the GPU to itself, it takes
 ``path.cpu.turn`` (no compile starts), then stops with ``SIGSTOP`` every process that holds
 ``path.cpu`` (each says so by a file in ``path.cpu.d`` for the span), its process group with
-it (Inductor's compile workers), and continues them once it has measured. A stopped process
+it (Inductor's compile workers), and the compile workers of every other stage process on
+the GPU (listed in ``path.joined.d``: they compile ahead while their process waits), and
+continues them once it has measured. A stopped process
 holds nothing of the GPU, nor anything the measurement waits on, so the pause cannot close a
 cycle of waits. A guardian process continues them too, should the measurer die, and after
 :data:`MAX_PAUSE_S` whatever happens. Where a compile's process cannot be stopped (another
@@ -118,6 +120,8 @@ QUIET_ENV = "OPPROF_QUIET"
 """``wait``: a quiet measurement waits for the host's compiles to end, not pausing them."""
 PAUSED = "paused the host's compiles for the measurement:"
 """Said, with the number of processes, as a quiet measurement pauses the compiles under way."""
+WORKERS_PAUSED = "compile workers of processes waiting"
+"""Said after :data:`PAUSED`'s count: the other processes' compile workers it stopped."""
 MAX_PAUSE_S = 120.0
 """The longest a pause lasts: the guardian continues the compiles after it even if the
 measurement goes on (its figures then beside them, as under a lock without pausing)."""
@@ -143,6 +147,8 @@ class DeviceLock:
         self._cpu_turn = _open_shared(path.with_name(path.name + ".cpu.turn"))
         self._compiles = path.with_name(path.name + ".cpu.d")
         self._entry: Path | None = None
+        self._joined = path.with_name(path.name + ".joined.d")
+        self._joined_entry: Path | None = None
         self.held: str | None = None
         self.waited_s = 0.0
         self.alone_s = 0.0
@@ -300,7 +306,10 @@ class DeviceLock:
         (:meth:`quiet`), nothing paused and the turnstile let go of."""
         fcntl.flock(self._cpu_turn, fcntl.LOCK_EX)
         targets = _compiling_processes(self._compiles)
-        paused = Paused(self, targets or [])
+        workers = []
+        if targets is not None:
+            workers = _workers_of(self._joined, {-t for t in targets if t < 0})
+        paused = Paused(self, (targets or []) + workers)
         try:
             if targets is None or _unlisted_holders(self._cpu, targets):
                 raise PermissionError("CPU work that is not to be stopped is under way")
@@ -309,8 +318,8 @@ class DeviceLock:
             paused.resume()
             return None
         self.is_quiet = True
-        if targets and self.note is not None:
-            self.note(f"{PAUSED} {len(targets)} processes")
+        if paused.targets and self.note is not None:
+            self.note(f"{PAUSED} {len(targets or [])} processes, {len(workers)} {WORKERS_PAUSED}")
         return paused
 
     def go_aside(self) -> None:
@@ -370,7 +379,8 @@ class DeviceLock:
     def close(self) -> None:
         self.release()
         _unlisted(self._entry)
-        self._entry = None
+        _unlisted(self._joined_entry)
+        self._entry = self._joined_entry = None
         for fd in (self._main, self._turn, self._want, self._cpu, self._cpu_turn):
             os.close(fd)
         if self._siblings is not None:
@@ -548,35 +558,70 @@ def _unlisted(entry: Path | None) -> None:
             entry.unlink()
 
 
-def _compiling_processes(folder: Path) -> list[int] | None:
-    """The processes listed in ``folder`` (this one aside) as ``os.kill`` targets: a process
-    that leads its own group (a stage process) as the group, with its compile workers; one in
-    this process's group as itself. An entry whose process is gone, or whose pid a later
-    process has, is removed. None where one is listed as CPU work to wait for, not stop
-    (:func:`host_work`: a fork server's import, done for another process)."""
+def _live_entries(folder: Path) -> list[tuple[int, str]]:
+    """The processes listed in ``folder``, this one aside, each as (pid, the listing's
+    suffix); an entry whose process is gone, or whose pid a later process has, is removed."""
     try:
         entries = list(folder.iterdir())
     except OSError:
         return []
-    mine = os.getpgid(0)
-    targets = []
+    live = []
     for entry in entries:
-        pid_s, _, start = entry.name.partition("-")
+        pid_s, _, rest = entry.name.partition("-")
+        start, _, kind = rest.partition("-")
         if not pid_s.isdigit() or int(pid_s) == os.getpid():
             continue
-        start, _, kind = start.partition("-")
-        if kind == WAIT_FOR and _start_time(int(pid_s)) == start:
-            return None
-        pid = int(pid_s)
-        if _start_time(pid) != start:
+        if _start_time(int(pid_s)) != start:
             _unlisted(entry)
             continue
+        live.append((int(pid_s), kind))
+    return live
+
+
+def _compiling_processes(folder: Path) -> list[int] | None:
+    """The processes listed in ``folder`` (this one aside) as ``os.kill`` targets: a process
+    that leads its own group (a stage process) as the group, with its compile workers; one in
+    this process's group as itself. None where one is listed as CPU work to wait for, not
+    stop (:func:`host_work`: a fork server's import, done for another process)."""
+    live = _live_entries(folder)
+    if any(kind == WAIT_FOR for _, kind in live):
+        return None
+    mine = os.getpgid(0)
+    targets = []
+    for pid, _ in live:
         try:
             group = os.getpgid(pid)
         except OSError:
             continue
         targets.append(-pid if group == pid and group != mine else pid)
     return targets
+
+
+def _workers_of(folder: Path, besides: set[int]) -> list[int]:
+    """The other members of the process groups led by the processes listed in ``folder`` (the
+    stage processes joined to the GPU's lock), groups in ``besides`` and this process's own
+    aside: their compile workers, which go on compiling ahead (Inductor's precompiling of an
+    op's choices) while their stage process waits for the GPU."""
+    mine = os.getpgid(0)
+    leaders = set()
+    for pid, _ in _live_entries(folder):
+        with contextlib.suppress(OSError):
+            if os.getpgid(pid) == pid and pid not in besides and pid != mine:
+                leaders.add(pid)
+    if not leaders:
+        return []
+    workers = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) in leaders:
+            continue
+        try:
+            stat = (proc / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()
+        if len(fields) > 2 and fields[2].isdigit() and int(fields[2]) in leaders:
+            workers.append(int(proc.name))
+    return workers
 
 
 def _unlisted_holders(fd: int, targets: list[int]) -> bool:
@@ -640,6 +685,8 @@ def join(
             if note is not None:
                 note(f"no lock with the sibling processes ({exc}): compiling on the GPU")
     lock.share()
+    # listed as a stage process on this GPU: a quiet measurement pauses its compile workers
+    lock._joined_entry = _listed(lock._joined)
     _LOCK = lock
     return lock
 

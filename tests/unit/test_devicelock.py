@@ -937,7 +937,7 @@ def test_a_quiet_measurement_pauses_the_compiles_under_way_and_continues_them(
         measurer.join(10)
         ((start, end, quiet),) = spans
         assert quiet
-        assert f"{devicelock.PAUSED} 1 processes" in notes
+        assert f"{devicelock.PAUSED} 1 processes, 0 {devicelock.WORKERS_PAUSED}" in notes
         for who in ("c", "worker"):
             assert _until(functools.partial(_ticked_after, log, who, end))  # going on again
             assert not [t for t in _ticks(log, who) if start <= t <= end], who
@@ -1109,6 +1109,62 @@ def test_a_compile_that_did_not_list_itself_is_waited_for(
         assert holder.wait(10) == 0
     finally:
         holder.kill()
+        if devicelock._LOCK is not None:
+            devicelock._LOCK.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+# A stage process on the GPU, not compiling (waiting): its compile worker, in its process
+# group, compiles ahead; it and the worker each write a tick every 20 ms.
+WAITING_WITH_WORKER = (
+    PRELUDE
+    + """
+import subprocess
+child = subprocess.Popen([sys.executable, "-c", '''
+import sys, time
+while True:
+    with open(sys.argv[1], "a") as fh:
+        fh.write(f"worker tick {time.time():.4f}\\\\n")
+    time.sleep(0.02)
+''', log])
+devicelock.let_go()  # holds nothing of the GPU, as while it waits for it
+while True:
+    note("tick")
+    time.sleep(0.02)
+"""
+)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="names processes by /proc")
+def test_a_pause_stops_the_compile_workers_of_a_process_that_waits(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A stage process that waits (not compiling) is not stopped, but its compile workers,
+    which go on compiling ahead, are, for the measurement."""
+    monkeypatch.delenv(devicelock.QUIET_ENV, raising=False)
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    path, log = tmp_path / "gpu.lock", tmp_path / "log"
+    env = {**os.environ, devicelock.LOCK_ENV: str(path)}
+    argv = [sys.executable, "-c", WAITING_WITH_WORKER, "c", str(log)]
+    stage = subprocess.Popen(argv, env=env, text=True, start_new_session=True)
+    notes: list[str] = []
+    try:
+        assert _until(lambda: len(_ticks(log, "c")) > 3 and len(_ticks(log, "worker")) > 3)
+        monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
+        lock = devicelock.join(notes.append)
+        assert lock is not None
+        with devicelock.measuring(quiet=True):
+            time.sleep(0.2)
+            start = time.time()
+            time.sleep(0.6)
+            end = time.time()
+        assert f"{devicelock.PAUSED} 0 processes, 1 {devicelock.WORKERS_PAUSED}" in notes
+        assert [t for t in _ticks(log, "c") if start <= t <= end]  # the process goes on
+        assert not [t for t in _ticks(log, "worker") if start <= t <= end]
+        assert _until(functools.partial(_ticked_after, log, "worker", end))
+    finally:
+        os.killpg(stage.pid, signal.SIGKILL)
+        stage.wait(10)
         if devicelock._LOCK is not None:
             devicelock._LOCK.close()
         monkeypatch.setattr(devicelock, "_LOCK", None)

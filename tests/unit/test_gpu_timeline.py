@@ -250,7 +250,7 @@ def test_compiles_held_back_and_pauses_are_counted(
         "recapture",
         [
             "[opprof] +    0.0 s  started at 10:00:00.000 UTC",
-            f"[opprof] +    1.0 s  {devicelock.PAUSED} 3 processes",
+            f"[opprof] +    1.0 s  {devicelock.PAUSED} 3 processes, 2 {devicelock.WORKERS_PAUSED}",
             f"[opprof] +    4.0 s  {devicelock.MEASURED} 3.00 s",
         ],
     )
