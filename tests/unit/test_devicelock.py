@@ -3,6 +3,7 @@ and a dead holder never blocks the GPU. Real processes on a real ``flock``."""
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import functools
 import itertools
@@ -1164,6 +1165,67 @@ def test_a_pause_stops_the_compile_workers_of_a_process_that_waits(
         assert _until(functools.partial(_ticked_after, log, "worker", end))
     finally:
         os.killpg(stage.pid, signal.SIGKILL)
+        stage.wait(10)
+        if devicelock._LOCK is not None:
+            devicelock._LOCK.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+# A stage process with CUDA in use, compiling off the GPU until told to stop, then using CUDA
+# again: a pause in between must leave its context working.
+CUDA_COMPILER = (
+    PRELUDE
+    + """
+import os, torch
+x = torch.ones(1 << 20, device="cuda")
+torch.cuda.synchronize()
+stop = log + ".stop"
+with devicelock.off_gpu(torch.cuda.synchronize):
+    while not os.path.exists(stop):
+        note("tick")
+        time.sleep(0.02)
+note(f"sum{int((x * 2).sum().item())}")
+"""
+)
+
+
+@pytest.mark.gpu
+def test_a_pause_leaves_a_cuda_process_working(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A process stopped while it compiles, CUDA initialised, goes on after the measurement
+    and its CUDA work runs right; the measurement's own CUDA work runs during the pause."""
+    import torch
+
+    monkeypatch.delenv(devicelock.QUIET_ENV, raising=False)
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    path, log = tmp_path / "gpu.lock", tmp_path / "log"
+    env = {**os.environ, devicelock.LOCK_ENV: str(path)}
+    argv = [sys.executable, "-c", CUDA_COMPILER, "c", str(log)]
+    stage = subprocess.Popen(argv, env=env, text=True, start_new_session=True)
+    notes: list[str] = []
+    try:
+        assert _until(lambda: len(_ticks(log, "c")) > 3, 60)
+        monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
+        lock = devicelock.join(notes.append)
+        assert lock is not None
+        a = torch.randn(1024, 1024, device="cuda")
+        with devicelock.measuring(quiet=True):
+            time.sleep(0.2)
+            start = time.time()
+            for _ in range(50):
+                a = a @ a / 1024
+            torch.cuda.synchronize()
+            time.sleep(0.3)
+            end = time.time()
+        assert any(n.startswith(f"{devicelock.PAUSED} 1 processes") for n in notes)
+        assert not [t for t in _ticks(log, "c") if start <= t <= end]
+        Path(str(log) + ".stop").write_text("")
+        assert stage.wait(60) == 0
+        assert f"c sum{2 << 20}" in log.read_text()
+    finally:
+        with contextlib.suppress(OSError):
+            os.killpg(stage.pid, signal.SIGKILL)
         stage.wait(10)
         if devicelock._LOCK is not None:
             devicelock._LOCK.close()
