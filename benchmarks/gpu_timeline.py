@@ -166,8 +166,9 @@ def read_host_load(path: Path, t0: float) -> list[tuple[float, float, float]]:
     do not parse (a sampler killed mid-line) are skipped."""
     day = 86400.0
     samples = []
+    parse_line = _host_load().parse_line
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        sample = _host_load().parse_line(line)
+        sample = parse_line(line)
         if sample is None:
             continue
         clock, busy, runnable, cpus = sample

@@ -284,7 +284,7 @@ class DeviceLock:
         t0 = time.perf_counter()
         if self._entry is None:
             self._entry = _listed(self._compiles)
-        if not (_passed_at_once(self._cpu_turn) and _took_at_once(self._cpu, fcntl.LOCK_SH)):
+        if not _take_at_once(self._cpu_turn, self._cpu, fcntl.LOCK_SH):
             if self.note is not None:
                 self.note(WAITING_TO_COMPILE)
             _pass_turnstile(self._cpu_turn)
@@ -306,20 +306,19 @@ class DeviceLock:
         (:meth:`quiet`), nothing paused and the turnstile let go of."""
         fcntl.flock(self._cpu_turn, fcntl.LOCK_EX)
         targets = _compiling_processes(self._compiles)
-        workers = []
-        if targets is not None:
-            workers = _workers_of(self._joined, {-t for t in targets if t < 0})
-        paused = Paused(self, (targets or []) + workers)
+        if targets is None or _unlisted_holders(self._cpu, targets):
+            fcntl.flock(self._cpu_turn, fcntl.LOCK_UN)
+            return None
+        workers = _workers_of(self._joined, {-t for t in targets if t < 0})
+        paused = Paused(self, targets + workers)
         try:
-            if targets is None or _unlisted_holders(self._cpu, targets):
-                raise PermissionError("CPU work that is not to be stopped is under way")
             paused.stop()
         except OSError:  # not ours to stop, or no guardian: wait for them instead
             paused.resume()
             return None
         self.is_quiet = True
         if paused.targets and self.note is not None:
-            self.note(f"{PAUSED} {len(targets or [])} processes, {len(workers)} {WORKERS_PAUSED}")
+            self.note(f"{PAUSED} {len(targets)} processes, {len(workers)} {WORKERS_PAUSED}")
         return paused
 
     def go_aside(self) -> None:
@@ -413,25 +412,6 @@ def _take_in_turn(turn: int, fd: int, mode: int) -> None:
         fcntl.flock(fd, mode)
     finally:
         fcntl.flock(turn, fcntl.LOCK_UN)
-
-
-def _passed_at_once(fd: int) -> bool:
-    """Pass the turnstile ``fd`` if nobody holds it; False (not passed) where somebody does."""
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    fcntl.flock(fd, fcntl.LOCK_UN)
-    return True
-
-
-def _took_at_once(fd: int, mode: int) -> bool:
-    """Take ``fd`` in ``mode`` if nobody holds it against that; False (not taken) otherwise."""
-    try:
-        fcntl.flock(fd, mode | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    return True
 
 
 def _pass_turnstile(fd: int) -> None:
@@ -528,6 +508,9 @@ def _start_time(pid: int) -> str | None:
     return fields[19] if len(fields) > 19 else None
 
 
+_OWN_START: dict[int, str | None] = {}
+"""This process's start time, by pid (a forked child has its own)."""
+
 WAIT_FOR = "wait"
 """The suffix of a listing a quiet measurement waits for rather than pauses."""
 
@@ -537,7 +520,9 @@ def _listed(folder: Path, suffix: str = "") -> Path | None:
     created at once); None where it cannot be (no ``/proc``, a folder it cannot write): a
     quiet measurement then does not find it, as before this list."""
     pid = os.getpid()
-    start = _start_time(pid)
+    if pid not in _OWN_START:  # a compile is listed thousands of times: read /proc once
+        _OWN_START[pid] = _start_time(pid)
+    start = _OWN_START[pid]
     if start is None:
         return None
     try:
@@ -706,7 +691,6 @@ def measuring(*, share_after: bool = True, quiet: bool = False) -> Iterator[None
         return
     apart = lock.siblings_apart()
     paused: Paused | None = None
-    waited_quiet = False
     try:
         if quiet and pausing() and lock.held != "exclusive":
             lock.exclusive()  # the GPU first: the pause waits for nobody
@@ -717,13 +701,12 @@ def measuring(*, share_after: bool = True, quiet: bool = False) -> Iterator[None
             # the host's compiles end first, holding nothing of the GPU (the order of the
             # locks), unless held alone already
             lock.quiet()
-            waited_quiet = True
         lock.exclusive()
         yield
     finally:
         if paused is not None:
             paused.resume()
-        elif waited_quiet:
+        elif quiet:
             lock.unquiet()
         if apart:
             lock._siblings_unlock()

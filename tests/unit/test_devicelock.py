@@ -13,7 +13,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -840,12 +840,9 @@ def test_a_measurement_within_a_compile_holds_the_gpu_alone_then_goes_aside_agai
         monkeypatch.setattr(devicelock, "_LOCK", None)
 
 
-# A compile off the GPU that never ends on its own: it and a child of its process group (as
-# Inductor's compile workers are) each write a tick to the log every 20 ms. It leads its own
-# process group, as a stage process does.
-COMPILER = (
-    PRELUDE
-    + """
+# A compile worker: a child in its stage process's group (as Inductor's are) that writes a
+# tick to the log every 20 ms.
+COMPILE_WORKER = """
 import subprocess
 child = subprocess.Popen([sys.executable, "-c", '''
 import sys, time
@@ -854,6 +851,14 @@ while True:
         fh.write(f"worker tick {time.time():.4f}\\\\n")
     time.sleep(0.02)
 ''', log])
+"""
+
+# A compile off the GPU that never ends on its own, with a compile worker; it writes a tick
+# every 20 ms too. It leads its own process group, as a stage process does.
+COMPILER = (
+    PRELUDE
+    + COMPILE_WORKER
+    + """
 with devicelock.off_gpu(lambda: None):
     note("compiling")
     while True:
@@ -896,6 +901,20 @@ def _until(check: Callable[[], bool], seconds: float = 20.0) -> bool:
     return False
 
 
+@pytest.fixture
+def pausing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
+    """A GPU lock for this process to join (:data:`devicelock.LOCK_ENV` names it), quiet
+    measurements pausing the compiles (the default); the lock it joins closed after."""
+    path = tmp_path / "gpu.lock"
+    monkeypatch.delenv(devicelock.QUIET_ENV, raising=False)
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+    monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
+    yield path
+    if devicelock._LOCK is not None:
+        devicelock._LOCK.close()
+    monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
 def _compiler(path: Path, log: Path) -> subprocess.Popen[str]:
     env = {**os.environ, devicelock.LOCK_ENV: str(path)}
     argv = [sys.executable, "-c", COMPILER, "c", str(log)]
@@ -909,17 +928,14 @@ def _compiler(path: Path, log: Path) -> subprocess.Popen[str]:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="names processes by /proc")
 def test_a_quiet_measurement_pauses_the_compiles_under_way_and_continues_them(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    pausing: Path, tmp_path: Path
 ) -> None:
     """It does not wait for a compile that would not end: it stops the compile's process and
     its compile workers for the measurement, and they go on after it."""
-    monkeypatch.delenv(devicelock.QUIET_ENV, raising=False)
-    monkeypatch.setattr(devicelock, "_LOCK", None)
-    path, log = tmp_path / "gpu.lock", tmp_path / "log"
+    path, log = pausing, tmp_path / "log"
     compiler = _compiler(path, log)
     notes: list[str] = []
     try:
-        monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
         lock = devicelock.join(notes.append)
         assert lock is not None
         inside, spans = threading.Event(), []
@@ -946,9 +962,6 @@ def test_a_quiet_measurement_pauses_the_compiles_under_way_and_continues_them(
     finally:
         os.killpg(compiler.pid, signal.SIGKILL)
         compiler.wait(10)
-        if devicelock._LOCK is not None:
-            devicelock._LOCK.close()
-        monkeypatch.setattr(devicelock, "_LOCK", None)
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="names processes by /proc")
@@ -1005,14 +1018,10 @@ def test_with_quiet_wait_a_quiet_measurement_waits_for_the_compiles_instead(
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="names processes by /proc")
-def test_a_fork_servers_import_is_waited_for_not_paused(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_a_fork_servers_import_is_waited_for_not_paused(pausing: Path, tmp_path: Path) -> None:
     """``host_work`` holds the host for CPU work another process does (a fork server's
     import): a quiet measurement cannot name that process, so it waits for the work."""
-    monkeypatch.delenv(devicelock.QUIET_ENV, raising=False)
-    monkeypatch.setattr(devicelock, "_LOCK", None)
-    path, log = tmp_path / "gpu.lock", tmp_path / "log"
+    path, log = pausing, tmp_path / "log"
     script = PRELUDE.replace("devicelock.join()\n", "") + (
         "with devicelock.host_work():\n"
         "    note('importing')\n"
@@ -1022,7 +1031,6 @@ def test_a_fork_servers_import_is_waited_for_not_paused(
     importer = _spawn(script, path, log, "server")
     try:
         assert _until(lambda: log.exists() and "server importing" in log.read_text())
-        monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
         lock = devicelock.join()
         assert lock is not None
         with devicelock.measuring(quiet=True):
@@ -1031,9 +1039,6 @@ def test_a_fork_servers_import_is_waited_for_not_paused(
         assert importer.wait(10) == 0
     finally:
         importer.kill()
-        if devicelock._LOCK is not None:
-            devicelock._LOCK.close()
-        monkeypatch.setattr(devicelock, "_LOCK", None)
 
 
 def test_a_compile_held_back_by_a_quiet_measurement_says_how_long(tmp_path: Path) -> None:
@@ -1063,16 +1068,12 @@ def test_a_compile_held_back_by_a_quiet_measurement_says_how_long(tmp_path: Path
 
 
 @pytest.mark.skipif(not Path("/proc/locks").exists(), reason="reads /proc/locks")
-def test_a_compile_that_did_not_list_itself_is_waited_for(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_a_compile_that_did_not_list_itself_is_waited_for(pausing: Path, tmp_path: Path) -> None:
     """A process that holds the host's compile lock without listing itself (a session of an
     older version) is CPU work a pause would leave running: the measurement waits for it,
     holding nothing of the GPU meanwhile (another measurement has it at once), and says one
     measurement, not two."""
-    monkeypatch.delenv(devicelock.QUIET_ENV, raising=False)
-    monkeypatch.setattr(devicelock, "_LOCK", None)
-    path, log = tmp_path / "gpu.lock", tmp_path / "log"
+    path, log = pausing, tmp_path / "log"
     DeviceLock(path).close()  # the lock's files
     script = PRELUDE.replace("devicelock.join()\n", "") + (
         "import fcntl, os\n"
@@ -1085,7 +1086,6 @@ def test_a_compile_that_did_not_list_itself_is_waited_for(
     holder = _spawn(script, path, log, "old")
     try:
         assert _until(lambda: log.exists() and "old holding" in log.read_text())
-        monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
         notes: list[str] = []
         lock = devicelock.join(notes.append)
         assert lock is not None
@@ -1110,24 +1110,14 @@ def test_a_compile_that_did_not_list_itself_is_waited_for(
         assert holder.wait(10) == 0
     finally:
         holder.kill()
-        if devicelock._LOCK is not None:
-            devicelock._LOCK.close()
-        monkeypatch.setattr(devicelock, "_LOCK", None)
 
 
 # A stage process on the GPU, not compiling (waiting): its compile worker, in its process
 # group, compiles ahead; it and the worker each write a tick every 20 ms.
 WAITING_WITH_WORKER = (
     PRELUDE
+    + COMPILE_WORKER
     + """
-import subprocess
-child = subprocess.Popen([sys.executable, "-c", '''
-import sys, time
-while True:
-    with open(sys.argv[1], "a") as fh:
-        fh.write(f"worker tick {time.time():.4f}\\\\n")
-    time.sleep(0.02)
-''', log])
 devicelock.let_go()  # holds nothing of the GPU, as while it waits for it
 while True:
     note("tick")
@@ -1138,20 +1128,17 @@ while True:
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="names processes by /proc")
 def test_a_pause_stops_the_compile_workers_of_a_process_that_waits(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    pausing: Path, tmp_path: Path
 ) -> None:
     """A stage process that waits (not compiling) is not stopped, but its compile workers,
     which go on compiling ahead, are, for the measurement."""
-    monkeypatch.delenv(devicelock.QUIET_ENV, raising=False)
-    monkeypatch.setattr(devicelock, "_LOCK", None)
-    path, log = tmp_path / "gpu.lock", tmp_path / "log"
+    path, log = pausing, tmp_path / "log"
     env = {**os.environ, devicelock.LOCK_ENV: str(path)}
     argv = [sys.executable, "-c", WAITING_WITH_WORKER, "c", str(log)]
     stage = subprocess.Popen(argv, env=env, text=True, start_new_session=True)
     notes: list[str] = []
     try:
         assert _until(lambda: len(_ticks(log, "c")) > 3 and len(_ticks(log, "worker")) > 3)
-        monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
         lock = devicelock.join(notes.append)
         assert lock is not None
         with devicelock.measuring(quiet=True):
@@ -1166,9 +1153,6 @@ def test_a_pause_stops_the_compile_workers_of_a_process_that_waits(
     finally:
         os.killpg(stage.pid, signal.SIGKILL)
         stage.wait(10)
-        if devicelock._LOCK is not None:
-            devicelock._LOCK.close()
-        monkeypatch.setattr(devicelock, "_LOCK", None)
 
 
 # A stage process with CUDA in use, compiling off the GPU until told to stop, then using CUDA
@@ -1190,23 +1174,18 @@ note(f"sum{int((x * 2).sum().item())}")
 
 
 @pytest.mark.gpu
-def test_a_pause_leaves_a_cuda_process_working(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
+def test_a_pause_leaves_a_cuda_process_working(pausing: Path, tmp_path: Path) -> None:
     """A process stopped while it compiles, CUDA initialised, goes on after the measurement
     and its CUDA work runs right; the measurement's own CUDA work runs during the pause."""
     import torch
 
-    monkeypatch.delenv(devicelock.QUIET_ENV, raising=False)
-    monkeypatch.setattr(devicelock, "_LOCK", None)
-    path, log = tmp_path / "gpu.lock", tmp_path / "log"
+    path, log = pausing, tmp_path / "log"
     env = {**os.environ, devicelock.LOCK_ENV: str(path)}
     argv = [sys.executable, "-c", CUDA_COMPILER, "c", str(log)]
     stage = subprocess.Popen(argv, env=env, text=True, start_new_session=True)
     notes: list[str] = []
     try:
         assert _until(lambda: len(_ticks(log, "c")) > 3, 60)
-        monkeypatch.setenv(devicelock.LOCK_ENV, str(path))
         lock = devicelock.join(notes.append)
         assert lock is not None
         a = torch.randn(1024, 1024, device="cuda")
@@ -1227,6 +1206,3 @@ def test_a_pause_leaves_a_cuda_process_working(
         with contextlib.suppress(OSError):
             os.killpg(stage.pid, signal.SIGKILL)
         stage.wait(10)
-        if devicelock._LOCK is not None:
-            devicelock._LOCK.close()
-        monkeypatch.setattr(devicelock, "_LOCK", None)
