@@ -311,6 +311,8 @@ def _run_stages(ns: argparse.Namespace, options: OpprofOptions, stages: Sequence
     for path in ns.workloads:
         spec = _spec(path)
         name = session.workload(spec).name
+        # every stage before the last asked for runs too (OpprofSession.run)
+        session.workload(spec).planned = frozenset(STAGES[: max(map(STAGES.index, stages)) + 1])
         for stage in stages:
             print(f"[{name}] {stage} …", flush=True)
             outcome = session.run(spec, stage)

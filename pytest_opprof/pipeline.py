@@ -118,6 +118,12 @@ class WorkloadRun:
     hook: Any = field(default=None, repr=False)
     """The ``pytest_opprof_*`` hooks that apply to this workload (pytest's hook proxy for its
     path, so conftests apply by folder); ``None``: the plugin's own implementations only."""
+    planned: frozenset[str] = frozenset()
+    """The stages this session runs for this workload (its selected items; the ``opprof``
+    command's stages): a stage may start the next one's work ahead only where that one runs
+    (``stages.recapture.start_ahead``). Empty where nobody said."""
+    ahead: dict[str, Any] = field(default_factory=dict, repr=False)
+    """Work a stage started for a later one, by the later stage's name, for it to take up."""
     _decided: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property

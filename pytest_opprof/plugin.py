@@ -216,6 +216,24 @@ def pytest_collection_modifyitems(
     items[:] = [item for i in longest_first(names, seconds) for item in groups[parents[i]]]
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Each workload's run learns which of its stages this session runs: those of its items
+    left after ``-k``, ``-m`` and the rest, and every stage before them, which a selected item
+    runs first (``OpprofSession.run``). A stage starts a later one's work ahead only where that
+    one runs (``WorkloadRun.planned``)."""
+    config = session.config
+    if SESSION_KEY not in config.stash:
+        return
+    opprof = config.stash[SESSION_KEY]
+    last: dict[Any, int] = {}
+    for item in session.items:
+        if isinstance(item, StageItem) and isinstance(item.parent, WorkloadFile):
+            at = STAGES.index(item.stage)
+            last[item.parent] = max(at, last.get(item.parent, at))
+    for parent, at in last.items():
+        opprof.workload(parent.spec, parent.ihook).planned = frozenset(STAGES[: at + 1])
+
+
 class StageFailure(Exception):
     """A stage's user-facing message; shown without a traceback."""
 

@@ -63,6 +63,11 @@ class ChildSpec(Model):
         description="counters_target's: the GPU's lock file, which it joins only for its GPU "
         "work (its parent, the capture, holds nothing of it meanwhile)",
     )
+    gate: str | None = Field(
+        default=None,
+        description="the recapture's, started beside validation: a file it waits for before "
+        "timing, which holds the sha256 validation passed (empty where it did not)",
+    )
     profile_name: str = "profile.json"
     timeline_iters: int = 3
     counters_labels: list[str] = Field(default_factory=list)

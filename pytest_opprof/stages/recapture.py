@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import tempfile
 import time
 from collections.abc import Callable
@@ -61,43 +62,13 @@ def run(run: WorkloadRun) -> str:
     if report.overall != "READY_FOR_PROFILING":
         raise StageBlocked(f"blocked by validate: {report.message}")
     digest = validated_digest(run, report)
-    baseline = read_artifact(run.out_dir / "profile.json", Profile).capture_metadata
-    processes = timing_processes(run, baseline.device_type)
-    together = processes > 1 and side_by_side(baseline, processes)
-    fresh = bool(run.setting("fresh_timing"))
-    generated = str(run.generated.resolve())
-    with tempfile.TemporaryDirectory(prefix="opprof-retime-") as tmp:
-        if together:
-            # Each process compiles while the others do; they measure one at a time, none
-            # beside another's compile (the siblings' lock: devicelock).
-            siblings = Path(tmp) / "siblings.lock"
-            pool = ThreadPoolExecutor(processes - 1)
-            pending = [
-                pool.submit(_retime_one, run, i, Path(tmp), digest, siblings=siblings, fresh=fresh)
-                for i in range(1, processes)
-            ]
-            try:
-                run.run_child(
-                    "recapture",
-                    "recapture",
-                    generated=generated,
-                    sha256=digest,
-                    shares_cpus=True,
-                    compile_pool=tunes_anew(run),
-                    siblings_lock=str(siblings),
-                )
-            except BaseException as exc:
-                # A failed recapture waits for its timing processes (none outlives its stage
-                # or its folder); an interrupt does not (the session's end stops them).
-                pool.shutdown(wait=not isinstance(exc, KeyboardInterrupt), cancel_futures=True)
-                raise
-            replicas = [f.result() for f in pending]
-            pool.shutdown()
-        else:
-            run.run_child("recapture", "recapture", generated=generated, sha256=digest)
-            replicas = [
-                _retime_one(run, i, Path(tmp), digest, fresh=fresh) for i in range(1, processes)
-            ]
+    ahead = run.ahead.pop(NAME, None)
+    if isinstance(ahead, Ahead) and ahead.digest == digest:
+        timed = ahead.timed()  # started while validate ran: its error is this stage's
+    else:
+        with tempfile.TemporaryDirectory(prefix="opprof-retime-") as tmp:
+            timed = _timed(run, digest, Path(tmp))
+    replicas, processes, together = timed
     path = run.out_dir / "profile_optimized.json"
     prof = read_artifact(path, Profile)
     if processes > 1:
@@ -117,6 +88,144 @@ def run(run: WorkloadRun) -> str:
         return f"optimized {opt.median_ms:.4f} ms{also}"
     how = "side by side" if together else "one after another"
     return f"optimized {opt.median_ms:.4f} ms ({opt.processes} processes, {how}){also}"
+
+
+Timed = tuple[list[Replica | str], int, bool]
+"""The timing processes past the first (their rounds, or why one failed), how many processes
+timed, and whether side by side."""
+
+
+def _timed(run: WorkloadRun, digest: str, folder: Path, gate: Path | None = None) -> Timed:
+    """The recapture's timing processes, run in ``folder``: the recapture's own (which writes
+    ``profile_optimized.json``) and the ones past it (``_retime_one``). With ``gate``, each
+    waits there before it times (:func:`_await_validation`)."""
+    baseline = read_artifact(run.out_dir / "profile.json", Profile).capture_metadata
+    processes = timing_processes(run, baseline.device_type)
+    together = processes > 1 and side_by_side(baseline, processes)
+    fresh = bool(run.setting("fresh_timing"))
+    generated = str(run.generated.resolve())
+    awaits = str(gate) if gate is not None else None
+    if not together:
+        run.run_child("recapture", "recapture", generated=generated, sha256=digest, gate=awaits)
+        replicas = [
+            _retime_one(run, i, folder, digest, fresh=fresh, gate=gate) for i in range(1, processes)
+        ]
+        return replicas, processes, together
+    # Each process compiles while the others do; they measure one at a time, none beside
+    # another's compile (the siblings' lock: devicelock).
+    siblings = folder / "siblings.lock"
+    pool = ThreadPoolExecutor(processes - 1)
+    pending = [
+        pool.submit(_retime_one, run, i, folder, digest, siblings=siblings, fresh=fresh, gate=gate)
+        for i in range(1, processes)
+    ]
+    try:
+        run.run_child(
+            "recapture",
+            "recapture",
+            generated=generated,
+            sha256=digest,
+            shares_cpus=True,
+            compile_pool=tunes_anew(run),
+            siblings_lock=str(siblings),
+            gate=awaits,
+        )
+    except BaseException as exc:
+        # A failed recapture waits for its timing processes (none outlives its stage or its
+        # folder); an interrupt does not (the session's end stops them).
+        pool.shutdown(wait=not isinstance(exc, KeyboardInterrupt), cancel_futures=True)
+        raise
+    replicas = [f.result() for f in pending]
+    pool.shutdown()
+    return replicas, processes, together
+
+
+class Ahead:
+    """The recapture started while validate runs (:func:`start_ahead`): its processes import
+    the generated file and compile it (the longest part of the stage, Inductor's caches
+    answering) beside the validation, and wait before they time until validate opens the gate
+    (:meth:`open`) with the sha256 it passed. Nothing is timed that validation did not pass,
+    byte for byte (``_await_validation``); where it blocked the file, they end untimed."""
+
+    def __init__(self, run: WorkloadRun, digest: str) -> None:
+        self.digest = digest
+        self.folder = Path(tempfile.mkdtemp(prefix="opprof-retime-"))
+        self.gate = self.folder / "validated"
+        pool = ThreadPoolExecutor(1, thread_name_prefix=f"opprof-recapture-{run.name}")
+        self._future = pool.submit(self._run, run)
+        pool.shutdown(wait=False)
+
+    def _run(self, run: WorkloadRun) -> Timed:
+        try:
+            return _timed(run, self.digest, self.folder, self.gate)
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+    def open(self, validated: str) -> None:
+        """Let the processes time, where ``validated`` (the sha256 validation passed; empty
+        where it blocked the file or did not finish) is the file they compiled; else end them."""
+        write_text_atomic(self.gate, validated)
+
+    def timed(self) -> Timed:
+        """What :func:`_timed` returned, once every process has ended; its error, raised."""
+        return self._future.result()
+
+
+def start_ahead(run: WorkloadRun) -> Ahead | None:
+    """At the validate stage's start, the recapture started beside it (:class:`Ahead`, kept
+    in ``run.ahead`` for :func:`run` to take up), where this session runs the recapture next
+    (``run.planned``), the capture's profile it reads is there and, on a GPU, the timing
+    processes fit in its memory beside validation's (``side_by_side``); None elsewhere. The
+    recapture's processes spend most of their time compiling, and validation mostly waits on
+    its own compiles and the GPU: one after the other they made a workload's longest wait
+    (docs/design-notes.md#the-recapture-starts-beside-validation)."""
+    profile = run.out_dir / "profile.json"
+    if NAME not in run.planned or not profile.is_file() or not run.generated.is_file():
+        return None
+    if os.environ.get(LOCK_ENV):
+        # beside validation's process, which holds as much as a timing process
+        baseline = read_artifact(profile, Profile).capture_metadata
+        processes = timing_processes(run, baseline.device_type)
+        early = processes if processes > 1 and side_by_side(baseline, processes) else 1
+        if not side_by_side(baseline, early + 1):
+            return None
+    run.timing_settings(), run.extra_passes()  # the hooks asked here, not in its thread
+    ahead = Ahead(run, file_sha256(run.generated))
+    run.ahead[NAME] = ahead
+    return ahead
+
+
+VALIDATED = "validation passed the file compiled here"
+"""The phase a recapture started beside validation logs before it times (``_await_validation``)."""
+UNVALIDATED = "nothing timed"
+"""How that phase begins where validation did not pass the file, or never ended."""
+
+
+def _await_validation(spec: ChildSpec, device: str) -> None:
+    """In a recapture's process started beside validation (``spec.gate``): before anything is
+    timed, wait until validate opens the gate, holding nothing of the GPU's lock meanwhile,
+    and go on only where it passed the file this process imported (the gate holds the sha256
+    validation passed; ``spec.sha256`` is the one imported). A parent gone, or the gate's
+    folder with it, ends the wait with an error, as a blocked file does."""
+    if spec.gate is None:
+        return
+    from pytest_opprof.capture.timing import synchronize
+
+    gate, t0 = Path(spec.gate), time.perf_counter()
+    if not gate.exists():
+        synchronize(device)
+        devicelock.let_go()
+        common.phase("waiting for validation to end before timing")
+        while not gate.exists():
+            if not gate.parent.is_dir():
+                why = f"its folder {gate.parent} is gone: the stage that started it has ended"
+                common.phase(f"{UNVALIDATED}: {why}")
+                raise StageError(f"{UNVALIDATED}: {why}")
+            time.sleep(0.1)
+    if gate.read_text(encoding="utf-8").strip() != spec.sha256:
+        common.phase(f"{UNVALIDATED}: validation did not pass the file compiled here")
+        raise StageError(f"{UNVALIDATED}: validation did not pass the file compiled here")
+    common.phase(f"{VALIDATED} after {time.perf_counter() - t0:.1f} s of waiting")
 
 
 def tunes_anew(run: WorkloadRun) -> bool:
@@ -188,6 +297,7 @@ def _retime_one(
     *,
     siblings: Path | None = None,
     fresh: bool = False,
+    gate: Path | None = None,
 ) -> Replica | str:
     """The recapture's calls timed again in another process: its samples, or why it failed (a
     process that fails adds a warning, not an error: the others' timing stands).
@@ -218,6 +328,7 @@ def _retime_one(
             result=result,
             shares_cpus=siblings is not None,
             siblings_lock=str(siblings) if siblings is not None else None,
+            gate=str(gate) if gate is not None else None,
         )
         return Replica.from_json(json.loads(result.read_text(encoding="utf-8")))
     except (OpprofError, OSError, ValueError) as exc:
@@ -349,6 +460,7 @@ def task_recapture(spec: ChildSpec) -> None:
     info = environment(device)
     built = _optimized_calls(spec, device, w)
     optimized = built["calls"]["optimized"]
+    _await_validation(spec, device)
     with devicelock.measuring(share_after=False, quiet=True):  # its last GPU work
         samples = capture.time_calls(spec, built["calls"], w.inputs, device)
         timelines, flags = capture.draw_timelines(
@@ -389,6 +501,7 @@ def task_retime(spec: ChildSpec) -> None:
     device = resolve_device(common.options(spec).device)
     w = common.load_baseline(spec, device)
     built = _optimized_calls(spec, device, w, retime=True)
+    _await_validation(spec, device)
     with devicelock.measuring(share_after=False, quiet=True):  # its last GPU work
         samples = capture.time_calls(spec, built["calls"], w.inputs, device)
     common.phase("timed again")

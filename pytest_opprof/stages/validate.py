@@ -149,8 +149,17 @@ def _validate_llm_passes(run: WorkloadRun, dtype: str | None) -> list[PassStatus
 
 
 def run(run: WorkloadRun) -> str:
-    report = validate_file(run, run.generated)
-    write_artifact(run.profiler_output / "validation_report.json", report)
+    from pytest_opprof.stages import recapture
+
+    ahead = recapture.start_ahead(run)  # compiling beside the validation, timing after it
+    report = None
+    try:
+        report = validate_file(run, run.generated)
+        write_artifact(run.profiler_output / "validation_report.json", report)
+    finally:
+        if ahead is not None:
+            passed = report is not None and report.overall == "READY_FOR_PROFILING"
+            ahead.open(report.sha256 if report is not None and passed else "")
     if report.overall == "BLOCKED":
         raise StageError(f"{run.generated.name}: {report.message}")
     n = report.numerics

@@ -123,6 +123,11 @@ def test_all_stages_on_a_tiny_workload(pytester: pytest.Pytester) -> None:
     pooled = [s for s in timing["speedups"] if s["candidate"] != "optimized_baseline_dtype"]
     assert pooled and all(len(s["process_ratios"]) == 2 for s in pooled)
     assert "timed again" in (out / "tiny/profiler_output/retime1.log").read_text()
+    # the recapture started beside validation and timed once it had passed (the retime after
+    # it, one after another without a GPU lock, found it passed)
+    for name in ("recapture", "retime1"):
+        log = (out / "tiny/profiler_output" / f"{name}.log").read_text()
+        assert "validation passed the file compiled here" in log, log
     # the second timing process forked from a fork server of its own, the first from the
     # server every stage is forked from
     servers = {
@@ -184,6 +189,15 @@ def test_all_stages_on_a_tiny_workload(pytester: pytest.Pytester) -> None:
     assert tiny["baseline"] == "stock" and tiny["speedup_vs_stock"] == tiny["speedup"]
     assert "stock PyTorch (gate)" in (out / "tiny/report.md").read_text()
     assert "over stock (95% CI)" in (out / "report.md").read_text()
+
+    # Validation again with the later stages deselected: nothing starts beside it.
+    recaptured = out / "tiny/profiler_output/recapture.log"
+    before_log = recaptured.stat().st_mtime_ns
+    deselected = pytester.runpytest_subprocess(
+        "--opprof", "work/tiny.py", *FAST, "-v", "--opprof-from=validate", "-k", "validate"
+    )
+    deselected.stdout.fnmatch_lines(["*tiny.py::validate PASSED*", "*1 passed*"])
+    assert recaptured.stat().st_mtime_ns == before_log
 
     # --opprof-stage runs one stage; a missing artifact before it is a clear error.
     only = pytester.runpytest_subprocess(

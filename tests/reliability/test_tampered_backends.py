@@ -136,6 +136,9 @@ def test_resuming_at_the_recapture_validates_an_edited_file_first(work: Path) ->
     assert "tiny.py::validate FAILED" in out and "BLOCKED — fix step 6 (numerics)" in out
     assert "tiny.py::recapture SKIPPED" in out and "tiny.py::speedup FAILED" in out
     assert timed.read_bytes() == before
+    # the recapture started beside validation compiled the edited file and timed nothing
+    log = (work / "opprof-results" / "tiny" / "profiler_output" / "recapture.log").read_text()
+    assert "nothing timed: validation did not pass the file compiled here" in log, log
     assert _report(work)["overall"] == "BLOCKED"
 
 

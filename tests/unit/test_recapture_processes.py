@@ -48,6 +48,10 @@ class StandIn:
         stock: bool = False,
     ) -> None:
         self.stock = stock
+        self.name = "conv_block"
+        self.planned: frozenset[str] = frozenset()
+        self.ahead: dict[str, Any] = {}
+        self.gates: dict[str, str | None] = {}
         self.out_dir = folder / "out"
         self.profiler_output = self.out_dir / "profiler_output"
         self.profiler_output.mkdir(parents=True)
@@ -75,6 +79,12 @@ class StandIn:
 
     def measures_stock(self) -> bool:
         return self.stock
+
+    def timing_settings(self) -> dict[str, int]:
+        return {}
+
+    def extra_passes(self) -> dict[str, Any]:
+        return {}
 
     def setting(self, name: str) -> Any:
         return {
@@ -108,6 +118,15 @@ class StandIn:
             time.sleep(0.1)  # before the others end
             raise StageError("the recapture process failed (exit 1)")
         time.sleep(0.5)
+        gate = extra.get("gate")
+        self.gates[log_name or task] = gate
+        if gate is not None:  # as recapture._await_validation: time only what passed
+            while not Path(gate).exists():
+                time.sleep(0.02)
+            if Path(gate).read_text() != extra.get("sha256"):
+                with self._guard:
+                    self.children.append((log_name or task, start, time.monotonic()))
+                raise StageError(f"{recapture.UNVALIDATED}: validation did not pass")
         optimized = read_artifact(H200 / "profile_optimized.json.gz", Profile)
         if task == "recapture":
             write_artifact(self.out_dir / "profile_optimized.json", optimized)
@@ -482,3 +501,104 @@ def test_a_plan_that_is_the_stock_recipe_is_timed_as_the_stock_baseline_too(
     assert got["calls"]["stock"] is (model if ships_stock else built_stock)
     assert ("stock" in got["compile_s"]) is not ships_stock
     assert ("stock", "optimized") in got["pairs"] and ("compile", "stock") in got["pairs"]
+
+
+def _ahead_of(run: StandIn) -> recapture.Ahead:
+    run.planned = frozenset({"capture", "validate", "recapture"})
+    ahead = recapture.start_ahead(run)  # type: ignore[arg-type]
+    assert ahead is not None and run.ahead == {"recapture": ahead}
+    return ahead
+
+
+def test_the_recapture_compiles_beside_validation_and_times_once_it_passed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Started as validate starts, the timing processes wait at the gate until validate opens
+    it with the hash it passed; the recapture stage then takes them up and starts none."""
+    run = _under_a_lock(tmp_path, monkeypatch, GIB, processes=3)
+    ahead = _ahead_of(run)
+    time.sleep(0.8)  # validation under way: the processes have compiled and wait
+    assert run.children == []
+    assert set(run.gates) == {"recapture", "retime1", "retime2"}
+    assert set(run.gates.values()) == {str(ahead.gate)}
+    opened = time.monotonic()
+    validated = read_artifact(run.profiler_output / "validation_report.json", ValidationReport)
+    ahead.open(validated.sha256)
+    said = recapture.run(run)  # type: ignore[arg-type]
+    assert "side by side" in said and run.ahead == {}
+    assert sorted(name for name, _, _ in run.children) == ["recapture", "retime1", "retime2"]
+    assert all(start < opened < end for _, start, end in run.children)
+    pooled = read_artifact(run.out_dir / "profile_optimized.json", Profile)
+    assert pooled.timing.variants["optimized"].processes == 3 + 2
+    assert not ahead.folder.exists()  # the gate's folder goes with the processes
+
+
+def test_a_file_validation_blocked_is_never_timed_by_the_recapture_started_beside_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = _under_a_lock(tmp_path, monkeypatch, GIB, processes=2)
+    ahead = _ahead_of(run)
+    ahead.open("")  # validate blocked the file (or did not finish)
+    with pytest.raises(StageError, match=recapture.UNVALIDATED):
+        ahead.timed()
+    assert not (run.out_dir / "profile_optimized.json").exists()
+
+
+def test_nothing_starts_ahead_where_the_session_does_not_run_the_recapture(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run = _under_a_lock(tmp_path, monkeypatch, GIB, processes=2)
+    run.planned = frozenset({"capture", "validate"})  # `-k validate`, `opprof validate`
+    assert recapture.start_ahead(run) is None  # type: ignore[arg-type]
+    run.planned = frozenset({"validate", "recapture"})
+    (run.out_dir / "profile.json").unlink()  # no capture to read: the stage would fail
+    assert recapture.start_ahead(run) is None  # type: ignore[arg-type]
+    assert run.ahead == {} and run.children == []
+
+
+def test_nothing_starts_ahead_where_the_timing_processes_and_validation_would_not_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three timing processes at twice a 15 GiB peak each fit in 80% of 140 GiB; beside
+    validation's process, a fourth, they would not."""
+    run = _under_a_lock(tmp_path, monkeypatch, 15 * GIB, processes=3)
+    run.planned = frozenset({"validate", "recapture"})
+    assert recapture.side_by_side(
+        read_artifact(run.out_dir / "profile.json", Profile).capture_metadata, 3
+    )
+    assert recapture.start_ahead(run) is None  # type: ignore[arg-type]
+    said = recapture.run(run)  # type: ignore[arg-type]
+    assert "side by side" in said and set(run.gates.values()) == {None}
+
+
+def _gated(folder: Path, sha: str = "abc") -> Any:
+    from pytest_opprof.schema import ChildSpec
+
+    gate = folder / "gate" / "validated"
+    gate.parent.mkdir()
+    return gate, ChildSpec(task="recapture", workload="w.py", sha256=sha, gate=str(gate))
+
+
+def test_a_timing_process_waits_at_the_gate_and_times_only_the_file_validated(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    gate, spec = _gated(tmp_path)
+    threading.Timer(0.3, lambda: gate.write_text("abc")).start()
+    t0 = time.monotonic()
+    recapture._await_validation(spec, "cpu")
+    assert time.monotonic() - t0 >= 0.3
+    out = capsys.readouterr().out
+    assert "waiting for validation to end before timing" in out and recapture.VALIDATED in out
+    gate.write_text("another file's hash")
+    with pytest.raises(StageError, match="did not pass the file compiled here"):
+        recapture._await_validation(spec, "cpu")
+    gate.write_text("")  # blocked
+    with pytest.raises(StageError, match=recapture.UNVALIDATED):
+        recapture._await_validation(spec, "cpu")
+
+
+def test_a_timing_process_whose_stage_is_gone_stops_waiting(tmp_path: Path) -> None:
+    gate, spec = _gated(tmp_path)
+    threading.Timer(0.2, lambda: gate.parent.rmdir()).start()
+    with pytest.raises(StageError, match="is gone"):
+        recapture._await_validation(spec, "cpu")
