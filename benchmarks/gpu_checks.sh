@@ -17,7 +17,7 @@ PY
 timeout 180 python3 -m pytest -p pytest_opprof.plugin -m gpu tests/unit/test_model_graph.py \
   tests/passes/test_pass_gemm_out_dtype.py tests/passes/test_pass_gemm_epilogue.py \
   tests/passes/test_pass_attention_backend.py tests/unit/test_inductor_gpu_work.py \
-  tests/unit/test_devicelock.py \
+  tests/unit/test_devicelock.py tests/unit/test_gpu_time.py \
   -q -p no:cacheprovider -rA > "$OUT/gpu-tests.log" 2>&1
 echo "gpu tests exit $?" >> "$OUT/gpu-tests.log"
 cat > /tmp/toy.py <<'PY'

@@ -285,6 +285,26 @@ LAUNCH_QUEUE = 900
 """Launches a sample may queue behind the sleep: CUDA holds about 1024 pending launches per
 stream before the host blocks, and a blocked host is a sample lost."""
 
+GPU_TIME_WINDOW_MS = 10.0
+"""About how long the calls a sample queues behind the sleep take, where the call's latency is
+known: fewer calls than a timing round's 50 ms of them for a slow call, none fewer than one.
+The figure is a mean over back-to-back calls between two events, which a 10 ms window resolves
+to well under a percent, and a sample holds the GPU alone for about three times its window (the
+sleep is twice the host's enqueue time): at a round's size the pass took some 3.6 s of a real
+model's measurements (docs/design-notes.md#the-gpu-times-window)."""
+
+
+def calls_per_gpu_sample(round_calls: int, latency_ms: float | None, launches: float | None) -> int:
+    """The calls a GPU-time sample queues behind the sleep: a timing round's (``round_calls``),
+    no more than about ``GPU_TIME_WINDOW_MS`` of them where the latency is known, and no more
+    than the launch queue holds where the launches per call are (a CUDA-graph replay is one)."""
+    n = max(1, round_calls)
+    if latency_ms:
+        n = min(n, max(1, math.ceil(GPU_TIME_WINDOW_MS / latency_ms)))
+    if launches:
+        n = max(1, min(n, int(LAUNCH_QUEUE // launches)))
+    return n
+
 
 def gpu_time(
     calls: Mapping[str, Call],
@@ -303,8 +323,9 @@ def gpu_time(
 
     ``latency_ms`` (the timing pass's medians) and ``launches`` (the host's launches per call,
     from the timeline: a CUDA-graph replay is one) size the first attempt: a sleep long enough
-    for the host, and no more calls than the launch queue takes. Without them the first
-    samples find both out by missing.
+    for the host, about ``GPU_TIME_WINDOW_MS`` of calls, and no more than the launch queue
+    takes (:func:`calls_per_gpu_sample`). Without them the first samples find the sleep and the
+    queue out by missing.
     ``calls_per_sample``: each callable's calls per timing round (RoundSamples.calls)."""
     if device != "cuda":
         return {}
@@ -313,9 +334,9 @@ def gpu_time(
     with torch.no_grad():
         inputs = fresh_inputs(template, seed)
         for name, fn in calls.items():
-            n = calls_per_sample.get(name, 1)
-            if launches.get(name):
-                n = max(1, min(n, int(LAUNCH_QUEUE // launches[name])))
+            n = calls_per_gpu_sample(
+                calls_per_sample.get(name, 1), latency_ms.get(name), launches.get(name)
+            )
             ms = gpu_time_of(fn, inputs, n, samples, latency_ms.get(name))
             if ms is not None:
                 out[name] = ms

@@ -142,6 +142,46 @@ def test_latency_and_kernel_counts_size_the_first_attempt(
     assert attempts_told == 5 < len(sleeps)
 
 
+@pytest.mark.parametrize(
+    ("round_calls", "latency_ms", "launches", "calls"),
+    [
+        (30, None, None, 30),  # nothing known: a timing round's calls
+        (30, 0.035, 1.0, 30),  # a short replay: a round is under the window
+        (30, 0.85, 1.0, 12),  # about 10 ms of a 0.85 ms call
+        (5, 10.0, 200.0, 1),  # one call of a 10 ms eager model
+        (30, 0.5, 100.0, 9),  # the launch queue bounds it below the window
+    ],
+)
+def test_a_sample_queues_about_ten_milliseconds_of_calls(
+    round_calls: int, latency_ms: float | None, launches: float | None, calls: int
+) -> None:
+    assert timing.calls_per_gpu_sample(round_calls, latency_ms, launches) == calls
+
+
+def test_a_slow_call_holds_the_gpu_a_fraction_of_a_round_sized_pass(
+    gpu: FakeGPU, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 2 ms call whose latency the timing pass measured: five samples of five calls (10 ms)
+    give its GPU time as five samples of a round's 25 calls did, in about a third of the time
+    the pass holds the GPU alone (each sample sleeps twice the host's enqueue time first, the
+    first as long as the calls' latency says)."""
+    fn = gpu.call(0.05, [2.0])
+    spent = {}
+    for name, window in (("window", timing.GPU_TIME_WINDOW_MS), ("round", 1e9)):
+        monkeypatch.setattr(timing, "GPU_TIME_WINDOW_MS", window)
+        t0 = gpu.host
+        got = timing.gpu_time(
+            {"f": fn},
+            (torch.zeros(2),),
+            device="cuda",
+            calls_per_sample={"f": 25},
+            latency_ms={"f": 2.0},
+        )
+        spent[name] = gpu.host - t0
+        assert got["f"] == pytest.approx(2.0)
+    assert spent["window"] < 0.35 * spent["round"]
+
+
 def test_a_call_that_waits_on_the_host_has_no_gpu_time(gpu: FakeGPU) -> None:
     got = measure({"syncs": gpu.call(0.1, [0.05], sync=True), "fine": gpu.call(0.1, [0.05])})
     assert "syncs" not in got
@@ -185,3 +225,29 @@ def test_on_the_gpu_the_profiler_kernel_sum_agrees_with_the_gpu_time() -> None:
     kernel_ms = sum(e.time_range.elapsed_us() for e in kernels) / 1000.0 / 5
     assert got["f"] < 0.5 * min(latency)
     assert got["f"] == pytest.approx(kernel_ms, rel=0.1)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_a_ten_millisecond_window_gives_a_rounds_gpu_time() -> None:
+    """A GPU-bound call of about 1 ms (a matmul chain): five samples of about 10 ms of calls
+    (the latency known) against five of a timing round's 30 calls, the same per-call figure
+    within 2%."""
+    a = torch.randn(4096, 4096, device="cuda")
+
+    def busy(x: torch.Tensor) -> torch.Tensor:
+        for _ in range(4):
+            x = x @ a
+        return x
+
+    x = torch.randn(4096, 4096, device="cuda")
+    latency = min(
+        timing.time_interleaved(
+            {"f": busy}, (x,), device="cuda", warmup=3, calls_per_round=10, rounds=3
+        )["f"]
+    )
+    window = timing.gpu_time(
+        {"f": busy}, (x,), device="cuda", calls_per_sample={"f": 30}, latency_ms={"f": latency}
+    )
+    whole = timing.gpu_time({"f": busy}, (x,), device="cuda", calls_per_sample={"f": 30})
+    assert timing.calls_per_gpu_sample(30, latency, None) < 30
+    assert window["f"] == pytest.approx(whole["f"], rel=0.02)
