@@ -252,9 +252,10 @@ def render_notes(selection: BackendSelection, proposals: Sequence[Proposal]) -> 
         "",
         "## Variants measured",
         "",
-        "Median ms: measured, eager and compile in one interleaved run, each rung paired with "
-        "the plan below it; that plan's median in the same rounds over the rung's is the paired "
-        "ratio. A rung's speedup vs reference is chained from the paired ratios: an estimate.",
+        "Median ms: measured, eager and compile in the capture's interleaved run, each rung "
+        "paired with the plan below it; that plan's median in the same rounds over the rung's "
+        "is the paired ratio. A rung's speedup vs reference is chained from the paired ratios: "
+        "an estimate.",
         "",
         "| variant | median ms | paired ratio vs plan below (95% CI) | plan below, same rounds "
         "| speedup vs reference | numerics | note |",

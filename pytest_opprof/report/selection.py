@@ -122,9 +122,9 @@ def _variants(sel: BackendSelection) -> list[str]:
         caps={2: PLAN_CELL, 7: DETAIL_CELL},
     )
     return lines + para(
-        "Latency: the median per call in selection's brief timing, eager and "
-        "torch.compile in one interleaved run, each rung in its own run paired with the "
-        "plan below it; the plan below's latency in those rounds over the rung's is its "
+        "Latency: the median per call; eager and torch.compile as the capture timed them, "
+        "in one interleaved run, each rung in its own brief run in selection, paired with "
+        "the plan below it; the plan below's latency in those rounds over the rung's is its "
         "paired ratio. A rung's speedup over the reference is chained from the paired "
         "ratios (est.), not its latency over the reference's: those were timed in "
         "different runs."

@@ -22,6 +22,7 @@ from pytest_opprof.schema import (
     BackendSelection,
     ChildSpec,
     FxGraphSummary,
+    LatencyStats,
     Optimizations,
     Profile,
     StockBaseline,
@@ -245,6 +246,24 @@ def ladder_kept(
     return selection
 
 
+def captured_reference(out_dir: Path) -> dict[str, LatencyStats] | None:
+    """Eager's and the compiled baseline's latencies as the capture timed them, in one
+    interleaved run with the host's compiles held off (``profile.json``): selection's
+    reference, the faster of the two, and the plan its first rung is timed against. None
+    where there is no profile or it lacks either. Selection timed the two again in its own
+    process, with the GPU alone, only to pick the faster and start the waterfall, whose later
+    steps are chained from paired ratios anyway (docs/design-notes.md#selections-reference)."""
+    from pytest_opprof.schema import Profile, read_artifact
+
+    path = out_dir / "profile.json"
+    if not path.is_file():
+        return None
+    variants = read_artifact(path, Profile).timing.variants
+    if not {"eager", "compile"} <= variants.keys():
+        return None
+    return {k: variants[k] for k in ("eager", "compile")}
+
+
 def captured_graph(out_dir: Path) -> FxGraphSummary | None:
     """The capture stage's FX graph summary (``graph.json``, validated on read), or None where
     capture wrote none."""
@@ -316,11 +335,13 @@ def task_select(spec: ChildSpec) -> None:
         ladder = read_artifact(out_dir / SELECTION_FILE, BackendSelection)
     state: dict[str, Any]
     if ladder is None:
-        # Each rung shares the GPU again as it starts (attempt()); after the last, nothing runs.
-        with devicelock.measuring(share_after=False):
-            base = time_interleaved({"eager": eager, "compile": compiled}, w.inputs, **brief)
-        aside = slow_host_rounds(base.host_us)
-        stats = {k: latency_stats(v, base.calls[k], set_aside=aside) for k, v in base.items()}
+        stats = captured_reference(out_dir)
+        if stats is None:  # a profile without both: timed here
+            # Each rung shares the GPU again as it starts (attempt()); after the last, nothing
+            with devicelock.measuring(share_after=False):
+                base = time_interleaved({"eager": eager, "compile": compiled}, w.inputs, **brief)
+            aside = slow_host_rounds(base.host_us)
+            stats = {k: latency_stats(v, base.calls[k], set_aside=aside) for k, v in base.items()}
         ref_name = min(stats, key=lambda k: stats[k].median_ms)
         ref_ms = stats[ref_name].median_ms
         variants = [

@@ -137,6 +137,11 @@ def test_all_stages_on_a_tiny_workload(pytester: pytest.Pytester) -> None:
     }
     assert servers["capture"] == servers["recapture"] != servers["retime1"]
     assert all(len(pids) == 1 for pids in servers.values()), servers
+    # selection's reference: eager and torch.compile as the capture timed them
+    captured = json.loads((out / "tiny/profile.json").read_text())["timing"]["variants"]
+    selected = json.loads((out / "tiny/profiler_output/backend_selection.json").read_text())
+    base = {v["name"]: v["latency"] for v in selected["variants"] if v["name"] in captured}
+    assert base == {k: captured[k] for k in ("eager", "compile")}
     report = json.loads((out / "tiny/profiler_output/validation_report.json").read_text())
     assert report["overall"] == "READY_FOR_PROFILING"
     assert [s["status"] for s in report["steps"].values()] == ["pass"] * 6

@@ -337,3 +337,40 @@ def test_the_stock_recipe_ships_unless_the_ladder_s_plan_beats_it(
         assert selection.plan.stock_recipe is None
         assert why["stock-recipe"].startswith(f"{PLAN_FASTER}: 0.800x (95% CI ")
         assert why["stock-recipe"].endswith("against the ladder's plan")
+
+
+def test_selection_starts_from_the_capture_s_timing_of_eager_and_torch_compile(
+    make_proposal: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Selection's reference and the plan its first rung is timed against come from the
+    capture's interleaved timing (profile.json): the two are not timed again."""
+    from pytest_opprof.schema import Profile
+    from pytest_opprof.stages import backend
+
+    h200 = read_artifact(
+        Path(__file__).parents[1] / "data/h200/conv_block/profile.json.gz", Profile
+    )
+    write_artifact(tmp_path / "profile.json", h200)
+    model, x = _workload(tmp_path, [make_proposal("bn_fold-1", "bn_fold", "aten")])
+
+    def build(model: Any, inputs: Any, plan: Any) -> Any:
+        return SimpleNamespace(fn=Variant(model, faster=True), results=[])
+
+    spec = _select_on_cpu(monkeypatch, tmp_path, model, x, build)
+    timed: list[set[str]] = []
+    from pytest_opprof.capture import timing
+
+    def recorded(calls: dict[str, Any], template: Any, **kw: Any) -> Any:
+        timed.append(set(calls))
+        return _timings(calls, template, **kw)
+
+    monkeypatch.setattr(timing, "time_interleaved", recorded)
+    backend.task_select(spec)
+    chosen = read_artifact(tmp_path / "profiler_output/backend_selection.json", BackendSelection)
+    captured = h200.timing.variants
+    base = {v.name: v.latency for v in chosen.variants if v.name in ("eager", "compile")}
+    assert base == {k: captured[k] for k in ("eager", "compile")}
+    faster = min(("eager", "compile"), key=lambda k: captured[k].median_ms)
+    assert chosen.reference == faster
+    assert chosen.reference_ms == captured[faster].median_ms
+    assert timed == [{"current", "candidate"}]  # the one rung, and nothing else
