@@ -17,6 +17,10 @@ Where the run folder holds ``host_load.txt`` (``benchmarks/host_load.py``, which
 same span: a run whose processes wait for the GPU while the CPUs are full is bound by its
 compiles, not by the GPU's lock.
 
+It also sums the measurements' GPU-time passes (``stages.capture.GPU_TIMES``), and for the
+recaptures started beside validation (``stages.recapture.VALIDATED``) says how long their
+processes ran while their workload's validation did, and how long they then waited for it.
+
 ``--until`` lays a whole run beside one cut short (a lent machine taken back mid-run, only
 the stage logs so far brought back): the same span of both, from each run's first process.
 
@@ -35,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_opprof import devicelock
+from pytest_opprof.stages import capture, recapture
 
 LINE = re.compile(r"^\[opprof\] \+\s*([\d.]+) s  (.*)$")
 START = re.compile(r"(?:forked from the fork server of pid \d+|started) at ([\d:.]+) UTC$")
@@ -51,6 +56,10 @@ HELD_BACK = re.compile(rf"^{re.escape(devicelock.COMPILES_AGAIN)} ([\d.]+) s$")
 PAUSED = re.compile(rf"^{re.escape(devicelock.PAUSED)} (\d+) processes(?:, (\d+) .*)?$")
 """A quiet measurement that paused the compiles under way (``devicelock.PAUSED``)."""
 """A compile's long hold of the GPU shared (``devicelock.SHARED``): what drains wait for."""
+GPU_TIMES = re.compile(rf"^{re.escape(capture.GPU_TIMES)} ([\d.]+) s$")
+"""A measurement's GPU-time pass, with the GPU held alone (``stages.capture.GPU_TIMES``)."""
+GATED = re.compile(rf"^{re.escape(recapture.VALIDATED)} after ([\d.]+) s of waiting$")
+"""A recapture's process started beside validation, past its gate (``recapture.VALIDATED``)."""
 
 Span = tuple[float, float]
 
@@ -67,6 +76,8 @@ class Process:
     shared: list[tuple[float, float, str]] = field(default_factory=list)  # span, what
     held_back: list[Span] = field(default_factory=list)  # compiles behind a quiet measurement
     paused: list[tuple[float, int]] = field(default_factory=list)  # when, processes stopped
+    gpu_times: list[float] = field(default_factory=list)  # seconds of each GPU-time pass
+    gate: Span | None = None  # a recapture's wait for validation to pass
 
 
 def _seconds(clock: str) -> float:
@@ -108,6 +119,12 @@ def read(log: Path, name: str) -> Process | None:
         held = SHARED.match(what)
         if held is not None:
             proc.shared.append((at - float(held.group(1)), at, held.group(2)))
+        passed = GPU_TIMES.match(what)
+        if passed is not None:
+            proc.gpu_times.append(float(passed.group(1)))
+        gated = GATED.match(what)
+        if gated is not None:
+            proc.gate = (at - float(gated.group(1)), at)
     return proc
 
 
@@ -125,6 +142,8 @@ def past_midnight(procs: list[Process]) -> None:
                 spans[:] = [(a + day, b + day) for a, b in spans]
             p.shared[:] = [(a + day, b + day, what) for a, b, what in p.shared]
             p.paused[:] = [(t + day, n) for t, n in p.paused]
+            if p.gate is not None:
+                p.gate = (p.gate[0] + day, p.gate[1] + day)
 
 
 def cut_at(procs: list[Process], end: float) -> list[Process]:
@@ -295,7 +314,39 @@ def main(root: Path, until: float | None = None) -> int:
     for gap, name, a, b in sorted(rows, reverse=True)[:15]:
         print(f"- {name}: {a:.1f}–{b:.1f} s, {gap:.1f} s while nobody held it alone")
     shared_holds(procs)
+    beside_validation(procs)
     return 0
+
+
+def beside_validation(procs: list[Process]) -> None:
+    """The GPU-time passes, and the recaptures started beside validation: how long their
+    processes ran while their workload's validation did (what the overlap took off the
+    workload's time, at most), and how long they then waited at the gate."""
+    passes = [s for p in procs for s in p.gpu_times]
+    if passes:
+        print(
+            f"\nGPU-time passes (the GPU alone): {len(passes)}, {sum(passes):.1f} s in all, "
+            f"the longest {max(passes):.2f} s"
+        )
+    beside = gated = 0.0
+    workloads = 0
+    for w in sorted({p.name.split("/")[0] for p in procs}):
+        mine = [p for p in procs if p.name.startswith(w + "/")]
+        checks = [p for p in mine if p.name.split("/")[1].startswith("validate")]
+        timers = [p for p in mine if p.gate is not None]
+        if not checks or not timers:
+            continue
+        workloads += 1
+        span = (min(p.start for p in checks), max(p.end for p in checks))
+        for p in timers:
+            assert p.gate is not None
+            beside += overlap((p.start, p.gate[0]), [span])
+            gated += p.gate[1] - p.gate[0]
+    if workloads:
+        print(
+            f"\nRecaptures started beside validation: {workloads} workloads; their processes "
+            f"ran {beside:.0f} s while validation did, then waited {gated:.0f} s for it to pass"
+        )
 
 
 def shared_holds(procs: list[Process]) -> None:

@@ -133,6 +133,11 @@ def draw_timelines(
     return timelines, flags
 
 
+GPU_TIMES = "GPU times with the host hidden in"
+"""The phase that says how long a measurement's GPU-time pass took (``benchmarks/gpu_timeline.py``
+sums them)."""
+
+
 def gpu_time(
     calls: dict[str, Any],
     inputs: Any,
@@ -161,7 +166,7 @@ def gpu_time(
         },
     )
     if got:  # what the pass held the GPU for, from the stage log
-        common.phase(f"GPU times with the host hidden in {time.perf_counter() - t0:.2f} s")
+        common.phase(f"{GPU_TIMES} {time.perf_counter() - t0:.2f} s")
     return got
 
 

@@ -269,3 +269,62 @@ def test_compiles_held_back_and_pauses_are_counted(
         "Compiles held back by a quiet measurement: 1 waits, 2 s in all; quiet measurements "
         "that paused the compiles under way: 1, 3 processes stopped in all"
     ) in capsys.readouterr().out
+
+
+def test_the_gpu_time_passes_and_the_recapture_beside_validation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # w's validation runs 10-20 s (validate, then its numerics); its recapture starts at 10 s,
+    # compiles until 16 s and waits at the gate until 20 s; its retime starts at 12 s and
+    # reaches the gate at 22 s, validation over. Together they ran 6 + 8 s beside validation.
+    from pytest_opprof.stages import capture, recapture
+
+    at = "forked from the fork server of pid 7 at"
+    _log(
+        tmp_path,
+        "w",
+        "validate",
+        [f"[opprof] +    0.0 s  {at} 10:00:10.000 UTC", "[opprof] +    8.0 s  generated tests"],
+    )
+    _log(
+        tmp_path,
+        "w",
+        "validate_numerics",
+        [f"[opprof] +    0.0 s  {at} 10:00:18.000 UTC", "[opprof] +    2.0 s  task done"],
+    )
+    _log(
+        tmp_path,
+        "w",
+        "recapture",
+        [
+            f"[opprof] +    0.0 s  {at} 10:00:10.000 UTC",
+            "[opprof] +    6.0 s  waiting for validation to end before timing",
+            f"[opprof] +   10.0 s  {recapture.VALIDATED} after 4.0 s of waiting",
+            f"[opprof] +   12.0 s  {capture.GPU_TIMES} 0.75 s",
+        ],
+    )
+    _log(
+        tmp_path,
+        "w",
+        "retime1",
+        [
+            f"[opprof] +    0.0 s  {at} 10:00:12.000 UTC",
+            f"[opprof] +   10.0 s  {recapture.VALIDATED} after 0.0 s of waiting",
+        ],
+    )
+    _log(
+        tmp_path,
+        "v",
+        "capture",
+        [
+            f"[opprof] +    0.0 s  {at} 10:00:00.000 UTC",
+            f"[opprof] +    3.0 s  {capture.GPU_TIMES} 1.25 s",
+        ],
+    )
+    assert _timeline().main(tmp_path) == 0
+    out = capsys.readouterr().out
+    assert "GPU-time passes (the GPU alone): 2, 2.0 s in all, the longest 1.25 s" in out
+    assert (
+        "Recaptures started beside validation: 1 workloads; their processes ran 14 s while "
+        "validation did, then waited 4 s for it to pass"
+    ) in out
