@@ -290,8 +290,8 @@ GPU_TIME_WINDOW_MS = 10.0
 known: fewer calls than a timing round's 50 ms of them for a slow call, none fewer than one.
 The figure is a mean over back-to-back calls between two events, which a 10 ms window resolves
 to well under a percent, and a sample holds the GPU alone for about three times its window (the
-sleep is twice the host's enqueue time): at a round's size the pass took some 3.6 s of a real
-model's measurements (docs/design-notes.md#the-gpu-times-window)."""
+sleep is twice the host's enqueue time): at a round's size, seconds of a real model's
+measurements (docs/design-notes.md#the-gpu-times-window)."""
 
 
 def calls_per_gpu_sample(round_calls: int, latency_ms: float | None, launches: float | None) -> int:

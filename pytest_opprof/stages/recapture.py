@@ -143,9 +143,10 @@ def _timed(run: WorkloadRun, digest: str, folder: Path, gate: Path | None = None
 class Ahead:
     """The recapture started while validate runs (:func:`start_ahead`): its processes import
     the generated file and compile it (the longest part of the stage, Inductor's caches
-    answering) beside the validation, and wait before they time until validate opens the gate
-    (:meth:`open`) with the sha256 it passed. Nothing is timed that validation did not pass,
-    byte for byte (``_await_validation``); where it blocked the file, they end untimed."""
+    answering) beside the validation, and wait before they time until validate has ended
+    (:meth:`validation_ended`), the gate then holding the sha256 it passed. Nothing is timed that
+    validation did not pass, byte for byte (``_await_validation``); where it blocked the file,
+    they end untimed."""
 
     def __init__(self, run: WorkloadRun, digest: str) -> None:
         self.digest = digest
@@ -161,10 +162,12 @@ class Ahead:
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
 
-    def open(self, validated: str) -> None:
-        """Let the processes time, where ``validated`` (the sha256 validation passed; empty
-        where it blocked the file or did not finish) is the file they compiled; else end them."""
-        write_text_atomic(self.gate, validated)
+    def validation_ended(self, report: ValidationReport | None) -> None:
+        """Validation's end: the processes time where ``report`` passed the file they compiled
+        (the gate holds its sha256), and end untimed where it blocked the file or none was
+        written (the gate holds nothing)."""
+        passed = report.sha256 if report and report.overall == "READY_FOR_PROFILING" else ""
+        write_text_atomic(self.gate, passed)
 
     def timed(self) -> Timed:
         """What :func:`_timed` returned, once every process has ended; its error, raised."""

@@ -32,7 +32,7 @@ from pytest_opprof.schema import (
     write_artifact,
     write_text_atomic,
 )
-from pytest_opprof.stages import common
+from pytest_opprof.stages import common, recapture
 
 NAME = "validate"
 
@@ -149,8 +149,6 @@ def _validate_llm_passes(run: WorkloadRun, dtype: str | None) -> list[PassStatus
 
 
 def run(run: WorkloadRun) -> str:
-    from pytest_opprof.stages import recapture
-
     ahead = recapture.start_ahead(run)  # compiling beside the validation, timing after it
     report = None
     try:
@@ -158,8 +156,7 @@ def run(run: WorkloadRun) -> str:
         write_artifact(run.profiler_output / "validation_report.json", report)
     finally:
         if ahead is not None:
-            passed = report is not None and report.overall == "READY_FOR_PROFILING"
-            ahead.open(report.sha256 if report is not None and passed else "")
+            ahead.validation_ended(report)
     if report.overall == "BLOCKED":
         raise StageError(f"{run.generated.name}: {report.message}")
     n = report.numerics

@@ -513,8 +513,9 @@ def _ahead_of(run: StandIn) -> recapture.Ahead:
 def test_the_recapture_compiles_beside_validation_and_times_once_it_passed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Started as validate starts, the timing processes wait at the gate until validate opens
-    it with the hash it passed; the recapture stage then takes them up and starts none."""
+    """Started as validate starts, the timing processes wait at the gate until validation has
+    passed the file (the gate holding its hash); the recapture stage then takes them up and
+    starts none."""
     run = _under_a_lock(tmp_path, monkeypatch, GIB, processes=3)
     ahead = _ahead_of(run)
     time.sleep(0.8)  # validation under way: the processes have compiled and wait
@@ -523,7 +524,7 @@ def test_the_recapture_compiles_beside_validation_and_times_once_it_passed(
     assert set(run.gates.values()) == {str(ahead.gate)}
     opened = time.monotonic()
     validated = read_artifact(run.profiler_output / "validation_report.json", ValidationReport)
-    ahead.open(validated.sha256)
+    ahead.validation_ended(validated)
     said = recapture.run(run)  # type: ignore[arg-type]
     assert "side by side" in said and run.ahead == {}
     assert sorted(name for name, _, _ in run.children) == ["recapture", "retime1", "retime2"]
@@ -538,10 +539,15 @@ def test_a_file_validation_blocked_is_never_timed_by_the_recapture_started_besid
 ) -> None:
     run = _under_a_lock(tmp_path, monkeypatch, GIB, processes=2)
     ahead = _ahead_of(run)
-    ahead.open("")  # validate blocked the file (or did not finish)
+    blocked = read_artifact(run.profiler_output / "validation_report.json", ValidationReport)
+    ahead.validation_ended(blocked.model_copy(update={"overall": "BLOCKED"}))
     with pytest.raises(StageError, match=recapture.UNVALIDATED):
         ahead.timed()
     assert not (run.out_dir / "profile_optimized.json").exists()
+    again = _ahead_of(run)
+    again.validation_ended(None)  # validate ended without a report (an error, an interrupt)
+    with pytest.raises(StageError, match=recapture.UNVALIDATED):
+        again.timed()
 
 
 def test_nothing_starts_ahead_where_the_session_does_not_run_the_recapture(
