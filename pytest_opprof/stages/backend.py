@@ -6,7 +6,6 @@ test file and the implementation notes (the parent half, ``run``).
 from __future__ import annotations
 
 import contextlib
-import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -196,22 +195,12 @@ def selected_beside_stock(run: WorkloadRun) -> BackendSelection:
 def wait_for_stock(done: Path) -> None:
     """In selection's process, before the stock rung: wait until ``done`` exists (the stock
     task beside it has ended), holding nothing of the GPU's lock, which the stock task's
-    measurements take exclusively; the caller has synchronized. The stage's timeout bounds
-    the wait (the parent stops this process); a parent gone, or ``done``'s folder gone with
-    it, ends it with an error instead."""
-    if done.exists():
-        return
-    devicelock.let_go()
-    parent, t0 = os.getppid(), time.perf_counter()
-    common.phase("waiting for the stock baseline's task to end")
-    while not done.exists():
-        if os.getppid() != parent or not done.parent.is_dir():
-            raise StageError(
-                "the backend stage that started this process has ended (its process or "
-                f"{done.parent} is gone) before the stock baseline's task did"
-            )
-        time.sleep(0.2)
-    common.phase(f"the stock baseline's task ended after {time.perf_counter() - t0:.1f} s")
+    measurements take exclusively; the caller has synchronized (``common.wait_for_file``)."""
+    waited = common.wait_for_file(
+        done, "waiting for the stock baseline's task to end", "the stock baseline's task did"
+    )
+    if waited is not None:
+        common.phase(f"the stock baseline's task ended after {waited:.1f} s")
 
 
 def ladder_kept(

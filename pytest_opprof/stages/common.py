@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import sys
 import time
 import types
@@ -85,6 +86,30 @@ def compile_note(before: dict[str, float]) -> str:
     parts = [f"{name} {since(name):.1f}" for name, _ in _COMPILE_PARTS]
     hits, misses = int(since("cache_hit")), int(since("cache_miss"))
     return f"{', '.join(parts)} s; FX graph cache {hits} hit, {misses} miss"
+
+
+def wait_for_file(path: Path, waiting: str, before: str) -> float | None:
+    """Wait until ``path`` exists (another process's end, which its stage marks there),
+    holding nothing of the GPU's lock meanwhile (the caller has synchronized), saying
+    ``waiting`` in the stage log: the seconds waited, or None where it existed already. The
+    stage's timeout bounds the wait (the parent stops this process); a parent gone, or
+    ``path``'s folder gone with the stage that made it, ends it with an error that says the
+    stage ended ``before`` what was awaited."""
+    from pytest_opprof.errors import StageError
+
+    if path.exists():
+        return None
+    devicelock.let_go()
+    parent, t0 = os.getppid(), time.perf_counter()
+    phase(waiting)
+    while not path.exists():
+        if os.getppid() != parent or not path.parent.is_dir():
+            raise StageError(
+                "the stage that started this process has ended (its process or "
+                f"{path.parent} is gone) before {before}"
+            )
+        time.sleep(0.1)
+    return time.perf_counter() - t0
 
 
 def setup_torch() -> None:

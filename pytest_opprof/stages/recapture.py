@@ -209,26 +209,25 @@ def _await_validation(spec: ChildSpec, device: str) -> None:
     timed, wait until validate opens the gate, holding nothing of the GPU's lock meanwhile,
     and go on only where it passed the file this process imported (the gate holds the sha256
     validation passed; ``spec.sha256`` is the one imported). A parent gone, or the gate's
-    folder with it, ends the wait with an error, as a blocked file does."""
+    folder with it, ends the wait with an error, as a blocked file does
+    (``common.wait_for_file``)."""
     if spec.gate is None:
         return
     from pytest_opprof.capture.timing import synchronize
 
-    gate, t0 = Path(spec.gate), time.perf_counter()
-    if not gate.exists():
-        synchronize(device)
-        devicelock.let_go()
-        common.phase("waiting for validation to end before timing")
-        while not gate.exists():
-            if not gate.parent.is_dir():
-                why = f"its folder {gate.parent} is gone: the stage that started it has ended"
-                common.phase(f"{UNVALIDATED}: {why}")
-                raise StageError(f"{UNVALIDATED}: {why}")
-            time.sleep(0.1)
+    gate = Path(spec.gate)
+    synchronize(device)
+    try:
+        waited = common.wait_for_file(
+            gate, "waiting for validation to end before timing", "validation did"
+        )
+    except StageError as exc:
+        common.phase(f"{UNVALIDATED}: {exc}")
+        raise StageError(f"{UNVALIDATED}: {exc}") from None
     if gate.read_text(encoding="utf-8").strip() != spec.sha256:
         common.phase(f"{UNVALIDATED}: validation did not pass the file compiled here")
         raise StageError(f"{UNVALIDATED}: validation did not pass the file compiled here")
-    common.phase(f"{VALIDATED} after {time.perf_counter() - t0:.1f} s of waiting")
+    common.phase(f"{VALIDATED} after {waited or 0.0:.1f} s of waiting")
 
 
 def tunes_anew(run: WorkloadRun) -> bool:

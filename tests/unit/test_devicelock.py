@@ -66,10 +66,14 @@ note("done")
 )
 
 
-def _spawn(script: str, lock: Path, log: Path, *args: object) -> subprocess.Popen[str]:
+def _spawn(
+    script: str, lock: Path, log: Path, *args: object, session: bool = False
+) -> subprocess.Popen[str]:
+    """``script`` in a process of its own under the lock ``lock``; with ``session``, the leader
+    of a process group of its own (a stage process, which a pause stops as a group)."""
     env = {**os.environ, devicelock.LOCK_ENV: str(lock)}
     argv = [sys.executable, "-c", script, *map(str, args), str(log)]
-    return subprocess.Popen(argv, env=env, text=True)
+    return subprocess.Popen(argv, env=env, text=True, start_new_session=session)
 
 
 def _start(lock: Path, log: Path, name: str, work: float, measure: float) -> subprocess.Popen[str]:
@@ -916,9 +920,7 @@ def pausing(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[Path]:
 
 
 def _compiler(path: Path, log: Path) -> subprocess.Popen[str]:
-    env = {**os.environ, devicelock.LOCK_ENV: str(path)}
-    argv = [sys.executable, "-c", COMPILER, "c", str(log)]
-    proc = subprocess.Popen(argv, env=env, text=True, start_new_session=True)
+    proc = _spawn(COMPILER, path, log, "c", session=True)
     if not _until(lambda: len(_ticks(log, "c")) > 3 and len(_ticks(log, "worker")) > 3):
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
@@ -1132,10 +1134,8 @@ def test_a_pause_stops_the_compile_workers_of_a_process_that_waits(
 ) -> None:
     """A stage process that waits (not compiling) is not stopped, but its compile workers,
     which go on compiling ahead, are, for the measurement."""
-    path, log = pausing, tmp_path / "log"
-    env = {**os.environ, devicelock.LOCK_ENV: str(path)}
-    argv = [sys.executable, "-c", WAITING_WITH_WORKER, "c", str(log)]
-    stage = subprocess.Popen(argv, env=env, text=True, start_new_session=True)
+    log = tmp_path / "log"
+    stage = _spawn(WAITING_WITH_WORKER, pausing, log, "c", session=True)
     notes: list[str] = []
     try:
         assert _until(lambda: len(_ticks(log, "c")) > 3 and len(_ticks(log, "worker")) > 3)
@@ -1179,10 +1179,8 @@ def test_a_pause_leaves_a_cuda_process_working(pausing: Path, tmp_path: Path) ->
     and its CUDA work runs right; the measurement's own CUDA work runs during the pause."""
     import torch
 
-    path, log = pausing, tmp_path / "log"
-    env = {**os.environ, devicelock.LOCK_ENV: str(path)}
-    argv = [sys.executable, "-c", CUDA_COMPILER, "c", str(log)]
-    stage = subprocess.Popen(argv, env=env, text=True, start_new_session=True)
+    log = tmp_path / "log"
+    stage = _spawn(CUDA_COMPILER, pausing, log, "c", session=True)
     notes: list[str] = []
     try:
         assert _until(lambda: len(_ticks(log, "c")) > 3, 60)
