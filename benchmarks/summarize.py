@@ -373,7 +373,7 @@ def _shortfall_line(name: str, r: dict[str, Any]) -> str:
     return line
 
 
-STAGE_LOGS = ("capture", "stock", "backend", "validate", "recapture")
+STAGE_LOGS = ("capture", "stock", "stock_warm", "backend", "validate", "recapture")
 FORMER_LOGS = {"backend": "select"}
 """A stage whose child logged under another name in runs before: read where its own is absent."""
 
@@ -788,11 +788,16 @@ def markdown(result: dict[str, Any]) -> str:
     if children:
         names = ["capture", "counters", "stock", "backend", "validate", "recapture", "retime"]
         alone = any("alone" in st for st in children.values())
+        warmed = any("stock_warm" in st for st in children.values())
+        if warmed:
+            names.insert(names.index("stock") + 1, "stock_warm")
         lines += [
             "",
             "Stage children's own time (s, from their logs; counters is the Nsight Compute pass "
             "inside capture, stock the stock baseline's task (--opprof-stock), beside "
-            "selection or before it, retime the recapture's extra timing processes summed, "
+            "selection or before it, "
+            + ("stock_warm the process that compiles its last recipe beside it, " * warmed)
+            + "retime the recapture's extra timing processes summed, "
             "which run "
             "beside the recapture where they start together; waiting, the part of all of it "
             "spent waiting for the GPU's lock"

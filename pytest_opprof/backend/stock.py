@@ -140,7 +140,8 @@ def _inductor_settings(recipe: str) -> Iterator[None]:
 class Compiled(nn.Module):
     """A recipe compiled as a user writes it: ``torch.compile(wrapper, mode="max-autotune")``,
     its first call (the compile) under the recipe's Inductor settings. What a generated file
-    ships where the ladder's plan was not measured faster (``runtime.stock_recipe``)."""
+    ships where the ladder's plan was not measured faster (``runtime.stock_recipe``). Its
+    ``recipe`` and ``dtype`` name it in the stage logs."""
 
     def __init__(self, recipe: str, model: nn.Module, inputs: tuple[Any, ...], dtype: str):
         super().__init__()
@@ -155,7 +156,8 @@ class Compiled(nn.Module):
             wrapped = Autocast(model, device_type, low, out)
         else:
             wrapped = Cast(model, low, out, channels_last_input(inputs))
-        self.recipe, self.compiled = recipe, torch.compile(wrapped.eval(), mode=MODE)
+        self.recipe, self.dtype = recipe, dtype
+        self.compiled = torch.compile(wrapped.eval(), mode=MODE)
         self._first = True
         self.eval()
 
@@ -198,11 +200,15 @@ def choose(
     check: Check,
     first_call: Callable[[Callable[..., Any]], None],
     time_brief: Callable[[dict[str, Callable[..., Any]]], dict[str, float]],
+    before_build: Callable[[str, str], None] | None = None,
 ) -> Any:
     """The stock baseline (``schema.StockBaseline``): at the first dtype of
     :func:`dtypes_to_try` where some recipe builds and passes ``check``, the faster of those
     that do (``time_brief``: median ms of each, timed interleaved). A recipe that fails to
-    build or to pass is a trial with its error; where none passes at any dtype, no recipe."""
+    build or to pass is a trial with its error; where none passes at any dtype, no recipe.
+    ``before_build(recipe, dtype)``, where given, is called before each build, in the order
+    of the builds: the caller's moment to wait for what a build needs; what it raises is not
+    a recipe's failure and ends the choice."""
     from pytest_opprof.schema import StockBaseline, StockTrial
 
     trials: list[StockTrial] = []
@@ -213,6 +219,8 @@ def choose(
                 recipe=recipe, dtype=dtype, description=describe(recipe, dtype, inputs)
             )
             trials.append(trial)
+            if before_build is not None:
+                before_build(recipe, dtype)
             try:
                 built = build(recipe, model, inputs, dtype, first_call=first_call)
             except Exception as exc:  # Inductor failed on this recipe: the other may build

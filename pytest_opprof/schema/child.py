@@ -52,6 +52,12 @@ class ChildSpec(Model):
         description="selection's: the file its parent creates once the stock task, run beside "
         "it, has ended; selection waits for it before trying the recipe that task kept",
     )
+    stock_warm_done: str | None = Field(
+        default=None,
+        description="the stock task's: the file its parent creates once the stock warmer, run "
+        "beside it, has ended; the stock task waits for it before building the recipe the "
+        "warmer compiled, which Inductor's FX graph cache then answers",
+    )
     stock_rung_only: bool = Field(
         default=False,
         description="selection's, again in a fresh process where its first died timing the "

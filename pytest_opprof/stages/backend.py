@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_opprof import devicelock
 from pytest_opprof.backend.plan import extra_targets
-from pytest_opprof.errors import StageError, StageTimedOut
+from pytest_opprof.errors import OpprofError, StageError, StageTimedOut
 from pytest_opprof.pipeline import STOCK_FILE, WorkloadRun
 from pytest_opprof.schema import (
     BackendSelection,
@@ -42,6 +42,12 @@ STOCK_RUNG_PENDING = "profiler_output/stock_rung.pending"
 is written already: a selection process that dies meanwhile leaves both behind."""
 STOCK_RUNG_LOG = "select_stock_rung"
 """The log of the fresh process that times the stock recipe against the ladder's plan again."""
+STOCK_WARM = "stock_warm"
+"""The stock warmer's task, and its log's name: the process beside the stock task that compiles
+:data:`WARMED` for it (:func:`warms_stock`)."""
+WARMED = ("cast", "bfloat16")
+"""The recipe and dtype the stock warmer compiles: ``backend.stock``'s last recipe at its first
+dtype (``LOW_PRECISION``), the build the stock task reaches last in its first round."""
 
 
 def run(run: WorkloadRun) -> str:
@@ -54,6 +60,7 @@ def run(run: WorkloadRun) -> str:
         STOCK_RUNG_PENDING,
         SELECTION_FILE,
         f"profiler_output/{STOCK_RUNG_LOG}.log",
+        f"profiler_output/{STOCK_WARM}.log",
     )
     for former in stale:  # not this run's
         (run.out_dir / former).unlink(missing_ok=True)
@@ -116,19 +123,93 @@ started with it, waits for it at the ladder's end and must still write its selec
 its own timeout."""
 
 
-def stock_task(run: WorkloadRun, **extra: Any) -> None:
-    """The stock task's process (``extra``: more of its spec). Where it runs out of time and
-    the stock baseline is only measured beside the gate's (``--opprof-stock``), the stage goes
-    on without it: ``STOCK_FILE`` says why, and so do the reports; as the gate's baseline
-    (``--opprof-baseline=stock``), its timeout fails the stage, as any failure of it does.
-    max-autotune's compiles of a large model, beside other workloads' compiles on shared CPUs,
-    can outlast the stage (docs/results.md)."""
+def stock_task(run: WorkloadRun, beside_selection: bool = False, **extra: Any) -> None:
+    """The stock task's process (``extra``: more of its spec), with the stock warmer beside it
+    where :func:`warms_stock` (``beside_selection``: selection runs meanwhile). Where it runs
+    out of time and the stock baseline is only measured beside the gate's
+    (``--opprof-stock``), the stage goes on without it: ``STOCK_FILE`` says why, and so do the
+    reports; as the gate's baseline (``--opprof-baseline=stock``), its timeout fails the
+    stage, as any failure of it does. max-autotune's compiles of a large model, beside other
+    workloads' compiles on shared CPUs, can outlast the stage (docs/results.md)."""
     try:
-        run.run_child("stock", NAME, **extra)
+        if warms_stock(run, beside_selection):
+            stock_beside_warmer(run, **extra)
+        else:
+            run.run_child("stock", NAME, **extra)
     except StageTimedOut as exc:
         if run.base_setting("baseline") == "stock":
             raise
         write_artifact(run.out_dir / STOCK_FILE, StockBaseline(message=f"not measured: {exc}"))
+
+
+def warms_stock(run: WorkloadRun, beside_selection: bool) -> bool:
+    """Whether the stock warmer compiles :data:`WARMED` beside the stock task, which compiles
+    its other recipe meanwhile: the two max-autotune compiles are independent, minutes each on
+    a large model, and once the warmer has ended Inductor's FX graph cache, which the session's
+    processes share, answers the stock task's own compile of that recipe; so the task takes
+    about the longer compile, not both. By the rule of the recapture's timing processes
+    (``recapture.side_by_side``): under a GPU lock, which keeps the warmer's autotuning apart
+    from the others' measurements, and where the capture's peak memory says all of this
+    workload's processes then running fit: the stock task and the warmer, and selection
+    where the stock task runs beside it. Elsewhere (the CPU, no lock, no profile) the stock
+    task compiles both recipes itself, one after the other."""
+    path = run.out_dir / "profile.json"
+    if not path.is_file():
+        return False
+    baseline = read_artifact(path, Profile).capture_metadata
+    return recapture.side_by_side(baseline, 3 if beside_selection else 2)
+
+
+def stock_beside_warmer(run: WorkloadRun, **extra: Any) -> None:
+    """The stock task's process (``extra``: more of its spec) and the stock warmer's beside it,
+    siblings on the same CPU slice (``extra``'s siblings' lock where selection is a third,
+    else one of their own), each with Inductor's pool of compile workers and the same
+    timeout. The stock task waits for ``stock_warm_done``, created once the warmer has ended,
+    however it ended, before it builds :data:`WARMED` itself: a warmer that failed, ran out of
+    time or crashed costs the stock task only that wait (it then compiles the recipe, as
+    without a warmer) and never fails the stage; its log says why
+    (``profiler_output/stock_warm.log``). Returns, or raises the stock task's error, once
+    both have ended: the warmer does not outlive its stage."""
+    with tempfile.TemporaryDirectory(prefix="opprof-stock-warm-") as tmp:
+        done = Path(tmp) / "warm.done"
+        siblings = {
+            "shares_cpus": True,
+            "compile_pool": True,  # both compile new graphs
+            **extra,
+            "siblings_lock": extra.get("siblings_lock") or str(Path(tmp) / "siblings.lock"),
+        }
+
+        def warm() -> None:
+            try:
+                run.run_child(STOCK_WARM, NAME, **siblings)
+            except OpprofError:  # the stock task compiles the recipe itself
+                pass
+            finally:
+                done.touch()
+
+        pool = ThreadPoolExecutor(1)
+        warmed = pool.submit(warm)
+        try:
+            run.run_child("stock", NAME, **siblings, stock_warm_done=str(done))
+        except KeyboardInterrupt:
+            pool.shutdown(wait=False, cancel_futures=True)  # the session's end stops it
+            raise
+        except BaseException:
+            pool.shutdown()  # it does not outlive its stage or its folder
+            raise
+        pool.shutdown()
+        warmed.result()  # a bug of ours in the thread, not the warmer's failure
+
+
+def wait_for_warmer(done: Path) -> None:
+    """In the stock task's process, before it builds :data:`WARMED`: wait until ``done``
+    exists (the stock warmer beside it has ended), holding nothing of the GPU's lock, and say
+    how long it waited; the caller has synchronized and shares the GPU again after it
+    (``common.wait_for_file``)."""
+    waited = common.wait_for_file(
+        done, "waiting for the stock warmer to end", "the stock warmer did"
+    )
+    common.phase(f"waited {waited or 0.0:.1f} s for the stock warmer to end")
 
 
 def stock_rung_pending(out_dir: Path) -> bool:
@@ -160,6 +241,7 @@ def selected_beside_stock(run: WorkloadRun) -> BackendSelection:
             try:
                 stock_task(
                     run,
+                    beside_selection=True,
                     shares_cpus=True,
                     compile_pool=True,
                     siblings_lock=siblings,
@@ -547,10 +629,12 @@ def task_stock(spec: ChildSpec) -> None:
     (``backend.stock``), its outputs held to the validator's checks at the recipe's dtype
     (bf16, else fp32), the passing ones timed briefly side by side; the choice goes to
     ``STOCK_FILE``, where selection tries it against its plan and every timing process of the
-    recapture reads which recipe to time."""
+    recapture reads which recipe to time. With ``spec.stock_warm_done`` (the stock warmer
+    beside it: :func:`stock_beside_warmer`), it waits for the warmer's end before it builds
+    :data:`WARMED`, whose compile the FX graph cache then answers."""
     from pytest_opprof.backend import stock
     from pytest_opprof.capture.system import resolve_device
-    from pytest_opprof.capture.timing import time_interleaved
+    from pytest_opprof.capture.timing import synchronize, time_interleaved
     from pytest_opprof.numerics import anti_cheat_checks, calibrated
     from pytest_opprof.tolerances import numerics_dtype, tolerance_for
 
@@ -583,17 +667,60 @@ def task_stock(spec: ChildSpec) -> None:
             )
         return {k: statistics.median(v) for k, v in s.items()}
 
+    def before_build(recipe: str, dtype: str) -> None:
+        if spec.stock_warm_done is not None and (recipe, dtype) == WARMED:
+            synchronize(device)  # the wait holds nothing of the GPU: our work done first
+            wait_for_warmer(Path(spec.stock_warm_done))
+            devicelock.resume()
+
+    call = common.first_call(w, device)
+
+    def first_call(fn: Any) -> None:
+        """A recipe's compile (``stock.Compiled``), and where its time went: the FX graph
+        cache says whether the warmer's compile answered it."""
+        clock, t0 = common.compile_clock(), time.perf_counter()
+        call(fn)
+        note = common.compile_note(clock)
+        common.phase(
+            f"built {fn.recipe} at {fn.dtype}: {time.perf_counter() - t0:.1f} s"
+            + (f" ({note})" if note else "")
+        )
+
     with common.autotuning(device):
         chosen = stock.choose(
             w.model,
             w.inputs,
             None,
             check=check,
-            first_call=common.first_call(w, device),
+            first_call=first_call,
             time_brief=time_brief,
+            before_build=before_build,
         )
     common.phase(f"stock baseline: {chosen.message}")
     write_artifact(out_dir / STOCK_FILE, chosen)
+
+
+def task_stock_warm(spec: ChildSpec) -> None:
+    """The stock warmer, beside the stock task (:func:`warms_stock`): :data:`WARMED` built
+    and called once, as the stock task builds it (``stock.build`` under
+    ``common.autotuning``: its autotuning holds the GPU alone per op), and nothing else. Its
+    compile fills Inductor's FX graph cache, which answers the stock task's own build of the
+    recipe once this process has ended; what it built is thrown away, unchecked and untimed."""
+    from pytest_opprof.backend import stock
+    from pytest_opprof.capture.system import resolve_device
+
+    common.setup_torch()
+    device = resolve_device(common.options(spec).device)
+    w = common.load_baseline(spec, device)
+    recipe, dtype = WARMED
+    clock, call = common.compile_clock(), common.first_call(w, device)
+    with common.autotuning(device):
+        built = stock.build(recipe, w.model, w.inputs, dtype, first_call=call)
+    note = common.compile_note(clock)
+    common.phase(
+        f"built {recipe} at {dtype} for the stock task: {built.compile_s:.1f} s"
+        + (f" ({note})" if note else "")
+    )
 
 
 def pristine_copy(model: Any, reload: Callable[[], Any]) -> Any:
@@ -628,8 +755,13 @@ def runs_tf32(model: Any, plan: Any, device: str) -> bool:
     return bool(convs and torch.backends.cudnn.allow_tf32)
 
 
-TASKS: dict[str, Callable[[ChildSpec], None]] = {NAME: task_select, "stock": task_stock}
+TASKS: dict[str, Callable[[ChildSpec], None]] = {
+    NAME: task_select,
+    "stock": task_stock,
+    STOCK_WARM: task_stock_warm,
+}
 """The child halves, by the task name a spec carries (``runner`` dispatches them): measured
 selection under the stage's own name (its log ``backend.log``), and, where the stock baseline
 is measured, its task, which runs beside selection (before it where they cannot run side by
-side: :func:`stock_runs_beside`)."""
+side: :func:`stock_runs_beside`), and the stock warmer beside that task where they fit
+(:func:`warms_stock`)."""

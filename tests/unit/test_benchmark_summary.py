@@ -1107,6 +1107,26 @@ def test_the_stock_task_s_log_counts_among_the_stage_children(tmp_path: Path) ->
     assert tool.child_seconds(tmp_path) == {"stock": 40.0, "waiting": 30.0, "alone": 2.0}
 
 
+def test_the_stock_warmer_s_log_has_its_column_where_a_run_has_one(tmp_path: Path) -> None:
+    """The stock warmer (``stages.backend.STOCK_WARM``) is a stage child of its own: its seconds
+    in a ``stock_warm`` column, shown only where some workload has them, so the tables of runs
+    before it read as they did."""
+    tool = _summarize()
+    logs = tmp_path / "profiler_output"
+    logs.mkdir()
+    (logs / "stock_warm.log").write_text(
+        "[opprof] +   25.0 s  task stock_warm done, 5.0 s of it waiting for the GPU\n",
+        encoding="utf-8",
+    )
+    assert tool.child_seconds(tmp_path) == {"stock_warm": 25.0, "waiting": 5.0}
+    result = tool.summarize([RESULTS])
+    before = tool.markdown(result)
+    assert "stock_warm" not in before
+    result["workloads"]["conv_block"]["child_seconds"]["stock_warm"] = 25.0
+    header = "| workload | capture | counters | stock | stock_warm | backend |"
+    assert header in tool.markdown(result)
+
+
 def test_the_stock_figures_of_the_results_page_are_the_runs_summaries() -> None:
     """docs/results.md's figures over the stock baseline for h200-2026-12-04 are those of the
     committed summaries: the examples' geomean, and the eight real models' geomean over the

@@ -153,6 +153,76 @@ def test_none_passing_is_no_bar_and_says_why(monkeypatch: pytest.MonkeyPatch) ->
     assert "autocast at bfloat16: autocast wrong" in chosen.message
 
 
+def test_before_build_is_called_before_each_build_in_their_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The hook a caller waits in (the stock task, for the warmer's end): once before each
+    build, the fallback round's included, with the recipe and dtype about to be built."""
+    fails = {(r, "bfloat16"): "equivalent: too far" for r in stock.RECIPES}
+    fake = _Recipes(fails, raises={("autocast", "float32")}, ms={"cast": 1.0})
+    calls: list[tuple[str, str, str]] = []
+
+    def build(recipe: str, model: Any, inputs: Any, dtype: str, *, first_call: Any) -> Any:
+        calls.append(("build", recipe, dtype))
+        return fake.build(recipe, model, inputs, dtype, first_call=first_call)
+
+    monkeypatch.setattr(stock, "build", build)
+    model, x = _tiny()
+    chosen = stock.choose(
+        model,
+        (x,),
+        None,
+        check=fake.check,
+        first_call=_call(x),
+        time_brief=fake.time_brief,
+        before_build=lambda recipe, dtype: calls.append(("before", recipe, dtype)),
+    )
+    assert (chosen.recipe, chosen.dtype) == ("cast", "float32")
+    assert calls == [
+        (step, recipe, dtype)
+        for dtype in ("bfloat16", "float32")
+        for recipe in stock.RECIPES
+        for step in ("before", "build")
+    ]
+
+
+def test_what_before_build_raises_ends_the_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Not a recipe's failure (a trial's error): the caller's own, raised as it was."""
+    fake = _Recipes({}, ms={"autocast": 1.0, "cast": 2.0})
+    built: list[str] = []
+
+    def build(recipe: str, model: Any, inputs: Any, dtype: str, *, first_call: Any) -> Any:
+        built.append(recipe)
+        return fake.build(recipe, model, inputs, dtype, first_call=first_call)
+
+    def before_build(recipe: str, dtype: str) -> None:
+        if recipe == "cast":
+            raise RuntimeError("the stage that started this process has ended")
+
+    monkeypatch.setattr(stock, "build", build)
+    model, x = _tiny()
+    with pytest.raises(RuntimeError, match="has ended"):
+        stock.choose(
+            model,
+            (x,),
+            None,
+            check=fake.check,
+            first_call=_call(x),
+            time_brief=fake.time_brief,
+            before_build=before_build,
+        )
+    assert built == ["autocast"]
+
+
+def test_the_warmer_compiles_the_stock_task_s_last_build_of_its_first_round() -> None:
+    """The stock warmer (``stages.backend``) compiles what the stock task would compile last
+    in its first round, so the stock task's own compile of its first recipe overlaps it."""
+    from pytest_opprof.stages import backend
+
+    last, first_dtype = list(stock.RECIPES)[-1], stock.dtypes_to_try(None)[0]
+    assert (last, first_dtype) == backend.WARMED
+
+
 def test_dtypes_tried() -> None:
     assert stock.dtypes_to_try("bfloat16") == ["bfloat16"]
     assert stock.dtypes_to_try(None) == ["bfloat16", "float32"]

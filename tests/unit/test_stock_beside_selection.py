@@ -1,13 +1,17 @@
 """The stock baseline's task runs beside measured selection, not before it: two sibling
 processes on one CPU slice under the GPU's lock, selection waiting for the stock task's end
 (a marker its parent creates however that task ended) only before the stock rung. A failed
-stock task still fails the stage, once selection is over. The children here are stand-ins
-that write real artifacts from the H200 run; the lock itself is tested in test_devicelock.py."""
+stock task still fails the stage, once selection is over. Where all fit, the stock warmer, a
+third sibling, compiles the stock task's last recipe while that task compiles its first, and
+the stock task waits for the warmer's end (a marker again) before building that recipe
+itself; the warmer's failure fails nothing. The children here are stand-ins that write real
+artifacts from the H200 run; the lock itself is tested in test_devicelock.py."""
 
 from __future__ import annotations
 
 import itertools
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -18,7 +22,7 @@ import pytest
 
 from pytest_opprof import devicelock
 from pytest_opprof.devicelock import LOCK_ENV
-from pytest_opprof.errors import StageError, StageTimedOut
+from pytest_opprof.errors import StageError, StageTimedOut, WorkloadError
 from pytest_opprof.pipeline import STOCK_FILE
 from pytest_opprof.schema import (
     BackendSelection,
@@ -36,10 +40,23 @@ PATIENCE_S = 10.0
 """How long a stand-in waits for the other child: past it, the two ran one after another."""
 
 
+WARMER_ENDS = {
+    "failed": StageError("w.py: the backend process failed (exit 1)"),
+    "out-of-time": StageTimedOut("w.py: backend did not finish within 810 s"),
+    "crashed": StageError("w.py: the backend process was killed by SIGSEGV"),
+    "out-of-memory": WorkloadError("w.py: out of GPU memory during stock_warm"),
+}
+"""How a stock warmer's process can end, other than well: what ``run_child`` raises."""
+
+
 class StandIn:
     """What ``backend.run`` uses of a ``WorkloadRun``. The stock child, where ``beside``, ends
     only once selection has started; selection, given a marker, waits for it as
-    ``task_select`` does and notes whether the stock child had ended by then."""
+    ``task_select`` does and notes whether the stock child had ended by then. The stock
+    warmer's child ends (as ``warmer_ends``, else well) only once the stock child has started;
+    the stock child, given the warmer's marker, builds its first recipe once the warmer has
+    started, then waits for the marker before its last, as ``task_stock`` does, and notes
+    whether the warmer had ended by then."""
 
     def __init__(
         self,
@@ -53,6 +70,7 @@ class StandIn:
         fail_select: bool = False,
         interrupt: bool = False,
         stock_lingers: float = 0.3,
+        warmer_ends: str | None = None,
     ) -> None:
         self.out_dir = folder / "out"
         self.profiler_output = self.out_dir / "profiler_output"
@@ -64,6 +82,12 @@ class StandIn:
         self.fail_stock, self.fail_select = fail_stock, fail_select
         self.stock_out_of_time, self.baseline = stock_out_of_time, baseline
         self.interrupt, self.stock_lingers = interrupt, stock_lingers
+        self.warmer_ends = warmer_ends
+        self.stock_started = threading.Event()
+        self.warming = threading.Event()
+        self.warm_ended = threading.Event()
+        self.marker_after_warmer: bool | None = None
+        self.built: list[str] = []
         self.extras: dict[str, dict[str, Any]] = {}
         self.order: list[str] = []
         self.selecting = threading.Event()
@@ -89,11 +113,23 @@ class StandIn:
         assert stage == "backend"
         self.extras[task] = extra
         self.order.append(task)
+        if task == backend.STOCK_WARM:
+            self.warming.set()
+            try:
+                assert self.stock_started.wait(PATIENCE_S), "the stock task did not start beside it"
+                time.sleep(0.3)  # compiling as the stock task compiles its first recipe
+                if self.warmer_ends is not None:
+                    raise WARMER_ENDS[self.warmer_ends]
+            finally:
+                self.warm_ended.set()
+            return
         if task == "stock":
+            self.stock_started.set()
             try:
                 if self.beside:  # one after the other, this never returns early
                     assert self.selecting.wait(PATIENCE_S), "selection did not start beside it"
                     time.sleep(self.stock_lingers)  # still at work as selection goes on
+                self._build_recipes(extra.get("stock_warm_done"))
                 if self.fail_stock:
                     raise StageError("w.py: the stock process failed (exit 1)")
                 if self.stock_out_of_time:
@@ -118,12 +154,32 @@ class StandIn:
         write_artifact(self.out_dir / backend.SELECTION_FILE, selection)
         self.selection_done = True
 
+    def _build_recipes(self, warm_done: str | None) -> None:
+        """``task_stock``'s builds: with the warmer's marker, the first beside the warmer at
+        work, the last once the marker is there."""
+        first, last = "autocast", backend.WARMED[0]
+        if warm_done is not None:
+            assert self.warming.wait(PATIENCE_S), "the warmer did not start beside it"
+        self.built.append(first)
+        if warm_done is not None:
+            marker = Path(warm_done)
+            deadline = time.monotonic() + PATIENCE_S
+            while not marker.exists() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.marker_after_warmer = marker.exists() and self.warm_ended.is_set()
+        self.built.append(last)
+
 
 def _stand_in(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, *, lock: bool = True, **kwargs: Any
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    lock: bool = True,
+    peak: int | None = GIB,
+    **kwargs: Any,
 ) -> StandIn:
-    """A stand-in run, under a GPU lock where ``lock``, whose capture's peak memory fits two
-    processes side by side."""
+    """A stand-in run, under a GPU lock where ``lock``, whose capture's peak memory (``peak``;
+    None: a capture on the CPU) fits many processes side by side on a 140 GiB GPU."""
     if lock:
         monkeypatch.setenv(LOCK_ENV, str(tmp_path / "gpu.lock"))
     else:
@@ -131,7 +187,7 @@ def _stand_in(
     run = StandIn(tmp_path, **kwargs)
     base = read_artifact(H200 / "profile.json.gz", Profile)
     meta = base.capture_metadata.model_copy(
-        update={"peak_memory_bytes": GIB, "device_memory_bytes": 140 * GIB}
+        update={"peak_memory_bytes": peak, "device_memory_bytes": 140 * GIB}
     )
     write_artifact(run.out_dir / "profile.json", base.model_copy(update={"capture_metadata": meta}))
     return run
@@ -143,7 +199,7 @@ def test_the_stock_task_runs_beside_selection_as_its_sibling(
     run = _stand_in(tmp_path, monkeypatch)
     said = backend.run(run)  # type: ignore[arg-type]
     assert said.startswith("kept ")
-    assert sorted(run.extras) == ["backend", "stock"]
+    assert sorted(run.extras) == ["backend", "stock", "stock_warm"]  # all three fit
     stock, select = run.extras["stock"], run.extras["backend"]
     assert stock["shares_cpus"] and select["shares_cpus"]
     assert stock["compile_pool"] and select["compile_pool"]  # both compile new graphs
@@ -234,6 +290,173 @@ def test_without_a_gpu_lock_or_the_stock_baseline_nothing_runs_beside_selection(
     backend.run(run)  # type: ignore[arg-type]
     assert run.order == (["stock", "backend"] if stock else ["backend"])
     assert all(extra == {} for extra in run.extras.values())
+
+
+@pytest.mark.parametrize("beside", [True, False], ids=["beside-selection", "before-selection"])
+def test_the_stock_warmer_compiles_beside_the_stock_task_which_waits_for_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, beside: bool
+) -> None:
+    """The warmer and the stock task run at once, siblings under one lock (selection's where
+    it is the third), with one timeout; the stock task builds its first recipe beside the
+    warmer at work and the warmer's only once the warmer's marker is there, created after the
+    warmer ended. Before selection the pair has a lock of its own; ``backend.run`` does not
+    get there under today's memory rule (where two fit, the stock task runs beside
+    selection), so the parent half is called itself."""
+    run = _stand_in(tmp_path, monkeypatch, beside=beside)
+    if beside:
+        assert backend.run(run).startswith("kept ")  # type: ignore[arg-type]
+    else:
+        backend.stock_task(run)  # type: ignore[arg-type]
+    stock, warm = run.extras["stock"], run.extras[backend.STOCK_WARM]
+    assert run.built == ["autocast", "cast"]
+    assert run.marker_after_warmer is True
+    assert stock["shares_cpus"] and warm["shares_cpus"]
+    assert stock["compile_pool"] and warm["compile_pool"]  # both compile new graphs
+    assert stock["siblings_lock"] and stock["siblings_lock"] == warm["siblings_lock"]
+    assert stock.get("timeout") == warm.get("timeout")
+    assert "stock_warm_done" not in warm
+    done = Path(stock["stock_warm_done"])
+    assert not done.parent.exists()  # the stage's own, removed after it
+    if beside:
+        assert warm["siblings_lock"] == run.extras["backend"]["siblings_lock"]
+        assert warm["timeout"] == backend.STOCK_SHARE * 900
+    else:
+        assert "timeout" not in warm and Path(warm["siblings_lock"]).parent == done.parent
+
+
+@pytest.mark.parametrize("ends", sorted(WARMER_ENDS))
+def test_a_warmer_that_did_not_end_well_fails_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ends: str
+) -> None:
+    """Its marker is created all the same, the stock task goes on to build the recipe itself,
+    and the stage passes; a warmer out of time is not the stock task out of time (which would
+    record the stock baseline as not measured)."""
+    run = _stand_in(tmp_path, monkeypatch, warmer_ends=ends)
+    assert backend.run(run).startswith("kept ")  # type: ignore[arg-type]
+    assert run.warm_ended.is_set() and run.marker_after_warmer is True
+    assert run.built == ["autocast", "cast"]
+    assert run.selection_done and run.generated.exists()
+    assert not (run.out_dir / STOCK_FILE).exists()  # the stand-in's stock task writes none
+
+
+@pytest.mark.parametrize("where", ["no-lock", "no-room-for-three", "cpu"])
+def test_no_warmer_without_a_gpu_lock_room_in_its_memory_or_a_gpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """Without a lock, or where the capture ran on the CPU (no peak memory), the stock task
+    runs before selection and compiles both recipes itself, as where two fit beside each
+    other but not three: then the stock task runs beside selection, without a warmer. A
+    former run's warmer log is not left to be read as this run's."""
+    peak = {"no-lock": GIB, "no-room-for-three": 20 * GIB, "cpu": None}[where]
+    run = _stand_in(
+        tmp_path,
+        monkeypatch,
+        lock=where != "no-lock",
+        peak=peak,
+        beside=where == "no-room-for-three",
+    )
+    former = run.profiler_output / f"{backend.STOCK_WARM}.log"
+    former.write_text("[opprof] +   10.0 s  task stock_warm done\n", encoding="utf-8")
+    assert not backend.warms_stock(run, beside_selection=True)  # type: ignore[arg-type]
+    assert backend.warms_stock(run, beside_selection=False) is (where == "no-room-for-three")  # type: ignore[arg-type]
+    assert backend.run(run).startswith("kept ")  # type: ignore[arg-type]
+    assert backend.STOCK_WARM not in run.extras and "stock_warm_done" not in run.extras["stock"]
+    assert run.built == ["autocast", "cast"] and run.marker_after_warmer is None
+    assert not former.exists()
+
+
+def _stock_on_cpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, done: Path | None) -> list[Any]:
+    """``task_stock`` on the CPU with its builds stood in for (each recorded with whether
+    ``done`` existed then, its recipe computing the model itself) and the GPU's lock's
+    let-go and resume recorded: what it did, in order. ``done``, where given, is the warmer's
+    marker, created a moment after the stock task let go of the GPU to wait for it."""
+    import torch
+
+    from pytest_opprof.backend import stock
+    from pytest_opprof.capture import timing
+    from pytest_opprof.options import OpprofOptions
+    from pytest_opprof.schema import ChildSpec
+    from pytest_opprof.stages import common
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    x = torch.randn(4, 8)
+    events: list[Any] = []
+
+    class Recipe:
+        def __init__(self, recipe: str, dtype: str) -> None:
+            self.recipe, self.dtype = recipe, dtype
+
+        def __call__(self, *args: Any) -> Any:
+            return model(*args)
+
+    def build(
+        recipe: str, m: Any, inputs: Any, dtype: str, *, first_call: Any
+    ) -> stock.StockRecipe:
+        events.append((recipe, dtype, done is not None and done.exists()))
+        fn = Recipe(recipe, dtype)
+        first_call(fn)
+        return stock.StockRecipe(recipe, dtype, fn, 0.0)
+
+    def timed(calls: dict[str, Any], inputs: Any, **_: Any) -> dict[str, list[float]]:
+        return {k: [1.0 + i] for i, k in enumerate(calls)}
+
+    monkeypatch.setattr(stock, "build", build)
+    monkeypatch.setattr(timing, "time_interleaved", timed)
+
+    def let_go() -> None:  # the wait has begun: the warmer ends a moment later
+        events.append("let go")
+        assert done is not None
+        threading.Timer(0.3, done.touch).start()
+
+    monkeypatch.setattr(devicelock, "let_go", let_go)
+    monkeypatch.setattr(devicelock, "resume", lambda: events.append("resume"))
+    monkeypatch.setattr(common, "setup_torch", lambda: None)
+    monkeypatch.setattr(
+        common, "load_baseline", lambda spec, device: SimpleNamespace(model=model, inputs=(x,))
+    )
+    (tmp_path / "profiler_output").mkdir(exist_ok=True)
+    spec = ChildSpec(
+        task="stock",
+        workload=str(tmp_path / "w.py"),
+        out_dir=str(tmp_path),
+        options=OpprofOptions.from_values({"out": str(tmp_path), "device": "cpu"}).to_child(),
+        stock_warm_done=None if done is None else str(done),
+    )
+    backend.task_stock(spec)
+    return events
+
+
+def test_the_stock_task_builds_the_warmers_recipe_only_once_its_marker_is_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The child's half: its first recipe built at once; before the warmer's, a wait for the
+    marker holding nothing of the GPU, said in its log, then the GPU shared again; the
+    checks, the brief timing and the choice as without a warmer."""
+    done = tmp_path / "siblings" / "warm.done"
+    done.parent.mkdir()
+    events = _stock_on_cpu(tmp_path, monkeypatch, done)
+    assert events == [
+        ("autocast", "bfloat16", False),
+        "let go",
+        "resume",
+        ("cast", "bfloat16", True),
+    ]
+    log = capsys.readouterr().out
+    waited = re.search(r"waited ([\d.]+) s for the stock warmer to end", log)
+    assert waited is not None and float(waited.group(1)) >= 0.2
+    assert "built autocast at bfloat16: " in log and "built cast at bfloat16: " in log
+    chosen = read_artifact(tmp_path / STOCK_FILE, StockBaseline)
+    assert (chosen.recipe, chosen.dtype) == ("autocast", "bfloat16")  # timed faster
+    assert [t.error for t in chosen.trials] == [None, None]
+
+
+def test_without_a_warmer_the_stock_task_waits_for_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    events = _stock_on_cpu(tmp_path, monkeypatch, None)
+    assert events == [("autocast", "bfloat16", False), ("cast", "bfloat16", False)]
+    assert "stock warmer" not in capsys.readouterr().out
 
 
 def _waiting(done: Path) -> tuple[float, BaseException | None]:
