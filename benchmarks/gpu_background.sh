@@ -65,8 +65,10 @@ case "$action" in
             part=$OUT/$name/partial
             mkdir -p "$part"
             source benchmarks/gpu_env.sh  # pydantic for summarize.py
+            # its error kept: the table can then be made from the archive elsewhere
             timeout 60 python3 benchmarks/summarize.py "$work" --json "$part/summary.json" \
-              --md "$part/summary.md" > /dev/null 2>&1 || echo "summarize failed" > "$part/summary.md"
+              --md "$part/summary.md" > /dev/null 2> "$part/summarize.err" \
+              || echo "summarize failed: see summarize.err" > "$part/summary.md"
             tar -C "$(dirname "$work")" -cJf "$part/results.tar.xz" "$(basename "$work")"
             cp "$dir/session.out" "$part/pytest.log"
             cp "$dir/env.txt" "$part/" 2>/dev/null

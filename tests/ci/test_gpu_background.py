@@ -86,6 +86,20 @@ def test_with_partial_it_brings_back_the_workloads_finished_so_far(
         assert "work/conv_block/profile.json.gz" in packed.getnames()
 
 
+def test_a_table_that_failed_keeps_its_error_beside_the_archive(
+    running: tuple[str, Path],
+) -> None:
+    """summarize.py failing on the GPU host leaves the archive to make the table from
+    elsewhere, and says why it failed."""
+    name, tmp_path = running
+    broken = tmp_path / "repo" / "benchmarks" / "summarize.py"
+    broken.write_text("import sys\nsys.exit('no module named pydantic')\n")
+    part = _wait(name, tmp_path, OPPROF_PARTIAL="1") / "partial"
+    assert "see summarize.err" in (part / "summary.md").read_text()
+    assert "no module named pydantic" in (part / "summarize.err").read_text()
+    assert (part / "results.tar.xz").is_file()
+
+
 @pytest.mark.parametrize("ends", [True, False])
 def test_a_run_that_ends_within_the_grace_comes_back_whole(
     running: tuple[str, Path], ends: bool
