@@ -49,7 +49,7 @@ NCU = ("ncu", "ncu_sudo", "ncu_clock_control", "ncu_replay")
 STAGE_OPTIONS: dict[str, tuple[str, ...]] = {
     "capture": ("compile_backend", *TIMING, *NCU),
     "propose": ("min_confidence", "max_opts", "llm"),
-    "backend": ("compile_backend", "measure_iters", "rounds", "stock"),
+    "backend": ("compile_backend", "measure_iters", "rounds", "stock", "warm_rungs"),
     "validate": (),
     "recapture": (
         "compile_backend",

@@ -441,30 +441,88 @@ class Paused:
     def stop(self) -> None:
         """Start the guardian, then stop every target (a target gone is skipped); raises
         PermissionError where one may not be signalled, the ones before it stopped."""
-        import signal
-
-        if not self.targets:
-            return
-        self._guardian = _guardian(self.targets)
-        for target in self.targets:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(target, signal.SIGSTOP)
+        self._guardian = _stop(self.targets)
 
     def resume(self) -> None:
         """Continue the targets, let the guardian go and open the turnstile to compiles."""
-        import signal
-
-        for target in self.targets:
-            with contextlib.suppress(OSError):
-                os.kill(target, signal.SIGCONT)
-        if self._guardian is not None:
-            with contextlib.suppress(OSError):
-                self._guardian.stdin.close()  # it wakes, continues them again, and exits
-            with contextlib.suppress(Exception):
-                self._guardian.wait(timeout=5)
-            self._guardian = None
+        _continue(self.targets, self._guardian)
+        self._guardian = None
         self.lock.is_quiet = False
         fcntl.flock(self.lock._cpu_turn, fcntl.LOCK_UN)
+
+
+def _stop(targets: list[int]) -> Any:
+    """Start a guardian (:func:`_guardian`), then stop every target with ``SIGSTOP`` (a
+    target gone is skipped): the guardian, or None where there is no target. Raises
+    PermissionError where one may not be signalled, the ones before it stopped."""
+    import signal
+
+    if not targets:
+        return None
+    guardian = _guardian(targets)
+    try:
+        for target in targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(target, signal.SIGSTOP)
+    except BaseException:
+        _continue(targets, guardian)
+        raise
+    return guardian
+
+
+def _continue(targets: list[int], guardian: Any) -> None:
+    """Continue the targets that :func:`_stop` stopped and let its guardian go."""
+    import signal
+
+    for target in targets:
+        with contextlib.suppress(OSError):
+            os.kill(target, signal.SIGCONT)
+    if guardian is not None:
+        with contextlib.suppress(OSError):
+            guardian.stdin.close()  # it wakes, continues them again, and exits
+        with contextlib.suppress(Exception):
+            guardian.wait(timeout=5)
+
+
+def identity(pid: int | None = None) -> str | None:
+    """``PID-STARTTIME``: one process (this one by default) by its pid and its start time
+    since boot, so that a later process given the same pid is not taken for it
+    (:func:`stopped`); None where ``/proc`` does not say (no such process, not Linux)."""
+    pid = os.getpid() if pid is None else pid
+    start = _start_time(pid)
+    return None if start is None else f"{pid}-{start}"
+
+
+@contextlib.contextmanager
+def stopped(processes: list[str]) -> Iterator[list[int]]:
+    """The processes named (:func:`identity`) stopped with ``SIGSTOP`` for the block and
+    continued after it, by a guardian too should this process die meanwhile (and after
+    :data:`MAX_PAUSE_S` whatever happens): for a measurement that must not run beside their
+    CPU work on its CPUs (a sibling compiling ahead of it). The caller holds the GPU alone,
+    so a stopped process holds nothing of it that the block could wait on. A process that
+    leads its own group (a stage process) is stopped with its group; one that is gone, whose
+    pid a later process has, or this process itself, is left alone, and so are all where one
+    may not be signalled (another user's): the block then runs beside them. Yields the
+    ``os.kill`` targets stopped."""
+    mine = os.getpgid(0)
+    targets = []
+    for name in processes:
+        pid_s, _, start = name.partition("-")
+        if not pid_s.isdigit() or int(pid_s) == os.getpid() or _start_time(int(pid_s)) != start:
+            continue
+        try:
+            group = os.getpgid(int(pid_s))
+        except OSError:
+            continue
+        targets.append(-group if group == int(pid_s) and group != mine else int(pid_s))
+    try:
+        guardian = _stop(targets)
+    except OSError:  # not ours to stop: continued already
+        targets, guardian = [], None
+    try:
+        yield targets
+    finally:
+        _continue(targets, guardian)
 
 
 _GUARDIAN = """import os, select, signal, sys

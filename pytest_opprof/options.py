@@ -128,6 +128,17 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "the faster recipe in place of its own plan and ships it where measured faster",
         flag=True,
     ),
+    _opt(
+        "warm-rungs",
+        lambda v: parse_bool(v, "--opprof-warm-rungs"),
+        False,
+        "experimental: a sibling process compiles ahead the plan measured selection will "
+        "likely build next (the next rung, where this one is kept), so that Inductor's FX "
+        "graph cache answers selection's own build; it is stopped while selection measures. "
+        "Only on a GPU under its lock, where the capture's peak memory says one more process "
+        "fits; not yet measured on a GPU",
+        flag=True,
+    ),
     _one_of(
         "compile-backend",
         ("inductor",),
@@ -355,6 +366,7 @@ class OpprofOptions:
     min_speedup: float = 1.0
     baseline: str = "best"
     stock: bool = False
+    warm_rungs: bool = False
     compile_backend: str = "inductor"
     device: str = "auto"
     ncu: str = "auto"

@@ -58,6 +58,13 @@ class ChildSpec(Model):
         "beside it, has ended; the stock task waits for it before building the recipe the "
         "warmer compiled, which Inductor's FX graph cache then answers",
     )
+    rung_warmer: str | None = Field(
+        default=None,
+        description="selection's and the rung warmer's: the folder through which selection "
+        "names the plan it will likely build next, the warmer compiles it ahead, and "
+        "selection waits for that compile before its own build, which Inductor's FX graph "
+        "cache then answers (stages.rung_warmer)",
+    )
     stock_rung_only: bool = Field(
         default=False,
         description="selection's, again in a fresh process where its first died timing the "

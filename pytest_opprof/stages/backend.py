@@ -29,7 +29,7 @@ from pytest_opprof.schema import (
     write_artifact,
     write_text_atomic,
 )
-from pytest_opprof.stages import common, recapture
+from pytest_opprof.stages import common, recapture, rung_warmer
 
 if TYPE_CHECKING:
     from pytest_opprof.backend.plan import Rung
@@ -61,6 +61,7 @@ def run(run: WorkloadRun) -> str:
         SELECTION_FILE,
         f"profiler_output/{STOCK_RUNG_LOG}.log",
         f"profiler_output/{STOCK_WARM}.log",
+        f"profiler_output/{rung_warmer.TASK}.log",
     )
     for former in stale:  # not this run's
         (run.out_dir / former).unlink(missing_ok=True)
@@ -99,14 +100,19 @@ def run(run: WorkloadRun) -> str:
     return f"kept {kept}; dropped {len(selection.dropped)}"
 
 
-def selected(run: WorkloadRun, **extra: Any) -> BackendSelection:
-    """Selection's process run (``extra``: more of its spec) and its selection read. Where it
-    died timing the stock recipe against the ladder's plan (a CUDA error leaves a process
-    unusable), the two are timed once more in a fresh process, alone (``stock_rung_only``,
-    its log ``STOCK_RUNG_LOG``); where that fails too, or the first ran out of time there,
-    the ladder's selection stands (:func:`ladder_kept`)."""
+def selected(run: WorkloadRun, beside: int = 0, **extra: Any) -> BackendSelection:
+    """Selection's process run (``extra``: more of its spec), with the rung warmer beside it
+    where ``rung_warmer.warms_rungs`` (``beside``: how many of the workload's other processes
+    run meanwhile), and its selection read. Where it died timing the stock recipe against the
+    ladder's plan (a CUDA error leaves a process unusable), the two are timed once more in a
+    fresh process, alone (``stock_rung_only``, its log ``STOCK_RUNG_LOG``); where that fails
+    too, or the first ran out of time there, the ladder's selection stands
+    (:func:`ladder_kept`)."""
     try:
-        run.run_child(NAME, NAME, **extra)
+        if rung_warmer.warms_rungs(run, beside):
+            rung_warmer.selected_beside_warmer(run, NAME, **extra)
+        else:
+            run.run_child(NAME, NAME, **extra)
     except StageError as exc:
         if isinstance(exc, StageTimedOut) or not stock_rung_pending(run.out_dir):
             return ladder_kept(run.out_dir, exc)  # raises it where the ladder was not done
@@ -255,6 +261,7 @@ def selected_beside_stock(run: WorkloadRun) -> BackendSelection:
         try:
             selection = selected(
                 run,
+                beside=2 if warms_stock(run, beside_selection=True) else 1,
                 shares_cpus=True,
                 compile_pool=True,  # both compile new graphs: each with Inductor's workers
                 siblings_lock=siblings,
@@ -396,6 +403,7 @@ def task_select(spec: ChildSpec) -> None:
     eager = w.model
     compiled, _ = common.compile_timed(eager, opts.compile_backend, w.inputs, device)
     gate_check = GateCheck(eager, w.inputs)  # the validate stage's check, on its inputs
+    ahead = rung_warmer.Ahead(spec.rung_warmer)  # the rung warmer beside, where it runs
     calls = max(3, common.setting(spec, "measure_iters") // 2)
     rounds = max(5, min(9, common.setting(spec, "rounds")))
     brief = {"device": device, "warmup": 3, "calls_per_round": calls, "rounds": rounds}
@@ -409,7 +417,7 @@ def task_select(spec: ChildSpec) -> None:
         stats = captured_reference(out_dir)
         if stats is None:  # a profile without both: timed here
             # Each rung shares the GPU again as it starts (attempt()); after the last, nothing
-            with devicelock.measuring(share_after=False):
+            with devicelock.measuring(share_after=False), ahead.paused():
                 base = time_interleaved({"eager": eager, "compile": compiled}, w.inputs, **brief)
             aside = slow_host_rounds(base.host_us)
             stats = {k: latency_stats(v, base.calls[k], set_aside=aside) for k, v in base.items()}
@@ -449,8 +457,7 @@ def task_select(spec: ChildSpec) -> None:
         common.compile_off_gpu(device)
         # max-autotune times kernels on the GPU while it compiles (at the first call): not
         # beside another process's measurement
-        autotunes = plan.config_patches.get("max_autotune") or plan.stock_recipe
-        tuning = common.autotuning(device) if autotunes else None
+        tuning = common.autotuning(device) if rung_warmer.autotunes(plan) else None
         with tuning or contextlib.nullcontext(), torch.no_grad():
             built = build(fresh, w.inputs, plan)
             got = gate_check.outputs(built.fn)
@@ -468,18 +475,30 @@ def task_select(spec: ChildSpec) -> None:
             )
 
     def attempt(
-        rung: Rung, second_chance: bool, on: BackendPlan | None = None, bar: Bar = RUNG_BAR
+        rung: Rung,
+        second_chance: bool,
+        on: BackendPlan | None = None,
+        bar: Bar = RUNG_BAR,
+        then: Rung | None = None,
     ) -> bool:
         """Build ``rung`` on top of the plan so far (or of ``on``, in its place), check its
-        outputs, time it against the plan so far and keep it where it clears ``bar``."""
+        outputs, time it against the plan so far and keep it where it clears ``bar``. On the
+        first pass, the rung warmer is asked for the plan of the rung after it, ``then``,
+        where this one is kept (``rung_warmer.Ahead``)."""
         plan = state["plan"] if on is None else on
+        first_pass = on is None and not second_chance
         moot = next(filter(None, (cannot_change(plan, p) for p in rung.proposals)), None)
         if moot is not None:
+            if first_pass:  # not built: the next rung meets the plan as it is
+                ahead.want(plan, then)
             drop(rung, f"not tried: {moot}", second_chance)
             return False
         for p in rung.proposals:
             plan = add_proposal(plan, p)
         name = "+".join(plan.proposals)
+        if first_pass:
+            ahead.want(plan, then)
+        ahead.before_build(plan, lambda: synchronize(device))
         common.step_done(device)  # after the rung before, built and dropped without a measurement
         devicelock.resume()  # or measured: then the GPU was released
         t0 = time.perf_counter()
@@ -520,9 +539,9 @@ def task_select(spec: ChildSpec) -> None:
             under_autocast = autocast_instead(rung)
             if under_autocast is not None:
                 common.phase(f"{name}: the cast changed the output; trying it under autocast")
-                return attempt(under_autocast, second_chance, on, bar)
+                return attempt(under_autocast, second_chance, on, bar, then)
             return False
-        with devicelock.measuring(share_after=False):
+        with devicelock.measuring(share_after=False), ahead.paused():
             s = time_interleaved(
                 {"current": state["fn"], "candidate": built.fn},
                 w.inputs,
@@ -564,7 +583,8 @@ def task_select(spec: ChildSpec) -> None:
         )
         return False
 
-    kept = [attempt(r, second_chance=False) for r in rungs]
+    following: list[Rung | None] = [*rungs[1:], None][: len(rungs)]  # for the rung warmer
+    kept = [attempt(r, second_chance=False, then=t) for r, t in zip(rungs, following, strict=True)]
     # A rung dropped before the last kept one met a plan that has changed since: try it again.
     # One that applied nowhere is tried again once a rung before it was kept on this pass
     # (gemm_out_dtype finds its bf16 GEMMs only once dtype_promotion is in).
@@ -723,6 +743,57 @@ def task_stock_warm(spec: ChildSpec) -> None:
     )
 
 
+def task_warm_rungs(spec: ChildSpec) -> None:
+    """The rung warmer, beside selection (``rung_warmer.warms_rungs``): each plan selection
+    wants (``rung_warmer.serve``) built as selection builds it (a pristine copy of the model,
+    ``build`` under no_grad) and called once on the inputs of selection's first call of it
+    (``GateCheck.outputs``: the first seed's), and nothing else. Its compile fills Inductor's
+    FX graph cache, which answers selection's own build of the plan; what it built is thrown
+    away, unchecked and untimed, Dynamo's in-process caches with it. Selection stops this
+    process while it measures (it names itself first, ``Folder.announce``), so where its CPUs
+    are the workload's own its compiles let go of the GPU, and between builds it holds none."""
+    import torch
+
+    from pytest_opprof.backend.build import build
+    from pytest_opprof.capture.system import resolve_device
+    from pytest_opprof.capture.timing import synchronize
+    from pytest_opprof.numerics import SEEDS, fresh_inputs
+
+    if spec.rung_warmer is None:
+        raise TypeError(f"the spec of task {spec.task!r} has no rung_warmer: a bug of the parent")
+    folder = rung_warmer.Folder(Path(spec.rung_warmer))
+    folder.announce()
+    common.stopped_while_siblings_measure()
+    common.setup_torch()
+    device = resolve_device(common.options(spec).device)
+    w = common.load_baseline(spec, device)
+    first = fresh_inputs(w.inputs, SEEDS[0])
+
+    def warm(plan: Any) -> None:
+        devicelock.resume()
+        fresh = pristine_copy(w.model, lambda: common.load_baseline(spec, device).model)
+        common.compile_off_gpu(device)
+        clock, t0 = common.compile_clock(), time.perf_counter()
+        with torch.no_grad():
+            build(fresh, w.inputs, plan).fn(*first)
+        synchronize(device)
+        note = common.compile_note(clock)
+        common.phase(
+            f"built {rung_warmer.plan_name(plan)} ahead of selection: "
+            f"{time.perf_counter() - t0:.1f} s" + (f" ({note})" if note else "")
+        )
+        torch._dynamo.reset()  # what it built, thrown away; the FX graph cache keeps it
+
+    def idle() -> None:
+        with contextlib.suppress(Exception):  # a failed build's error is said already
+            synchronize(device)
+        devicelock.let_go()
+
+    idle()
+    built = rung_warmer.serve(folder, warm, idle)
+    common.phase(f"built {built} plans ahead of selection")
+
+
 def pristine_copy(model: Any, reload: Callable[[], Any]) -> Any:
     """A copy of the untouched baseline for one variant to change (non-graph passes change
     the model in place): a deep copy, on the device, instead of building the model again, once
@@ -759,9 +830,11 @@ TASKS: dict[str, Callable[[ChildSpec], None]] = {
     NAME: task_select,
     "stock": task_stock,
     STOCK_WARM: task_stock_warm,
+    rung_warmer.TASK: task_warm_rungs,
 }
 """The child halves, by the task name a spec carries (``runner`` dispatches them): measured
 selection under the stage's own name (its log ``backend.log``), and, where the stock baseline
 is measured, its task, which runs beside selection (before it where they cannot run side by
 side: :func:`stock_runs_beside`), and the stock warmer beside that task where they fit
-(:func:`warms_stock`)."""
+(:func:`warms_stock`); with ``--opprof-warm-rungs``, the rung warmer beside selection where
+it fits (``rung_warmer``)."""

@@ -13,7 +13,7 @@ import os
 import sys
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -88,25 +88,27 @@ def compile_note(before: dict[str, float]) -> str:
     return f"{', '.join(parts)} s; FX graph cache {hits} hit, {misses} miss"
 
 
-def wait_for_file(path: Path, waiting: str, before: str) -> float | None:
-    """Wait until ``path`` exists (another process's end, which its stage marks there),
-    holding nothing of the GPU's lock meanwhile (the caller has synchronized), saying
-    ``waiting`` in the stage log: the seconds waited, or None where it existed already. The
-    stage's timeout bounds the wait (the parent stops this process); a parent gone, or
-    ``path``'s folder gone with the stage that made it, ends it with an error that says the
-    stage ended ``before`` what was awaited."""
+def wait_for_file(path: Path | Sequence[Path], waiting: str, before: str) -> float | None:
+    """Wait until ``path`` exists (another process's end, which its stage marks there), or
+    any one of several paths, holding nothing of the GPU's lock meanwhile (the caller has
+    synchronized), saying ``waiting`` in the stage log: the seconds waited, or None where one
+    existed already. The stage's timeout bounds the wait (the parent stops this process); a
+    parent gone, or a path's folder gone with the stage that made it, ends it with an error
+    that says the stage ended ``before`` what was awaited."""
     from pytest_opprof.errors import StageError
 
-    if path.exists():
+    paths = [path] if isinstance(path, Path) else list(path)
+    if any(p.exists() for p in paths):
         return None
     devicelock.let_go()
     parent, t0 = os.getppid(), time.perf_counter()
     phase(waiting)
-    while not path.exists():
-        if os.getppid() != parent or not path.parent.is_dir():
+    while not any(p.exists() for p in paths):
+        gone = next((p.parent for p in paths if not p.parent.is_dir()), None)
+        if os.getppid() != parent or gone is not None:
             raise StageError(
                 "the stage that started this process has ended (its process or "
-                f"{path.parent} is gone) before {before}"
+                f"{gone or paths[0].parent} is gone) before {before}"
             )
         time.sleep(0.1)
     return time.perf_counter() - t0
@@ -225,6 +227,10 @@ side): one of them measures while the others compile."""
 _COMPILE_POOL = False
 """A process of :data:`_SHARES_CPUS` that keeps Inductor's pool of compile workers
 (``ChildSpec.compile_pool``): its compiles are new, not answered by the caches."""
+
+_STOPPED_BY_SIBLING = False
+"""A process of :data:`_SHARES_CPUS` that its sibling stops while it measures
+(:func:`stopped_while_siblings_measure`), not one under the siblings' lock."""
 
 _OWN_CPUS = False
 """This process's CPU slice is its workload's own (``devicelock.OWN_CPUS_ENV``): it may compile
@@ -441,8 +447,20 @@ def _off_gpu_end(args: Any) -> None:
 
 def _compiles_off_gpu(device: str) -> bool:
     """Whether this process's CPU work may run beside another process's measurement: its CPUs
-    its own, or shared with siblings that hold their lock (``devicelock``)."""
-    return device == "cuda" and _OWN_CPUS and not (_SHARES_CPUS and not devicelock.has_siblings())
+    its own, or shared with siblings that hold their lock (``devicelock``), or with a sibling
+    that stops this process while it measures (:func:`stopped_while_siblings_measure`)."""
+    apart = devicelock.has_siblings() or _STOPPED_BY_SIBLING
+    return device == "cuda" and _OWN_CPUS and not (_SHARES_CPUS and not apart)
+
+
+def stopped_while_siblings_measure() -> None:
+    """This process shares its CPUs with a sibling that stops it (``devicelock.stopped``)
+    while it measures, instead of waiting for its compiles (the rung warmer: the sibling is
+    selection, ``stages.rung_warmer``): so where its CPUs are the workload's own, its compiles
+    may let go of the GPU as those of siblings under their lock do, and selection's
+    measurement need not wait for one to end."""
+    global _STOPPED_BY_SIBLING
+    _STOPPED_BY_SIBLING = True
 
 
 def compile_off_gpu(device: str) -> None:

@@ -20,6 +20,7 @@ def test_defaults_parse() -> None:
     opts = OpprofOptions.from_values({s.field: s.default for s in OPTIONS})
     assert opts.out == Path("opprof-results")
     assert opts.baseline == "best" and opts.min_speedup == 1.0 and opts.ncu == "auto"
+    assert opts.warm_rungs is False  # experimental: off until measured on a GPU
     assert opts.stages_to_run()[-1] == "report"
 
 
@@ -44,6 +45,8 @@ def test_defaults_parse() -> None:
         ("strict_gate", "true", True),
         ("fresh_timing", "true", True),
         ("stock", "true", True),
+        ("warm_rungs", "true", True),
+        ("warm_rungs", "0", False),
         ("progress", "0", 0),
         ("baseline", "stock", "stock"),
         ("timing_servers", "3", 3),
@@ -86,6 +89,7 @@ def test_accepted_values(field: str, value: str, expected: object) -> None:
         ("llm", "perhaps", "boolean"),
         ("fresh_timing", "perhaps", "boolean"),
         ("stock", "perhaps", "boolean"),
+        ("warm_rungs", "ahead", "boolean"),
         ("progress", "soon", "integer"),
         ("timing_servers", "0", "≥ 1"),
         ("timing_servers", "9", "≤ 8"),

@@ -104,7 +104,7 @@ class StandIn:
         return {}
 
     def setting(self, name: str) -> Any:
-        return {"timeout": 900}[name]
+        return {"timeout": 900, "warm_rungs": False}[name]
 
     def base_setting(self, name: str) -> Any:
         return {"baseline": self.baseline}[name]

@@ -66,6 +66,11 @@ def test_any_other_failure_of_selection_fails_the_stage(tmp_path: Path) -> None:
         ladder_kept(tmp_path, FAILURE)
 
 
+def no_warmer(name: str) -> Any:
+    """``WorkloadRun.setting`` as far as ``selected`` asks: without --opprof-warm-rungs."""
+    return {"warm_rungs": False}[name]
+
+
 class Selections:
     """What ``selected`` uses of a ``WorkloadRun``: selection's process writes the ladder's
     selection and dies timing the stock recipe; a process resumed at the stock rung then keeps
@@ -74,6 +79,9 @@ class Selections:
     def __init__(self, out: Path, again: str) -> None:
         self.out_dir, self.again = out, again
         self.calls: list[dict[str, Any]] = []
+
+    def setting(self, name: str) -> Any:
+        return no_warmer(name)
 
     def run_child(self, task: str, stage: str, **extra: Any) -> None:
         assert (task, stage) == ("backend", "backend")
@@ -121,7 +129,7 @@ def test_a_selection_that_dies_elsewhere_is_not_tried_again(tmp_path: Path) -> N
         calls.append(extra)
         raise FAILURE
 
-    run = SimpleNamespace(out_dir=tmp_path, run_child=run_child)
+    run = SimpleNamespace(out_dir=tmp_path, run_child=run_child, setting=no_warmer)
     with pytest.raises(StageError, match="unspecified launch failure"):
         selected(run)  # type: ignore[arg-type]
     assert calls == [{}]
@@ -138,7 +146,8 @@ def test_a_selection_out_of_time_on_the_stock_rung_keeps_the_ladder_untried_agai
         (tmp_path / STOCK_RUNG_PENDING).touch()
         raise StageTimedOut("w.py: backend did not finish within 600 s and was stopped")
 
-    kept = selected(SimpleNamespace(out_dir=tmp_path, run_child=run_child))  # type: ignore[arg-type]
+    run = SimpleNamespace(out_dir=tmp_path, run_child=run_child, setting=no_warmer)
+    kept = selected(run)  # type: ignore[arg-type]
     assert calls == [{}]
     (dropped,) = kept.dropped
     assert "did not finish within 600 s" in dropped.reason
