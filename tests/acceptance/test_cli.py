@@ -211,7 +211,10 @@ OWN_OPTIONS = {
     },
     "propose": {"min-confidence", "max-opts", "llm", "out"},
     # the selection's timing has a fixed warmup: no --warmup-iters
-    "backend": {"device", "timeout", "compile-backend", "stock", "measure-iters", "rounds"},
+    "backend": {
+        *("device", "timeout", "compile-backend", "stock", "measure-iters", "rounds"),
+        "warm-rungs",
+    },
     "validate": {"device", "timeout"},
     "merge": {"out"},
     "preflight": set(),
