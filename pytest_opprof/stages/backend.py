@@ -9,7 +9,6 @@ import contextlib
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -193,17 +192,8 @@ def stock_beside_warmer(run: WorkloadRun, **extra: Any) -> None:
             finally:
                 done.touch()
 
-        pool = ThreadPoolExecutor(1)
-        warmed = pool.submit(warm)
-        try:
+        with common.beside(warm) as warmed:
             run.run_child("stock", NAME, **siblings, stock_warm_done=str(done))
-        except KeyboardInterrupt:
-            pool.shutdown(wait=False, cancel_futures=True)  # the session's end stops it
-            raise
-        except BaseException:
-            pool.shutdown()  # it does not outlive its stage or its folder
-            raise
-        pool.shutdown()
         warmed.result()  # a bug of ours in the thread, not the warmer's failure
 
 
@@ -256,27 +246,23 @@ def selected_beside_stock(run: WorkloadRun) -> BackendSelection:
             finally:
                 done.touch()
 
-        pool = ThreadPoolExecutor(1)
-        stocked = pool.submit(stock)
         try:
-            selection = selected(
-                run,
-                beside=2 if warms_stock(run, beside_selection=True) else 1,
-                shares_cpus=True,
-                compile_pool=True,  # both compile new graphs: each with Inductor's workers
-                siblings_lock=siblings,
-                stock_done=str(done),
-            )
+            with common.beside(stock) as stocked:
+                selection = selected(
+                    run,
+                    beside=2 if warms_stock(run, beside_selection=True) else 1,
+                    shares_cpus=True,
+                    compile_pool=True,  # both compile new graphs: each with Inductor's workers
+                    siblings_lock=siblings,
+                    stock_done=str(done),
+                )
         except KeyboardInterrupt:
-            pool.shutdown(wait=False, cancel_futures=True)  # the session's end stops it
             raise
         except BaseException as exc:
-            pool.shutdown()  # it does not outlive its stage or its folder
-            failed = stocked.exception()
+            failed = stocked.exception()  # done: beside() waited for it
             if failed is not None:  # its failure first, as when it ran before selection
                 raise failed from exc
             raise
-        pool.shutdown()
         stocked.result()
     return selection
 

@@ -14,6 +14,7 @@ import sys
 import time
 import types
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -86,6 +87,28 @@ def compile_note(before: dict[str, float]) -> str:
     parts = [f"{name} {since(name):.1f}" for name, _ in _COMPILE_PARTS]
     hits, misses = int(since("cache_hit")), int(since("cache_miss"))
     return f"{', '.join(parts)} s; FX graph cache {hits} hit, {misses} miss"
+
+
+@contextlib.contextmanager
+def beside(task: Callable[[], None]) -> Iterator[Future[None]]:
+    """``task`` (a sibling stage process's ``run_child``) in a thread while the block runs the
+    stage's own process: the sibling does not outlive its stage or its folder, so the block's
+    end, however it ended, waits for it (its future then done), but for an interrupt, which
+    the session's end answers by stopping it. Yields the sibling's future; its error is the
+    caller's to raise (``result()``) or weigh against the block's."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1)
+    future = pool.submit(task)
+    try:
+        yield future
+    except KeyboardInterrupt:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    except BaseException:
+        pool.shutdown()
+        raise
+    pool.shutdown()
 
 
 def wait_for_file(path: Path | Sequence[Path], waiting: str, before: str) -> float | None:

@@ -23,7 +23,6 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -261,18 +260,9 @@ def selected_beside_warmer(run: WorkloadRun, stage: str, **extra: Any) -> None:
             finally:
                 (folder / ENDED).touch()
 
-        pool = ThreadPoolExecutor(1)
-        warmed = pool.submit(warm)
-        try:
-            run.run_child(stage, stage, **extra, rung_warmer=tmp)
-        except KeyboardInterrupt:
-            (folder / FINISHED).touch()
-            pool.shutdown(wait=False, cancel_futures=True)  # the session's end stops it
-            raise
-        except BaseException:
-            (folder / FINISHED).touch()
-            pool.shutdown()  # it does not outlive its stage or its folder
-            raise
-        (folder / FINISHED).touch()
-        pool.shutdown()
+        with common.beside(warm) as warmed:
+            try:
+                run.run_child(stage, stage, **extra, rung_warmer=tmp)
+            finally:
+                (folder / FINISHED).touch()
         warmed.result()  # a bug of ours in the thread, not the warmer's failure
