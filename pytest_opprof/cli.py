@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 # (The backend's selection times with a fixed warmup: it reads no --warmup-iters.)
 RUN = ("out", "device", "timeout")
 TIMING = ("warmup_iters", "measure_iters", "rounds")
-NCU = ("ncu", "ncu_sudo", "ncu_clock_control", "ncu_replay")
+NCU = ("ncu", "ncu_when", "ncu_sudo", "ncu_clock_control", "ncu_replay")
 STAGE_OPTIONS: dict[str, tuple[str, ...]] = {
     "capture": ("compile_backend", *TIMING, *NCU),
     "propose": ("min_confidence", "max_opts", "llm"),

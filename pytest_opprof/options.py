@@ -161,6 +161,15 @@ OPTIONS: tuple[OptionSpec, ...] = (
         metavar="MODE",
     ),
     _one_of(
+        "ncu-when",
+        ("beside", "first"),
+        "beside",
+        "when the counters pass runs: beside (a sibling process while selection, validation "
+        "and the recapture go on; the report waits for it) or first (in the capture, before "
+        "the proposals, which then read the counters too)",
+        metavar="WHEN",
+    ),
+    _one_of(
         "ncu-sudo",
         ("auto", "true", "false"),
         "auto",
@@ -370,6 +379,7 @@ class OpprofOptions:
     compile_backend: str = "inductor"
     device: str = "auto"
     ncu: str = "auto"
+    ncu_when: str = "beside"
     ncu_sudo: str = "auto"
     ncu_clock_control: str = "none"
     ncu_replay: str = "auto"

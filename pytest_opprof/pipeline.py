@@ -251,6 +251,7 @@ class WorkloadRun:
                 opts.max_opts,
                 self.setting("skip") or [],
                 opts.llm,
+                opts.ncu_when,  # first: the proposals read the counters too
                 self._hook_identity("pytest_opprof_propose"),
                 self._passes_identity(),
             ),

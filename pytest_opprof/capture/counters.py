@@ -70,6 +70,11 @@ from pytest_opprof.capture.ncu_metrics import (
 )
 from pytest_opprof.schema import KernelRecord, Profile, Timeline, write_text_atomic
 
+PENDING = "pending"
+"""The ``Profile.counters`` key of a profile whose counters pass runs beside the later stages
+(``--opprof-ncu-when=beside``, ``stages.capture.CountersBeside``), its value saying so until
+the pass rewrites the profile with its counters. A profile still pending is not reused by a
+later session (``stages._check_artifacts``): its pass may never have ended."""
 REPLAY_MODES = ("auto", "all", "unique")
 UNIQUE_ABOVE = 96
 """``--opprof-ncu-replay=auto``: replay every launch up to this many kernels (all labels)."""
@@ -407,6 +412,11 @@ def parse_run(
     return CountersResult(
         metrics=joined, warnings=warnings, resolved=resolved, command=list(command)
     )
+
+
+def pending(profile: Profile) -> bool:
+    """Whether ``profile``'s counters pass runs beside the later stages, not yet ended."""
+    return bool(profile.counters) and PENDING in (profile.counters or {})
 
 
 def counters_for_capture(

@@ -76,6 +76,11 @@ class ChildSpec(Model):
         description="counters_target's: the GPU's lock file, which it joins only for its GPU "
         "work (its parent, the capture, holds nothing of it meanwhile)",
     )
+    counters_beside: bool = Field(
+        default=False,
+        description="the capture's: leave the counters pass to the ``counters`` task, which "
+        "its parent runs beside the later stages; the profile says the counters are pending",
+    )
     gate: str | None = Field(
         default=None,
         description="the recapture's, started beside validation: a file it waits for before "

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pytest_opprof import STAGES
+from pytest_opprof.capture.counters import pending
 from pytest_opprof.errors import ArtifactError, OpprofError, StageBlocked, StageError, WorkloadError
 from pytest_opprof.pipeline import StageOutcome, WorkloadRun, file_sha256
 from pytest_opprof.schema import (
@@ -134,7 +135,13 @@ def _check_artifacts(run: WorkloadRun, stage: str) -> None:
     for path in run.artifact_paths(stage):
         model = models.get(path.name)
         if model is not None:
-            read_artifact(path, model)
+            found = read_artifact(path, model)
+            if stage == "capture" and isinstance(found, Profile) and pending(found):
+                raise ArtifactError(
+                    f"{path}: its counters pass, run beside the later stages, never ended; "
+                    "run the capture again (opprof capture WORKLOAD, or pytest --opprof "
+                    "--opprof-from=capture)"
+                )
     if stage == "backend" and not run.generated.exists():
         raise ArtifactError(
             f"{run.generated}: the generated backend is missing; run the backend stage again "

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_opprof import devicelock
+from pytest_opprof.capture.counters import pending
+from pytest_opprof.errors import OpprofError
 from pytest_opprof.pipeline import WorkloadRun
 from pytest_opprof.schema import (
     CaptureMetadata,
@@ -35,15 +37,82 @@ if TYPE_CHECKING:
 NAME = "capture"
 
 
+REPORT = "report"
+"""The stage that takes up the counters pass run beside (``run.ahead[REPORT]``): the report
+reads the counters, nothing before it does."""
+
+
 def run(run: WorkloadRun) -> str:
-    run.run_child("capture", "capture")
+    later = run.base_setting("ncu_when") == "beside" and REPORT in run.planned
+    run.run_child("capture", "capture", counters_beside=later)
     profile = read_artifact(run.out_dir / "profile.json", Profile)
     t = profile.timing
     eager, comp = t.variants["eager"], t.variants["compile"]
-    return (
+    said = (
         f"eager {eager.median_ms:.4f} ms, torch.compile {comp.median_ms:.4f} ms on "
         f"{profile.capture_metadata.device_name}"
     )
+    if not pending(profile):
+        return said
+    if fits_beside(run, profile):
+        run.ahead[REPORT] = CountersBeside(run)
+        return said + "; the counters pass runs beside the later stages"
+    counters_pass(run)
+    return said
+
+
+def fits_beside(run: WorkloadRun, profile: Profile) -> bool:
+    """Whether the counters pass may run beside the later stages: under a GPU lock, which
+    keeps the other processes' measurements apart from its replay, and where the capture's
+    peak memory says its target fits beside the most processes a workload runs at once (the
+    recapture's timing processes beside validation's)."""
+    from pytest_opprof.stages.recapture import side_by_side, timing_processes
+
+    meta = profile.capture_metadata
+    return side_by_side(meta, timing_processes(run, meta.device_type) + 2)
+
+
+def counters_pass(run: WorkloadRun) -> None:
+    """The counters pass of a profile the capture left pending, in a process of its own
+    (``task_counters``), which rewrites the profile with them. A pass that fails leaves the
+    profile without counters and says why in its warnings, never pending: the report stands
+    without counters, as where ncu is absent."""
+    try:
+        run.run_child("counters", "capture", log_name="counters")
+    except OpprofError as exc:
+        path = run.out_dir / "profile.json"
+        profile = read_artifact(path, Profile)
+        if pending(profile):
+            note = f"the counters pass failed: {exc}"
+            update = {"counters": {"note": note}, "warnings": [*profile.warnings, note]}
+            write_artifact(path, profile.model_copy(update=update))
+
+
+class CountersBeside:
+    """The counters pass in a thread of the parent (its process, :func:`counters_pass`) while
+    the later stages run; the report waits for it (:func:`await_counters`). The pass and the
+    stages share the GPU through its lock like any two processes of the session: the
+    target's replay holds it shared, measurements alone. Started only where the proposals
+    need no counters (``--opprof-ncu-when=beside``): on the real profiles of the examples
+    the rules propose the same from the timeline alone."""
+
+    def __init__(self, run: WorkloadRun) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        pool = ThreadPoolExecutor(1, thread_name_prefix=f"opprof-counters-{run.name}")
+        self._future = pool.submit(counters_pass, run)
+        pool.shutdown(wait=False)
+
+    def wait(self) -> None:
+        self._future.result()
+
+
+def await_counters(run: WorkloadRun) -> None:
+    """The counters pass started beside the later stages, ended: the profile then holds its
+    counters (or why there are none). Nothing where none was started."""
+    beside = run.ahead.pop(REPORT, None)
+    if isinstance(beside, CountersBeside):
+        beside.wait()
 
 
 def run_metadata(spec: ChildSpec, w: Any, device: str, info: dict[str, Any]) -> Any:
@@ -260,13 +329,19 @@ def task_capture(spec: ChildSpec) -> None:
         {"compile": compile_s},
         gpu_ms,
     )
-    from pytest_opprof.capture.counters import counters_for_capture
+    from pytest_opprof.capture.counters import PENDING, counters_for_capture, find_ncu
 
     meta = run_metadata(spec, w, device, info)
-    timelines, counters, notes = counters_for_capture(
-        spec.model_dump(mode="json"), timelines, info, opts, meta.dtype, device
-    )
-    common.phase("counters pass")
+    counters: dict[str, Any] | None
+    notes: list[str]
+    if spec.counters_beside and device == "cuda" and opts.ncu != "off" and find_ncu():
+        # The parent runs the pass beside the later stages (task_counters).
+        counters, notes = {PENDING: "the counters pass runs beside the later stages"}, []
+    else:
+        timelines, counters, notes = counters_for_capture(
+            spec.model_dump(mode="json"), timelines, info, opts, meta.dtype, device
+        )
+        common.phase("counters pass")
     common.step_done(device)  # after the Nsight Compute pass, if it ran
     profile = Profile(
         capture_metadata=meta,
@@ -282,6 +357,60 @@ def task_capture(spec: ChildSpec) -> None:
         ],
     )
     write_artifact(out_dir / spec.profile_name, profile)
+
+
+def task_counters(spec: ChildSpec) -> None:
+    """The counters pass of a profile the capture left pending (``--opprof-ncu-when=beside``),
+    run beside the later stages: the profile rewritten with its counters, atomically (a stage
+    reading it meanwhile reads the one or the other; they differ in the counters alone). Its
+    proposals were made from the timeline alone: where the counters make the rules propose
+    what the timeline did not, the profile says which and how to try them."""
+    from pytest_opprof.capture.counters import counters_for_capture, pending
+
+    opts = common.options(spec)
+    path = Path(spec.out_dir) / spec.profile_name
+    profile = read_artifact(path, Profile)
+    if not pending(profile):
+        return
+    meta = profile.capture_metadata
+    timelines, counters, notes = counters_for_capture(
+        spec.model_dump(mode="json"),
+        profile.timelines,
+        meta.model_dump(),
+        opts,
+        meta.dtype,
+        meta.device_type,
+    )
+    common.phase("counters pass")
+    done = profile.model_copy(update={"timelines": timelines, "counters": counters})
+    notes += proposals_counters_add(spec, profile, done)
+    write_artifact(path, done.model_copy(update={"warnings": [*profile.warnings, *notes]}))
+
+
+def proposals_counters_add(spec: ChildSpec, before: Profile, after: Profile) -> list[str]:
+    """A warning naming the rules' proposals for ``after`` (with counters) that ``before``
+    (the timeline alone) did not give, by type and targets; none where they agree."""
+    from pytest_opprof.propose import propose
+    from pytest_opprof.schema import FxGraphSummary
+
+    graph_path = Path(spec.out_dir) / "graph.json"
+    graph = read_artifact(graph_path, FxGraphSummary) if graph_path.exists() else None
+    opts = common.options(spec)
+    kwargs = {
+        "min_confidence": opts.min_confidence,
+        "max_opts": opts.max_opts,
+        "skip": common.setting(spec, "skip") or (),
+    }
+    made = {(p.type, tuple(p.targets)) for p in propose(before, graph, **kwargs).proposals}
+    now = propose(after, graph, **kwargs).proposals
+    added = [p for p in now if (p.type, tuple(p.targets)) not in made]
+    if not added:
+        return []
+    named = ", ".join(f"{p.type} ({', '.join(p.targets) or 'the model'})" for p in added)
+    return [
+        f"the counters, read beside the later stages, add proposals the timeline alone did "
+        f"not give: {named}; run with --opprof-ncu-when=first to try them"
+    ]
 
 
 def task_counters_target(spec: ChildSpec) -> None:
@@ -322,6 +451,7 @@ def task_counters_target(spec: ChildSpec) -> None:
 
 TASKS: dict[str, Callable[[ChildSpec], None]] = {
     "capture": task_capture,
+    "counters": task_counters,
     "counters_target": task_counters_target,
 }
 """The child halves, by the task name a spec carries (``runner`` dispatches them)."""

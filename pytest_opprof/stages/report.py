@@ -28,6 +28,7 @@ from pytest_opprof.schema import (
     write_artifact,
     write_text_atomic,
 )
+from pytest_opprof.stages.capture import await_counters
 
 if TYPE_CHECKING:
     from pytest_opprof.session import OpprofSession
@@ -97,7 +98,9 @@ def _why_no_stock(wr: WorkloadRun) -> str:
 
 def summarize(session: OpprofSession, wr: WorkloadRun) -> WorkloadSummary:
     """The gate's verdict and figures for ``wr`` from its stage outcomes and artifacts: the
-    first stage that did not pass fails it, and so does a missing or unreadable recapture."""
+    first stage that did not pass fails it, and so does a missing or unreadable recapture.
+    It first waits for the counters pass run beside the stages, whose counters it reports."""
+    await_counters(wr)
     out = wr.out_dir
     status: Literal["passed", "failed", "error"] = "passed"
     message, stage_reached = "", "capture"

@@ -197,7 +197,7 @@ OWN_OPTIONS = {
     "capture": {
         *("out", "device", "timeout", "compile-backend"),
         *TIMING,
-        *("ncu", "ncu-sudo", "ncu-clock-control", "ncu-replay"),
+        *("ncu", "ncu-when", "ncu-sudo", "ncu-clock-control", "ncu-replay"),
     },
     "recapture": {
         *("out", "device", "timeout", "compile-backend", "stock"),
