@@ -157,6 +157,28 @@ def _kept(
     return kept, sizes if groups else None
 
 
+def processes_set_aside(timing: Timing) -> list[int]:
+    """The timing processes (indices in pooled order) whose every round was set aside: exactly
+    the processes :func:`_kept` drops, from which no statistic, and no process's own estimate
+    in :func:`between_processes`, comes. Read in the variant timed in the most processes;
+    every variant timed in all of them shares its set-aside rounds (:func:`pooled_timing`)."""
+    if not timing.variants:
+        return []
+    fullest = max(timing.variants.values(), key=lambda v: v.processes)
+    aside = set(fullest.set_aside)
+    blocks = _blocks(fullest.samples_per_process or None, len(fullest.samples_ms))
+    return [p for p, block in enumerate(blocks) if aside.issuperset(block)]
+
+
+def processes_kept(timing: Timing) -> int:
+    """How many timing processes keep rounds after the set-aside: those whose own estimates
+    give the pooled interval its degrees of freedom (:func:`between_processes`). A process
+    that keeps even a few rounds counts, as in the statistics: those rounds ran on a fast
+    host, where a call's speed is steady within a process, so they give its level."""
+    processes = max((v.processes for v in timing.variants.values()), default=0)
+    return processes - len(processes_set_aside(timing))
+
+
 def latency_stats(
     samples_ms: Sequence[float],
     calls_per_round: int,

@@ -19,13 +19,14 @@ from typing import Any
 from pytest_opprof import devicelock, forkserver
 from pytest_opprof.devicelock import LOCK_ENV
 from pytest_opprof.errors import OpprofError, StageBlocked, StageError
-from pytest_opprof.measure import Replica, pooled_timing
+from pytest_opprof.measure import Replica, pooled_timing, processes_kept, processes_set_aside
 from pytest_opprof.pipeline import STOCK_FILE, WorkloadRun, file_sha256, rel_path
 from pytest_opprof.schema import (
     BackendSelection,
     CaptureMetadata,
     ChildSpec,
     Profile,
+    Timing,
     ValidationReport,
     read_artifact,
     write_artifact,
@@ -71,6 +72,7 @@ def run(run: WorkloadRun) -> str:
     replicas, processes, together = timed
     path = run.out_dir / "profile_optimized.json"
     prof = read_artifact(path, Profile)
+    retimed = ""
     if processes > 1:
         warnings = list(prof.warnings)
         warnings += [
@@ -78,7 +80,11 @@ def run(run: WorkloadRun) -> str:
             for i, r in enumerate(replicas, start=1)
             if isinstance(r, str)
         ]
-        timing = pooled_timing(prof.timing, [r for r in replicas if not isinstance(r, str)])
+        measured = {i: r for i, r in enumerate(replicas, start=1) if isinstance(r, Replica)}
+        timing, retimed, failed = _replacing_set_aside(
+            run, digest, prof.timing, measured, processes
+        )
+        warnings += [*failed, retimed] if retimed else failed
         prof = prof.model_copy(update={"timing": timing, "warnings": warnings})
         write_artifact(path, prof)
     opt = prof.timing.variants["optimized"]
@@ -87,7 +93,68 @@ def run(run: WorkloadRun) -> str:
     if opt.processes == 1:
         return f"optimized {opt.median_ms:.4f} ms{also}"
     how = "side by side" if together else "one after another"
-    return f"optimized {opt.median_ms:.4f} ms ({opt.processes} processes, {how}){also}"
+    said = f"optimized {opt.median_ms:.4f} ms ({opt.processes} processes, {how}){also}"
+    return f"{said}; {retimed}" if retimed else said
+
+
+RETIMES = 3
+"""At most this many timing processes are added, one after another, in place of processes
+whose every round was set aside (``_replacing_set_aside``): as many as a GPU's default asks
+for. A host slowed through that many more processes is slowed for the run, and more would
+only lengthen the stage; the timing then stands as measured."""
+
+
+def _replacing_set_aside(
+    run: WorkloadRun, digest: str, own: Timing, replicas: dict[int, Replica], asked: int
+) -> tuple[Timing, str, list[str]]:
+    """``own`` (the recapture's timing) pooled with its other timing processes' ``replicas``
+    (by ``_retime_one``'s index), and, where a process's every round ran on a slowed host and
+    was set aside, more processes timed one after another (``_retime_one``, indices past the
+    ``asked`` ones) until as many keep rounds (``measure.processes_kept``) as timed, at most
+    :data:`RETIMES`. Every process's rounds stay pooled and the set-aside is found anew over
+    all of them. With the timing: what was retimed and why (empty where nothing was), and a
+    warning for each added process that failed.
+
+    A process counts while it keeps any round, as the statistics count it (``measure._kept``):
+    its kept rounds ran on a fast host, where a call's speed is steady within a process
+    (:data:`TIMING_PROCESSES_GPU`), so even a few give its level and a degree of freedom to the
+    interval. A process that failed is not replaced: its cause (a compile error, memory) would
+    most often fail the next one too, and its own warning says the timing has fewer processes.
+
+    The added processes run after the others have ended, in a folder of their own (an
+    ``Ahead``'s is removed with its processes), and after validation passed the file: no gate.
+    """
+    replicas = dict(replicas)
+    timing = pooled_timing(own, list(replicas.values()))
+    wanted = 1 + len(replicas)
+    if processes_kept(timing) >= wanted:
+        return timing, "", []
+    index = [0, *replicas]  # each pooled process's _retime_one index (0: the recapture's one)
+    named: list[int] = []
+    failed: list[str] = []
+    more = 0
+    fresh = bool(run.setting("fresh_timing"))
+    with tempfile.TemporaryDirectory(prefix="opprof-retime-") as tmp:
+        while processes_kept(timing) < wanted and more < RETIMES:
+            named += [index[p] for p in processes_set_aside(timing) if index[p] not in named]
+            i = asked + more
+            more += 1
+            got = _retime_one(run, i, Path(tmp), digest, fresh=fresh)
+            if isinstance(got, str):
+                failed.append(f"timing process {i + 1} failed: {got}")
+                continue
+            replicas[i] = got
+            index.append(i)
+            timing = pooled_timing(own, list(replicas.values()))
+    named += [index[p] for p in processes_set_aside(timing) if index[p] not in named]
+    which = ", ".join(str(i + 1) for i in named)
+    times = {1: "once", 2: "twice"}.get(more, f"{more} times")
+    said = f"timing process{'es' * (len(named) > 1)} {which} set aside whole (host slowed); "
+    said += f"timed {times} more"
+    kept = processes_kept(timing)
+    if kept < wanted:
+        said += f"; {kept} keep rounds of the {asked} asked for: the timing stands as measured"
+    return timing, said, failed
 
 
 Timed = tuple[list[Replica | str], int, bool]

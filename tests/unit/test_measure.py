@@ -245,6 +245,37 @@ def test_pooling_sets_aside_a_slowed_processes_rounds_for_every_variant_timed_in
     assert bare.variants["compile"].set_aside == [] and bare.host_us == []
 
 
+def test_processes_kept_are_those_with_a_round_not_set_aside() -> None:
+    """The processes whose every round was set aside are the ones the statistics drop: the
+    pooled speedup has a ratio of its own for each process kept, and none for them."""
+    from pytest_opprof.measure import processes_kept, processes_set_aside
+
+    def one(host: float, slow_from: int = 6) -> Replica:
+        host_us = [3.0] * slow_from + [host] * (6 - slow_from)
+        return Replica({"compile": [0.25] * 6, "optimized": [0.1] * 6}, host_us=host_us)
+
+    first = _one_process([0.25] * 6, [0.1] * 6).model_copy(update={"host_us": [3.0] * 6})
+    twin = latency_stats([0.15] * 6, 20)  # timed in the first process only
+    first = first.model_copy(update={"variants": {**first.variants, "twin": twin}})
+    assert processes_kept(first) == 1 and processes_set_aside(first) == []
+    whole = pooled_timing(first, [one(4.8, slow_from=0), one(3.05)])
+    assert processes_set_aside(whole) == [1] and processes_kept(whole) == 2
+    assert len(whole.speedups[0].process_ratios) == processes_kept(whole)
+    # A process that keeps a round counts: its estimate enters the interval.
+    part = pooled_timing(first, [one(4.8, slow_from=2), one(3.05)])
+    assert part.variants["compile"].set_aside == [8, 9, 10, 11]
+    assert processes_set_aside(part) == [] and processes_kept(part) == 3
+    assert len(part.speedups[0].process_ratios) == 3
+    # Set aside whole in the middle, and last: indices in pooled order.
+    both = pooled_timing(first, [one(3.05), one(4.8, slow_from=0), one(4.8, slow_from=0)])
+    assert processes_set_aside(both) == [2, 3] and processes_kept(both) == 2
+    # Without the host references nothing is set aside: every process keeps its rounds.
+    bare = pooled_timing(
+        first.model_copy(update={"host_us": []}), [one(4.8, slow_from=0), one(3.05)]
+    )
+    assert processes_set_aside(bare) == [] and processes_kept(bare) == 3
+
+
 # ------------------------------------------------------------------ the interval across processes
 
 

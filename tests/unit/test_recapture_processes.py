@@ -7,10 +7,12 @@ processes in test_devicelock.py."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -608,3 +610,187 @@ def test_a_timing_process_whose_stage_is_gone_stops_waiting(tmp_path: Path) -> N
     threading.Timer(0.2, lambda: gate.parent.rmdir()).start()
     with pytest.raises(StageError, match="is gone"):
         recapture._await_validation(spec, "cpu")
+
+
+# ------------------------------------------------------------------ a process set aside whole
+
+FAST, SLOW = 3.0, 4.8
+"""Host references (µs): a round at SLOW ran on a host slowed past ``measure.SLOW_HOST``."""
+
+
+def _rounds(host_us: list[float]) -> tuple[dict[str, list[float]], list[float]]:
+    """Six rounds of a launch-bound baseline at 0.25 ms over an optimized call at 0.1 ms."""
+    return {"compile": [0.25] * 6, "optimized": [0.1] * 6}, host_us
+
+
+class _OwnRoundsKnown(StandIn):
+    """The recapture's own process writes one process's rounds, their host references fast."""
+
+    def run_child(self, task: str, stage: str, **kwargs: Any) -> None:
+        super().run_child(task, stage, **kwargs)
+        if task != "recapture":
+            return
+        from pytest_opprof.measure import latency_stats, speedup
+
+        samples, host_us = _rounds([FAST] * 6)
+        path = self.out_dir / "profile_optimized.json"
+        prof = read_artifact(path, Profile)
+        timing = prof.timing.model_copy(
+            update={
+                "variants": {k: latency_stats(v, 20) for k, v in samples.items()},
+                "speedups": [speedup("compile", samples["compile"], "optimized", [0.1] * 6)],
+                "host_us": host_us,
+                "host": [],
+            }
+        )
+        write_artifact(path, prof.model_copy(update={"timing": timing}))
+
+
+class _Retimes:
+    """Stands in for ``recapture._retime_one``: timing process ``i`` returns six rounds at the
+    host reference ``host[i]`` (``extra`` past those named), waiting at its gate as a real one
+    does; what each was handed and when it ran are kept."""
+
+    def __init__(self, host: dict[int, list[float]], extra: list[float]) -> None:
+        self.host, self.extra = host, extra
+        self.calls: list[dict[str, Any]] = []
+        self._guard = threading.Lock()
+
+    def __call__(
+        self,
+        run: StandIn,
+        i: int,
+        folder: Path,
+        digest: str,
+        *,
+        siblings: Path | None = None,
+        fresh: bool = False,
+        gate: Path | None = None,
+    ) -> Any:
+        from pytest_opprof.measure import Replica
+
+        start = time.monotonic()
+        in_folder = folder.is_dir()
+        while gate is not None and not gate.exists():
+            time.sleep(0.02)
+        time.sleep(0.1)
+        samples, host_us = _rounds(self.host.get(i, self.extra))
+        with self._guard:
+            self.calls.append(
+                {
+                    "i": i,
+                    "folder": folder,
+                    "in_folder": in_folder,
+                    "gate": gate,
+                    "siblings": siblings,
+                    "start": start,
+                    "end": time.monotonic(),
+                }
+            )
+        return Replica(samples, host_us=host_us)
+
+
+def _retimed_run(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str, retimes: Callable[..., Any]
+) -> tuple[StandIn, str]:
+    """Three timing processes, through ``path``: started one after another, side by side, or
+    beside validation (an ``Ahead``)."""
+    monkeypatch.setattr(recapture, "_retime_one", retimes)
+    if path == "one after another":
+        monkeypatch.delenv(LOCK_ENV, raising=False)
+    else:
+        monkeypatch.setenv(LOCK_ENV, str(tmp_path / "gpu.lock"))
+    run = _OwnRoundsKnown(tmp_path, processes=3)
+    _baseline(run, peak=GIB)
+    if path == "ahead":
+        ahead = _ahead_of(run)
+        validated = read_artifact(run.profiler_output / "validation_report.json", ValidationReport)
+        ahead.validation_ended(validated)
+    return run, recapture.run(run)  # type: ignore[arg-type]
+
+
+PATHS = ["one after another", "side by side", "ahead"]
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_a_process_set_aside_whole_is_timed_once_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """Timing process 2's every round ran on a slowed host: one more process, timed after the
+    others ended, in a folder of its own and at no gate, keeps the three the interval asks
+    for. All four processes' rounds stay pooled, process 2's set aside over all of them."""
+    retimes = _Retimes({1: [SLOW] * 6}, extra=[FAST] * 6)
+    run, said = _retimed_run(tmp_path, monkeypatch, path, retimes)
+    assert sorted(c["i"] for c in retimes.calls) == [1, 2, 3]
+    first, (more,) = retimes.calls[:2], retimes.calls[2:]
+    assert more["i"] == 3 and more["in_folder"] and more["gate"] is None
+    assert more["siblings"] is None and more["folder"] not in {c["folder"] for c in first}
+    ended = max([c["end"] for c in first] + [end for _, _, end in run.children])
+    assert more["start"] >= ended
+    prof = read_artifact(run.out_dir / "profile_optimized.json", Profile)
+    v = prof.timing.variants["optimized"]
+    assert v.processes == 4 and v.samples_per_process == [6, 6, 6, 6]
+    assert v.set_aside == list(range(6, 12))
+    assert len(prof.timing.speedups[0].process_ratios) == 3
+    note = "timing process 2 set aside whole (host slowed); timed once more"
+    assert note in prof.warnings and said.endswith(note)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_the_retimes_stop_at_their_bound_and_the_timing_stands(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """Every process added is slowed too: after ``RETIMES`` more the timing stands as measured,
+    and the profile says how many were timed and how many keep rounds."""
+    retimes = _Retimes({1: [SLOW] * 6, 2: [FAST] * 6}, extra=[SLOW] * 6)
+    run, said = _retimed_run(tmp_path, monkeypatch, path, retimes)
+    extra = [c for c in retimes.calls if c["i"] >= 3]
+    assert [c["i"] for c in extra] == [3, 4, 5]
+    assert recapture.RETIMES == 3  # these references leave rounds to keep past the bound
+    for before, after in itertools.pairwise(extra):  # one after another
+        assert after["start"] >= before["end"]
+    prof = read_artifact(run.out_dir / "profile_optimized.json", Profile)
+    v = prof.timing.variants["optimized"]
+    assert v.processes == 6 and v.set_aside == [*range(6, 12), *range(18, 36)]
+    note = (
+        "timing processes 2, 4, 5, 6 set aside whole (host slowed); timed 3 times more; "
+        "2 keep rounds of the 3 asked for: the timing stands as measured"
+    )
+    assert note in prof.warnings and said.endswith(note)
+
+
+@pytest.mark.parametrize("path", PATHS)
+def test_no_process_is_added_where_every_one_keeps_rounds(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, path: str
+) -> None:
+    """Process 2 ran slowed for four of its six rounds: it keeps two, its own estimate enters
+    the interval, and nothing is timed again, whatever the bound."""
+    monkeypatch.setattr(recapture, "RETIMES", 10)
+    retimes = _Retimes({1: [FAST, FAST, *[SLOW] * 4]}, extra=[FAST] * 6)
+    run, said = _retimed_run(tmp_path, monkeypatch, path, retimes)
+    assert sorted(c["i"] for c in retimes.calls) == [1, 2]
+    prof = read_artifact(run.out_dir / "profile_optimized.json", Profile)
+    v = prof.timing.variants["optimized"]
+    assert v.processes == 3 and v.set_aside == [8, 9, 10, 11]
+    assert not any("set aside whole" in w for w in prof.warnings)
+    how = "one after another" if path == "one after another" else "side by side"
+    assert said.endswith(f"(3 processes, {how})")
+
+
+def test_a_failed_process_is_not_replaced_but_an_added_one_that_fails_counts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Process 3 failed (its cause would most often fail the next), process 2 was set aside
+    whole: processes are added until two keep rounds, the first added one failing."""
+    retimes = _Retimes({1: [SLOW] * 6}, extra=[FAST] * 6)
+
+    def failing(run: StandIn, i: int, folder: Path, digest: str, **kwargs: Any) -> Any:
+        return "out of memory" if i in (2, 3) else retimes(run, i, folder, digest, **kwargs)
+
+    run, said = _retimed_run(tmp_path, monkeypatch, "one after another", failing)
+    assert [c["i"] for c in retimes.calls] == [1, 4]
+    prof = read_artifact(run.out_dir / "profile_optimized.json", Profile)
+    assert prof.timing.variants["optimized"].processes == 3
+    assert "timing process 3 of 3 failed: out of memory" in prof.warnings
+    assert "timing process 4 failed: out of memory" in prof.warnings
+    assert said.endswith("timing process 2 set aside whole (host slowed); timed twice more")
