@@ -281,6 +281,8 @@ def autotuning(device: str) -> Iterator[None]:
         yield
 
 
+WARMING = "an autotuned op's warming"
+"""How the logs name the one shared hold an op's warming takes (``_inductor_gpu_work``)."""
 FIRST_CALL = "a timed kernel's first call"
 """How the logs name a timed callable's first call: its own long shared hold
 (``devicelock.SHARED``) where no autotuning step holds the GPU around it, and its length."""
@@ -289,22 +291,22 @@ FIRST_CALL = "a timed kernel's first call"
 @contextlib.contextmanager
 def _inductor_gpu_work() -> Iterator[None]:
     """Inductor's own GPU work inside a compile, under the GPU's lock for the block. One op's
-    autotuning (``benchmark_in_current_process``) runs twice: first to warm, its timings
-    skipped, sharing the GPU one step at a time (the op's inputs made on the GPU,
-    ``get_inputs``; each choice's first call, ``benchmark_choice``, which builds or loads its
-    kernel: CPU work, with the GPU idle); then timed, with the GPU alone for the whole op.
-    So a compile asks for the GPU alone once per op, not once per choice: each ask waits for
-    the other processes' shared steps under way to end (a drain, with the GPU idle), and
-    asked per choice, those drains set a run's wall time
+    autotuning (``benchmark_in_current_process``) runs twice. First it is warmed, its
+    timings skipped: each Triton choice's kernel built or loaded beforehand, holding nothing
+    (CPU work), then the op's inputs made and every choice first called in one shared hold of
+    the GPU, which launches kernels only. Then it is timed, with the GPU alone for the whole
+    op. So a compile asks for the GPU twice per op, not once or twice per choice: each ask
+    waits for the measurements queued and the other processes' shared steps under way, and
+    asked per choice, those waits set a stock task's wall time
     (docs/design-notes.md#autotuning-holds). The warming's results are thrown away; the
-    timing calls everything again, as Inductor would have once. Elsewhere (a Triton
-    kernel's configs, ``bench``; coordinate descent) a timed callable's first call shares
-    the GPU, then its timing holds it alone, and ``freeze``'s fold on real weights shares
-    it. Between two steps the compile holds nothing, and inside one, a Triton kernel's build
-    on its first call (``CachingAutotuner.precompile``: CPU work) holds nothing either. The
-    entry points are looked up by name (torch 2.11 and 2.13 have them); where a step's is
-    missing, the GPU is shared over the op's warming as a whole, and one that is missing too
-    is left as it is. Without a lock joined, nothing is run twice."""
+    timing calls everything again, as Inductor would have once. The op's steps
+    (``get_inputs``, ``benchmark_choice``) share the GPU where they run outside such a hold.
+    Elsewhere (a Triton kernel's configs, ``bench``; coordinate descent) a timed callable's
+    first call shares the GPU, then its timing holds it alone, and ``freeze``'s fold on real
+    weights shares it. A Triton kernel's build on its first call (``CachingAutotuner.
+    precompile``: CPU work) lets go of the GPU, inside a hold too. The entry points are looked
+    up by name (torch 2.11 and 2.13 have them); one that is missing is left as it is. Without
+    a lock joined, nothing is run twice."""
     import contextvars
     import functools
     import threading
@@ -375,9 +377,26 @@ def _inductor_gpu_work() -> Iterator[None]:
 
         return precompile
 
+    def prebuilt(choices: Any) -> None:
+        """Each Triton choice's kernel built or loaded into this process before the op's
+        warming takes the GPU (``TritonBenchmarkRequest.precompile``: CPU work, holding
+        nothing), so that its first call in the warming only launches it. Called while
+        warming, so the modules stay loaded (``cleanup_run_fn`` waits). A choice whose build
+        fails is left to the warming: its first call builds it, letting go of the GPU
+        (``built_off_gpu``), or fails there as Inductor expects."""
+        request = getattr(autotune_process, "TritonBenchmarkRequest", None)
+        if request is None:
+            return
+        for choice in choices if isinstance(choices, (list, tuple)) else ():
+            bmreq = getattr(choice, "bmreq", None)
+            if isinstance(bmreq, request):
+                with contextlib.suppress(Exception):
+                    bmreq.precompile()
+
     def warmed_then_timed(fn: Callable[..., Any]) -> Callable[..., Any]:
-        """A batch of timings: warmed (its steps sharing the GPU), then timed alone as one.
-        A warming that fails is left to the timing, which runs it all again."""
+        """A batch of timings: its choices' kernels built off the GPU, warmed in one shared
+        hold of the GPU, then timed alone as one. A warming that fails is left to the timing,
+        which runs it all again."""
 
         @functools.wraps(fn)
         def batch(*args: Any, **kwargs: Any) -> Any:
@@ -385,7 +404,8 @@ def _inductor_gpu_work() -> Iterator[None]:
                 return fn(*args, **kwargs)
             token = warming.set(True)
             try:
-                with contextlib.suppress(Exception):
+                prebuilt(kwargs.get("choices", args[1] if len(args) > 1 else None))
+                with contextlib.suppress(Exception), devicelock.on_gpu(sync, WARMING):
                     fn(*args, **kwargs)
             finally:
                 warming.reset(token)

@@ -9,6 +9,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -29,14 +30,13 @@ def _joined(
     return lock
 
 
-def test_an_op_is_warmed_sharing_the_gpu_step_by_step_then_timed_alone_at_once(
+def test_an_op_is_warmed_in_one_shared_hold_then_timed_alone_at_once(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    """One op's autotuning: warmed first (its inputs made, then each choice loaded and first
-    called beside the GPU's other work, its timing skipped), then run again with the GPU
-    alone for the whole op. Between two warming steps the compile holds nothing, so a
-    measurement of another process waits for one step, and the compile asks for the GPU
-    alone once per op. A Triton kernel's config is first called shared and timed alone."""
+    """One op's autotuning: warmed first (its inputs made, then each choice first called
+    beside the GPU's other work, its timing skipped), all in one shared hold, then run again
+    with the GPU alone for the whole op: the compile asks for the GPU twice per op, not once
+    per choice. A Triton kernel's config is first called shared and timed alone."""
     from torch._inductor import freezing, select_algorithm
     from torch._inductor.runtime import benchmarking, triton_heuristics
 
@@ -124,8 +124,8 @@ def test_an_op_is_warmed_sharing_the_gpu_step_by_step_then_timed_alone_at_once(
             ("config", "shared", False),
             ("benchmark_gpu", "exclusive", False),
         ]
-        # aside after the inputs and each choice warmed, the op timed, and the config
-        assert len(steps) == 5
+        # aside after the op warmed, the op timed, and the config
+        assert len(steps) == 3
         # as they were after the block
         assert (
             bench.benchmark_gpu,
@@ -287,7 +287,56 @@ def test_an_op_whose_warming_fails_is_timed_as_inductor_would(
     try:
         with common._inductor_gpu_work(), devicelock.off_gpu(lambda: None):
             assert cache.benchmark_in_current_process() == "timed"
-        assert runs == [None, "exclusive"]  # warming holds nothing outside its steps
+        assert runs == ["shared", "exclusive"]  # warmed in one shared hold, timed alone
+    finally:
+        lock.close()
+        monkeypatch.setattr(devicelock, "_LOCK", None)
+
+
+def test_an_op_s_triton_kernels_are_built_before_its_warming_holds_the_gpu(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Before the op's warming takes the GPU, each Triton choice's kernel is built or loaded
+    (``TritonBenchmarkRequest.precompile``) holding nothing, and stays loaded for the warming
+    (no cleanup meanwhile); other choices are left as they are, and a build that fails is
+    left to the warming. Then the warming shares the GPU once and the timing holds it alone."""
+    from torch._inductor import autotune_process, select_algorithm
+
+    lock = _joined(monkeypatch, tmp_path)
+    events: list[tuple[str, str | None]] = []
+    request = autotune_process.TritonBenchmarkRequest
+
+    def precompile(self: Any) -> None:
+        events.append((f"build {self.name}", lock.held))
+        if self.name == "broken":
+            raise RuntimeError("out of resource: shared memory")
+
+    def cleanup(self: Any) -> None:
+        events.append(("unloaded", lock.held))
+
+    def triton(name: str) -> Any:
+        req = object.__new__(request)
+        req.name = name  # type: ignore[attr-defined]
+        return SimpleNamespace(bmreq=req)
+
+    def op(cls: Any, choices: list[Any], *rest: Any) -> str:
+        events.append(("op", lock.held))
+        return "timed"
+
+    monkeypatch.setattr(request, "precompile", precompile)
+    monkeypatch.setattr(request, "cleanup_run_fn", cleanup)
+    cache: Any = select_algorithm.AlgorithmSelectorCache
+    monkeypatch.setattr(cache, "benchmark_in_current_process", classmethod(op))
+    choices = [triton("a"), SimpleNamespace(bmreq=None), triton("broken"), SimpleNamespace()]
+    try:
+        with common._inductor_gpu_work(), devicelock.off_gpu(lambda: None):
+            assert cache.benchmark_in_current_process(choices, [], None, None) == "timed"
+        assert events == [
+            ("build a", None),
+            ("build broken", None),
+            ("op", "shared"),  # warming
+            ("op", "exclusive"),  # timing
+        ]
     finally:
         lock.close()
         monkeypatch.setattr(devicelock, "_LOCK", None)
@@ -410,9 +459,11 @@ def test_a_max_autotune_op_is_warmed_shared_then_timed_in_one_hold(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     """On this torch's Inductor: each choice of an autotuned op is called twice, first
-    sharing the GPU (warming), then with the GPU alone, all of an op's timings in one hold."""
+    sharing the GPU (warming), then with the GPU alone, all of an op's timings in one hold;
+    no Triton choice's kernel is built inside the warming's hold (built before it)."""
     import torch
     from torch._inductor import select_algorithm
+    from torch._inductor.runtime import triton_heuristics
 
     lock = _joined(monkeypatch, tmp_path)
     monkeypatch.setattr(common, "_OWN_CPUS", True)
@@ -423,9 +474,23 @@ def test_a_max_autotune_op_is_warmed_shared_then_timed_in_one_hold(
         vars(cache)[n].__func__ for n in ("benchmark_choice", "benchmark_in_current_process")
     )
 
+    built_in_hold: list[str] = []
+    in_choice: list[str | None] = [None]
+    autotuner = triton_heuristics.CachingAutotuner
+    precompile_of = vars(autotuner)["precompile"]
+
+    def precompile(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if in_choice[0] == "shared" and threading.current_thread() is threading.main_thread():
+            built_in_hold.append(str(getattr(getattr(self, "fn", None), "__name__", self)))
+        return precompile_of(self, *args, **kwargs)
+
     def choice(cls: Any, *args: Any, **kwargs: Any) -> Any:
         seen.append((lock.held, lock._since if lock.held == "exclusive" else None))
-        return choice_of(cls, *args, **kwargs)
+        in_choice[0] = lock.held
+        try:
+            return choice_of(cls, *args, **kwargs)
+        finally:
+            in_choice[0] = None
 
     def op(cls: Any, *args: Any, **kwargs: Any) -> Any:
         nonlocal ops
@@ -434,6 +499,7 @@ def test_a_max_autotune_op_is_warmed_shared_then_timed_in_one_hold(
 
     monkeypatch.setattr(cache, "benchmark_choice", classmethod(choice))
     monkeypatch.setattr(cache, "benchmark_in_current_process", classmethod(op))
+    monkeypatch.setattr(autotuner, "precompile", precompile)
     try:
         model = torch.nn.Linear(384, 768).cuda().eval()
         x = torch.randn(128, 384, device="cuda")
@@ -447,6 +513,8 @@ def test_a_max_autotune_op_is_warmed_shared_then_timed_in_one_hold(
         assert ops and ops % 2 == 0, ops  # each op run twice
         assert len(warmed) == len(timed) == len(seen) // 2 > 0, seen
         assert len({since for _, since in timed}) == ops // 2  # one hold per op
+        # every Triton choice built before the warming's hold: its first call only launches
+        assert built_in_hold == [], built_in_hold
     finally:
         lock.close()
         monkeypatch.setattr(devicelock, "_LOCK", None)
