@@ -373,7 +373,9 @@ def _shortfall_line(name: str, r: dict[str, Any]) -> str:
     return line
 
 
-STAGE_LOGS = ("capture", "stock", "stock_warm", "backend", "validate", "recapture")
+STAGE_LOGS = ("capture", "counters", "stock", "stock_warm", "backend", "validate", "recapture")
+"""The stage children's logs: ``counters`` is the counters pass's own process where it ran
+beside the later stages (``--opprof-ncu-when=beside``); inside the capture, its phase there."""
 FORMER_LOGS = {"backend": "select"}
 """A stage whose child logged under another name in runs before: read where its own is absent."""
 
@@ -387,8 +389,8 @@ TASK_DONE = re.compile(
 def child_seconds(where: Path) -> dict[str, float]:
     """Each stage child's own duration from its log's last "[opprof] +  N s  task … done" line
     (the stage JUnit adds the parent's share; a call cut short loses its JUnit, not its logs),
-    the counters pass inside the capture, the recapture's extra timing processes summed, and
-    ``waiting``: the seconds all of them waited for the GPU's lock (runs sharing a GPU), and
+    the counters pass (inside the capture, or its own process beside the later stages), the
+    recapture's extra timing processes summed, and ``waiting``: the seconds all of them waited for the GPU's lock (runs sharing a GPU), and
     ``alone``: the seconds they held it exclusively, measuring."""
     out: dict[str, float] = {}
     folder = where / "profiler_output"
@@ -793,8 +795,9 @@ def markdown(result: dict[str, Any]) -> str:
             names.insert(names.index("stock") + 1, "stock_warm")
         lines += [
             "",
-            "Stage children's own time (s, from their logs; counters is the Nsight Compute pass "
-            "inside capture, stock the stock baseline's task (--opprof-stock), beside "
+            "Stage children's own time (s, from their logs; counters is the Nsight Compute pass, "
+            "inside capture or in its own process beside the later stages, stock the stock "
+            "baseline's task (--opprof-stock), beside "
             "selection or before it, "
             + ("stock_warm the process that compiles its last recipe beside it, " * warmed)
             + "retime the recapture's extra timing processes summed, "
