@@ -123,6 +123,27 @@ def test_the_pass_beside_gives_the_profile_its_counters(
     assert not any("add proposals" in w for w in done.warnings)
 
 
+def test_a_comparison_that_fails_keeps_the_counters(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real = read_artifact(H200 / "conv_block" / "profile.json.gz", Profile)
+    out = tmp_path / "out"
+    write_artifact(out / "profile.json", without_counters(real))
+    fake = fake_ncu(tmp_path, DATA / "ncu" / "h200" / "conv_block.log")
+    monkeypatch.setattr(c, "find_ncu", lambda: str(fake))
+
+    def broken(*args: Any) -> list[str]:
+        raise KeyError("targets")
+
+    monkeypatch.setattr(capture, "proposals_counters_add", broken)
+    capture.task_counters(counters_spec(out))
+    done = read_artifact(out / "profile.json", Profile)
+    assert not c.pending(done) and done.counters and done.counters["compiled"]
+    assert done.warnings[-1] == (
+        "the proposals were not compared with the counters: KeyError('targets')"
+    )
+
+
 def test_counters_that_add_a_proposal_say_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
