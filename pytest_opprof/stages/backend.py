@@ -153,7 +153,7 @@ def warms_stock(run: WorkloadRun, beside_selection: bool) -> bool:
     a large model, and once the warmer has ended Inductor's FX graph cache, which the session's
     processes share, answers the stock task's own compile of that recipe; so the task takes
     about the longer compile, not both. By the rule of the recapture's timing processes
-    (``recapture.side_by_side``): under a GPU lock, which keeps the warmer's autotuning apart
+    (``common.side_by_side``): under a GPU lock, which keeps the warmer's autotuning apart
     from the others' measurements, and where the capture's peak memory says all of this
     workload's processes then running fit: the stock task and the warmer, and selection
     where the stock task runs beside it. Elsewhere (the CPU, no lock, no profile) the stock
@@ -162,7 +162,7 @@ def warms_stock(run: WorkloadRun, beside_selection: bool) -> bool:
     if not path.is_file():
         return False
     baseline = read_artifact(path, Profile).capture_metadata
-    return recapture.side_by_side(baseline, 3 if beside_selection else 2)
+    return common.side_by_side(baseline, 3 if beside_selection else 2)
 
 
 def stock_beside_warmer(run: WorkloadRun, **extra: Any) -> None:
@@ -216,10 +216,10 @@ def stock_rung_pending(out_dir: Path) -> bool:
 
 def stock_runs_beside(run: WorkloadRun) -> bool:
     """Whether the stock task runs beside selection rather than before it: by the rule of the
-    recapture's timing processes (``recapture.side_by_side``), under a GPU lock, which keeps
+    recapture's timing processes (``common.side_by_side``), under a GPU lock, which keeps
     each one's measurements apart from the other's work, and where both fit in its memory."""
     baseline = read_artifact(run.out_dir / "profile.json", Profile).capture_metadata
-    return recapture.side_by_side(baseline, 2)
+    return common.side_by_side(baseline, 2)
 
 
 def selected_beside_stock(run: WorkloadRun) -> BackendSelection:

@@ -66,10 +66,8 @@ def fits_beside(run: WorkloadRun, profile: Profile) -> bool:
     keeps the other processes' measurements apart from its replay, and where the capture's
     peak memory says its target fits beside the most processes a workload runs at once (the
     recapture's timing processes beside validation's)."""
-    from pytest_opprof.stages.recapture import side_by_side, timing_processes
-
     meta = profile.capture_metadata
-    return side_by_side(meta, timing_processes(run, meta.device_type) + 2)
+    return common.side_by_side(meta, common.timing_processes(run, meta.device_type) + 2)
 
 
 def counters_pass(run: WorkloadRun) -> None:

@@ -24,6 +24,37 @@ from pytest_opprof.schema import ChildSpec
 _STARTED = time.perf_counter()
 
 
+TIMING_PROCESSES_GPU = 3
+"""Timing processes on a GPU when the option says auto: a launch-bound call's speed differs
+from one fresh process to the next, steady within each, so one process's interval does not
+cover the next run (docs/design-notes.md#timing-processes)."""
+
+
+def timing_processes(run: Any, device_type: str) -> int:
+    """The recapture's timing processes (``--opprof-timing-processes``; ``run`` a
+    ``WorkloadRun``)."""
+    chosen = run.setting("timing_processes")
+    if chosen is None:
+        return TIMING_PROCESSES_GPU if device_type == "cuda" else 1
+    return int(chosen)
+
+
+SIDE_BY_SIDE_MEMORY = 0.8
+"""The share of the GPU's memory a workload's processes may plan on together, each counted at
+twice the capture's peak (a timing process holds the optimized plan besides both baselines)."""
+
+
+def side_by_side(baseline: Any, processes: int) -> bool:
+    """Whether ``processes`` of a workload's processes may run on the GPU together (the
+    recapture's timing processes, a sibling beside selection or the later stages): only
+    under a GPU lock, which keeps their measurements apart (``devicelock``), and where the
+    capture's peak memory (``baseline``, its ``CaptureMetadata``) says they all fit."""
+    if not os.environ.get(devicelock.LOCK_ENV):
+        return False
+    peak, total = baseline.peak_memory_bytes, baseline.device_memory_bytes
+    return bool(peak and total and 2 * peak * processes <= SIDE_BY_SIDE_MEMORY * total)
+
+
 def phase(what: str) -> None:
     """One line in the stage log: seconds since this process started, and what just ended —
     where a stage's wall time goes."""

@@ -23,7 +23,6 @@ from pytest_opprof.measure import Replica, pooled_timing, processes_kept, proces
 from pytest_opprof.pipeline import STOCK_FILE, WorkloadRun, file_sha256, rel_path
 from pytest_opprof.schema import (
     BackendSelection,
-    CaptureMetadata,
     ChildSpec,
     Profile,
     Timing,
@@ -33,6 +32,7 @@ from pytest_opprof.schema import (
     write_text_atomic,
 )
 from pytest_opprof.stages import capture, common
+from pytest_opprof.stages.common import side_by_side, timing_processes
 
 NAME = "recapture"
 
@@ -117,7 +117,7 @@ def _replacing_set_aside(
 
     A process counts while it keeps any round, as the statistics count it (``measure._kept``):
     its kept rounds ran on a fast host, where a call's speed is steady within a process
-    (:data:`TIMING_PROCESSES_GPU`), so even a few give its level and a degree of freedom to the
+    (``common.TIMING_PROCESSES_GPU``), so even a few give its level and a degree of freedom to the
     interval. A process that failed is not replaced: its cause (a compile error, memory) would
     most often fail the next one too, and its own warning says the timing has fewer processes.
 
@@ -325,37 +325,9 @@ def validated_digest(run: WorkloadRun, report: ValidationReport) -> str:
     return digest
 
 
-TIMING_PROCESSES_GPU = 3
-"""Timing processes on a GPU when the option says auto: a launch-bound call's speed differs
-from one fresh process to the next, steady within each, so one process's interval does not
-cover the next run (docs/design-notes.md#timing-processes)."""
-
-
-def timing_processes(run: WorkloadRun, device_type: str) -> int:
-    chosen = run.setting("timing_processes")
-    if chosen is None:
-        return TIMING_PROCESSES_GPU if device_type == "cuda" else 1
-    return int(chosen)
-
-
 def timing_servers(run: WorkloadRun) -> int:
     """The fork servers the timing processes are spread over (``--opprof-timing-servers``)."""
     return int(run.setting("timing_servers") or 1)
-
-
-SIDE_BY_SIDE_MEMORY = 0.8
-"""The share of the GPU's memory a workload's timing processes may plan on together, each
-counted at twice the capture's peak (it holds the optimized plan besides both baselines)."""
-
-
-def side_by_side(baseline: CaptureMetadata, processes: int) -> bool:
-    """Whether the recapture's timing processes start together: only under a GPU lock, which
-    keeps their measurements apart (``devicelock``), and where the capture's peak memory says
-    they all fit."""
-    if not os.environ.get(LOCK_ENV):
-        return False
-    peak, total = baseline.peak_memory_bytes, baseline.device_memory_bytes
-    return bool(peak and total and 2 * peak * processes <= SIDE_BY_SIDE_MEMORY * total)
 
 
 def _retime_one(

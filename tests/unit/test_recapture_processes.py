@@ -30,7 +30,7 @@ from pytest_opprof.schema import (
     read_artifact,
     write_artifact,
 )
-from pytest_opprof.stages import recapture
+from pytest_opprof.stages import common, recapture
 
 H200 = Path(__file__).parents[1] / "data" / "h200" / "conv_block"
 GIB = 1 << 30
@@ -571,7 +571,7 @@ def test_nothing_starts_ahead_where_the_timing_processes_and_validation_would_no
     validation's process, a fourth, they would not."""
     run = _under_a_lock(tmp_path, monkeypatch, 15 * GIB, processes=3)
     run.planned = frozenset({"validate", "recapture"})
-    assert recapture.side_by_side(
+    assert common.side_by_side(
         read_artifact(run.out_dir / "profile.json", Profile).capture_metadata, 3
     )
     assert recapture.start_ahead(run) is None  # type: ignore[arg-type]
