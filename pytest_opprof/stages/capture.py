@@ -2,7 +2,10 @@
 timelines and, on a GPU with Nsight Compute, its hardware counters.
 
 The parent half (``run``) starts the child and reads ``profile.json`` back; the child half
-(``task_capture``) does the work in the stage process. ``metadata``, ``timelines``,
+(``task_capture``) does the work in the stage process. By default the counters pass is not
+the capture's: the child leaves the profile's counters pending and the parent runs the pass
+in a process of its own (``task_counters``) beside the later stages, which the report waits
+for (:class:`CountersBeside`). ``metadata``, ``timelines``,
 ``gpu_time`` and ``timing_of`` are shared with the recapture, which profiles the optimized
 workload the same way.
 """
