@@ -390,8 +390,9 @@ def child_seconds(where: Path) -> dict[str, float]:
     """Each stage child's own duration from its log's last "[opprof] +  N s  task … done" line
     (the stage JUnit adds the parent's share; a call cut short loses its JUnit, not its logs),
     the counters pass (inside the capture, or its own process beside the later stages), the
-    recapture's extra timing processes summed, and ``waiting``: the seconds all of them waited for the GPU's lock (runs sharing a GPU), and
-    ``alone``: the seconds they held it exclusively, measuring."""
+    recapture's extra timing processes summed, and ``waiting``: the seconds all of them
+    waited for the GPU's lock (runs sharing a GPU), and ``alone``: the seconds they held it
+    exclusively, measuring."""
     out: dict[str, float] = {}
     folder = where / "profiler_output"
     logs = [

@@ -28,7 +28,7 @@ from pytest_opprof.schema import (
     write_artifact,
     write_text_atomic,
 )
-from pytest_opprof.stages import common, recapture, rung_warmer
+from pytest_opprof.stages import common, rung_warmer
 
 if TYPE_CHECKING:
     from pytest_opprof.backend.plan import Rung
