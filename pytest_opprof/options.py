@@ -132,11 +132,12 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "warm-rungs",
         lambda v: parse_bool(v, "--opprof-warm-rungs"),
         False,
-        "experimental: a sibling process compiles ahead the plan measured selection will "
-        "likely build next (the next rung, where this one is kept), so that Inductor's FX "
-        "graph cache answers selection's own build; it is stopped while selection measures. "
-        "Only on a GPU under its lock, where the capture's peak memory says one more process "
-        "fits; not yet measured on a GPU",
+        "experimental: sibling processes compile ahead the plans measured selection will "
+        "likely build next (the next rungs, where this one and those are kept), each a plan "
+        "further along, so that Inductor's FX graph cache answers selection's own builds; they "
+        "are stopped while selection measures. One for each CPU of the worker's slice, at "
+        "most 3, and only on a GPU under its lock, as many as the capture's peak memory says "
+        "fit; not yet measured on a GPU",
         flag=True,
     ),
     _one_of(

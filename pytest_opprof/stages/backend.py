@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -60,7 +60,7 @@ def run(run: WorkloadRun) -> str:
         SELECTION_FILE,
         f"profiler_output/{STOCK_RUNG_LOG}.log",
         f"profiler_output/{STOCK_WARM}.log",
-        f"profiler_output/{rung_warmer.TASK}.log",
+        *(f"profiler_output/{rung_warmer.log_name(i)}.log" for i in range(rung_warmer.MAX_WARMERS)),
     )
     for former in stale:  # not this run's
         (run.out_dir / former).unlink(missing_ok=True)
@@ -100,16 +100,17 @@ def run(run: WorkloadRun) -> str:
 
 
 def selected(run: WorkloadRun, beside: int = 0, **extra: Any) -> BackendSelection:
-    """Selection's process run (``extra``: more of its spec), with the rung warmer beside it
-    where ``rung_warmer.warms_rungs`` (``beside``: how many of the workload's other processes
-    run meanwhile), and its selection read. Where it died timing the stock recipe against the
-    ladder's plan (a CUDA error leaves a process unusable), the two are timed once more in a
-    fresh process, alone (``stock_rung_only``, its log ``STOCK_RUNG_LOG``); where that fails
-    too, or the first ran out of time there, the ladder's selection stands
+    """Selection's process run (``extra``: more of its spec), with as many rung warmers beside
+    it as ``rung_warmer.warms_rungs`` says (``beside``: how many of the workload's other
+    processes run meanwhile), and its selection read. Where it died timing the stock recipe
+    against the ladder's plan (a CUDA error leaves a process unusable), the two are timed once
+    more in a fresh process, alone (``stock_rung_only``, its log ``STOCK_RUNG_LOG``); where
+    that fails too, or the first ran out of time there, the ladder's selection stands
     (:func:`ladder_kept`)."""
     try:
-        if rung_warmer.warms_rungs(run, beside):
-            rung_warmer.selected_beside_warmer(run, NAME, **extra)
+        warmers = rung_warmer.warms_rungs(run, beside)
+        if warmers:
+            rung_warmer.selected_beside_warmers(run, NAME, warmers, **extra)
         else:
             run.run_child(NAME, NAME, **extra)
     except StageError as exc:
@@ -389,7 +390,7 @@ def task_select(spec: ChildSpec) -> None:
     eager = w.model
     compiled, _ = common.compile_timed(eager, opts.compile_backend, w.inputs, device)
     gate_check = GateCheck(eager, w.inputs)  # the validate stage's check, on its inputs
-    ahead = rung_warmer.Ahead(spec.rung_warmer)  # the rung warmer beside, where it runs
+    ahead = rung_warmer.Ahead(spec.rung_warmer)  # the rung warmers beside, where they run
     calls = max(3, common.setting(spec, "measure_iters") // 2)
     rounds = max(5, min(9, common.setting(spec, "rounds")))
     brief = {"device": device, "warmup": 3, "calls_per_round": calls, "rounds": rounds}
@@ -465,25 +466,25 @@ def task_select(spec: ChildSpec) -> None:
         second_chance: bool,
         on: BackendPlan | None = None,
         bar: Bar = RUNG_BAR,
-        then: Rung | None = None,
+        after: Sequence[Rung] = (),
     ) -> bool:
         """Build ``rung`` on top of the plan so far (or of ``on``, in its place), check its
         outputs, time it against the plan so far and keep it where it clears ``bar``. On the
-        first pass, the rung warmer is asked for the plan of the rung after it, ``then``,
-        where this one is kept (``rung_warmer.Ahead``)."""
+        first pass, the rung warmers are asked for the plans of the rungs after it, ``after``,
+        where this one and those are kept (``rung_warmer.Ahead``)."""
         plan = state["plan"] if on is None else on
         first_pass = on is None and not second_chance
         moot = next(filter(None, (cannot_change(plan, p) for p in rung.proposals)), None)
         if moot is not None:
             if first_pass:  # not built: the next rung meets the plan as it is
-                ahead.want(plan, then)
+                ahead.want(plan, after)
             drop(rung, f"not tried: {moot}", second_chance)
             return False
         for p in rung.proposals:
             plan = add_proposal(plan, p)
         name = "+".join(plan.proposals)
         if first_pass:
-            ahead.want(plan, then)
+            ahead.want(plan, after)
         ahead.before_build(plan, lambda: synchronize(device))
         common.step_done(device)  # after the rung before, built and dropped without a measurement
         devicelock.resume()  # or measured: then the GPU was released
@@ -525,7 +526,7 @@ def task_select(spec: ChildSpec) -> None:
             under_autocast = autocast_instead(rung)
             if under_autocast is not None:
                 common.phase(f"{name}: the cast changed the output; trying it under autocast")
-                return attempt(under_autocast, second_chance, on, bar, then)
+                return attempt(under_autocast, second_chance, on, bar, after)
             return False
         with devicelock.measuring(share_after=False), ahead.paused():
             s = time_interleaved(
@@ -569,8 +570,7 @@ def task_select(spec: ChildSpec) -> None:
         )
         return False
 
-    following: list[Rung | None] = [*rungs[1:], None][: len(rungs)]  # for the rung warmer
-    kept = [attempt(r, second_chance=False, then=t) for r, t in zip(rungs, following, strict=True)]
+    kept = [attempt(r, second_chance=False, after=rungs[i + 1 :]) for i, r in enumerate(rungs)]
     # A rung dropped before the last kept one met a plan that has changed since: try it again.
     # One that applied nowhere is tried again once a rung before it was kept on this pass
     # (gemm_out_dtype finds its bf16 GEMMs only once dtype_promotion is in).
@@ -730,14 +730,15 @@ def task_stock_warm(spec: ChildSpec) -> None:
 
 
 def task_warm_rungs(spec: ChildSpec) -> None:
-    """The rung warmer, beside selection (``rung_warmer.warms_rungs``): each plan selection
-    wants (``rung_warmer.serve``) built as selection builds it (a pristine copy of the model,
-    ``build`` under no_grad) and called once on the inputs of selection's first call of it
-    (``GateCheck.outputs``: the first seed's), and nothing else. Its compile fills Inductor's
-    FX graph cache, which answers selection's own build of the plan; what it built is thrown
-    away, unchecked and untimed, Dynamo's in-process caches with it. Selection stops this
-    process while it measures (it names itself first, ``Folder.announce``), so where its CPUs
-    are the workload's own its compiles let go of the GPU, and between builds it holds none."""
+    """A rung warmer, beside selection (``rung_warmer.warms_rungs``): each plan selection
+    wants that no other process has claimed (``rung_warmer.serve``) built as selection builds
+    it (a pristine copy of the model, ``build`` under no_grad) and called once on the inputs of
+    selection's first call of it (``GateCheck.outputs``: the first seed's), and nothing else.
+    Its compile fills Inductor's FX graph cache, which answers selection's own build of the
+    plan; what it built is thrown away, unchecked and untimed, Dynamo's in-process caches with
+    it. Selection stops this process while it measures (it names itself first,
+    ``Folder.announce``), so where its CPUs are the workload's own its compiles let go of the
+    GPU, and between builds it holds none."""
     import torch
 
     from pytest_opprof.backend.build import build
@@ -822,5 +823,5 @@ TASKS: dict[str, Callable[[ChildSpec], None]] = {
 selection under the stage's own name (its log ``backend.log``), and, where the stock baseline
 is measured, its task, which runs beside selection (before it where they cannot run side by
 side: :func:`stock_runs_beside`), and the stock warmer beside that task where they fit
-(:func:`warms_stock`); with ``--opprof-warm-rungs``, the rung warmer beside selection where
-it fits (``rung_warmer``)."""
+(:func:`warms_stock`); with ``--opprof-warm-rungs``, the rung warmers beside selection where
+they fit (``rung_warmer``)."""

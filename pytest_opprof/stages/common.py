@@ -142,22 +142,32 @@ def beside(task: Callable[[], None]) -> Iterator[Future[None]]:
     pool.shutdown()
 
 
-def wait_for_file(path: Path | Sequence[Path], waiting: str, before: str) -> float | None:
+def wait_for_file(
+    path: Path | Sequence[Path],
+    waiting: str,
+    before: str,
+    over: Callable[[], bool] = lambda: False,
+) -> float | None:
     """Wait until ``path`` exists (another process's end, which its stage marks there), or
-    any one of several paths, holding nothing of the GPU's lock meanwhile (the caller has
-    synchronized), saying ``waiting`` in the stage log: the seconds waited, or None where one
-    existed already. The stage's timeout bounds the wait (the parent stops this process); a
+    any one of several paths, or ``over()`` says the wait is over (the awaited process gone
+    without marking it), holding nothing of the GPU's lock meanwhile (the caller has
+    synchronized), saying ``waiting`` in the stage log: the seconds waited, or None where it
+    was over already. The stage's timeout bounds the wait (the parent stops this process); a
     parent gone, or a path's folder gone with the stage that made it, ends it with an error
     that says the stage ended ``before`` what was awaited."""
     from pytest_opprof.errors import StageError
 
     paths = [path] if isinstance(path, Path) else list(path)
-    if any(p.exists() for p in paths):
+
+    def ended() -> bool:
+        return any(p.exists() for p in paths) or over()
+
+    if ended():
         return None
     devicelock.let_go()
     parent, t0 = os.getppid(), time.perf_counter()
     phase(waiting)
-    while not any(p.exists() for p in paths):
+    while not ended():
         gone = next((p.parent for p in paths if not p.parent.is_dir()), None)
         if os.getppid() != parent or gone is not None:
             raise StageError(

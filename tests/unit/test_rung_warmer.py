@@ -1,9 +1,10 @@
-"""Selection's rungs compiled ahead (``--opprof-warm-rungs``): selection names the plan it will
-likely build next, the rung warmer beside it claims and builds it, selection waits for a plan
-the warmer claimed (not for one it did not) and stops the warmer while it measures. The
-protocol runs here on real files with threads, the pause on real processes; the parent half
-with stand-in children as in test_stock_beside_selection.py; and, marked slow, the warmer's
-real task on the CPU, whose compile Inductor's FX graph cache answers in another process."""
+"""Selection's rungs compiled ahead (``--opprof-warm-rungs``): selection names the plans it will
+likely build next, nearest first, the rung warmers beside it each claim and build one, selection
+waits for a plan a warmer claimed (not for one none did) and stops every warmer while it
+measures. The protocol runs here on real files with threads, the pause on real processes; the
+parent half with stand-in children as in test_stock_beside_selection.py; and, marked slow, a
+warmer's real task on the CPU, whose compile Inductor's FX graph cache answers in another
+process."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ from pytest_opprof.schema import (
     write_artifact,
 )
 from pytest_opprof.stages import backend, rung_warmer
-from pytest_opprof.stages.rung_warmer import ENDED, FINISHED, Ahead, Folder
+from pytest_opprof.stages.rung_warmer import ENDED, FINISHED, WARMERS, Ahead, Folder
 
 H200 = Path(__file__).parents[1] / "data" / "h200"
 GIB = 1 << 30
@@ -85,12 +86,14 @@ class Warmer:
     def __init__(self, folder: Path, release: threading.Event | None = None, fails: str = ""):
         self.folder, self.release, self.fails = Folder(folder), release, fails
         self.built: list[str] = []
+        self.started: list[str] = []
         self.building = threading.Event()
         self.returned: list[int] = []
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
     def _warm(self, plan: BackendPlan) -> None:
+        self.started.append(rung_warmer.plan_name(plan))
         self.building.set()
         if self.release is not None:
             assert self.release.wait(PATIENCE_S)
@@ -129,15 +132,15 @@ def test_the_warmer_builds_the_plan_selection_wants_next_and_marks_it_done(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Selection, starting the dtype rung with the layout rung next, wants both built: the
-    branch where the dtype rung is kept. The warmer claims that plan, builds it once, marks
-    it done, and builds nothing more while nothing new is wanted; selection then finds it
-    done and waits for nothing."""
+    branch where the dtype rung is kept (one plan: one warmer, where the parent does not say
+    how many). The warmer claims that plan, builds it once, marks it done, and builds nothing
+    more while nothing new is wanted; selection then finds it done and waits for nothing."""
     warmer = Warmer(tmp_path)
     ahead = Ahead(str(tmp_path))
     now = _plan("dtype_promotion")
-    ahead.want(now, _rung("memory_layout"))
+    ahead.want(now, [_rung("memory_layout"), _rung("bn_fold")])
     following = _plan("dtype_promotion", "memory_layout")
-    assert Folder(tmp_path).wanted() == following
+    assert Folder(tmp_path).wanted() == [following]
     _until(Folder(tmp_path).done(following).exists, "the warmer's build")
     assert Folder(tmp_path).claimed(following).exists()
     time.sleep(0.3)  # polled again meanwhile: the same plan is not built twice
@@ -156,7 +159,7 @@ def test_selection_waits_for_a_plan_the_warmer_claimed_holding_nothing_of_the_gp
     warmer = Warmer(tmp_path, release)
     ahead = Ahead(str(tmp_path))
     plan = _plan("dtype_promotion", "memory_layout")
-    ahead.want(_plan("dtype_promotion"), _rung("memory_layout"))
+    ahead.want(_plan("dtype_promotion"), [_rung("memory_layout")])
     assert warmer.building.wait(PATIENCE_S)
     synced: list[str] = []
     waiter = _before_build(ahead, plan, synced)
@@ -184,7 +187,7 @@ def test_selection_builds_an_unclaimed_plan_at_once_and_the_warmer_never_builds_
     ahead.before_build(plan, lambda: synced.append("sync"))
     assert synced == [] and gpu_calls == []
     assert Folder(tmp_path).claimed(plan).exists()
-    Folder(tmp_path).want(plan)  # read by a warmer only now
+    Folder(tmp_path).want([plan])  # read by a warmer only now
     warmer = Warmer(tmp_path)
     time.sleep(0.4)
     assert warmer.finish() == 0 and warmer.built == []
@@ -217,9 +220,9 @@ def test_a_build_that_failed_is_marked_done_and_the_warmer_goes_on(
     warmer = Warmer(tmp_path, fails="dtype_promotion-1+memory_layout-1")
     ahead = Ahead(str(tmp_path))
     failing, after = _plan("dtype_promotion", "memory_layout"), _plan("memory_layout", "bn_fold")
-    ahead.want(_plan("dtype_promotion"), _rung("memory_layout"))
+    ahead.want(_plan("dtype_promotion"), [_rung("memory_layout")])
     _until(Folder(tmp_path).done(failing).exists, "the failed build's mark")
-    ahead.want(_plan("memory_layout"), _rung("bn_fold"))
+    ahead.want(_plan("memory_layout"), [_rung("bn_fold")])
     _until(Folder(tmp_path).done(after).exists, "the next build")
     assert warmer.finish() == 1  # built: the one that did not fail
     assert warmer.built == ["dtype_promotion-1+memory_layout-1", "memory_layout-1+bn_fold-1"]
@@ -246,14 +249,14 @@ def test_nothing_is_wanted_after_the_last_rung_a_moot_one_or_one_that_autotunes(
     which a compile ahead must not do beside selection's work."""
     ahead, folder = Ahead(str(tmp_path)), Folder(tmp_path)
     plan = _plan("dtype_promotion")
-    ahead.want(plan, _rung("bn_fold"))
-    assert folder.wanted() == _plan("dtype_promotion", "bn_fold")
-    for then in (None, _rung("max_autotune")):
-        ahead.want(plan, then)
-        assert folder.wanted() is None
-    ahead.want(BackendPlan(), _rung("gemm_epilogue"))  # exact GELUs on fp32 GEMMs: moot
-    assert folder.wanted() is None
-    Ahead(None).want(plan, _rung("bn_fold"))  # no warmer: nothing written anywhere
+    ahead.want(plan, [_rung("bn_fold")])
+    assert folder.wanted() == [_plan("dtype_promotion", "bn_fold")]
+    for after in ([], [_rung("max_autotune"), _rung("bn_fold")]):
+        ahead.want(plan, after)
+        assert folder.wanted() == []
+    ahead.want(BackendPlan(), [_rung("gemm_epilogue")])  # exact GELUs on fp32 GEMMs: moot
+    assert folder.wanted() == []
+    Ahead(None).want(plan, [_rung("bn_fold")])  # no warmer: nothing written anywhere
     assert rung_warmer.autotunes(BackendPlan(stock_recipe="cast"))
 
 
@@ -265,7 +268,7 @@ def test_an_autotuning_build_waits_for_the_warmers_build_under_way(
     release = threading.Event()
     warmer = Warmer(tmp_path, release)
     ahead = Ahead(str(tmp_path))
-    ahead.want(_plan("dtype_promotion"), _rung("memory_layout"))
+    ahead.want(_plan("dtype_promotion"), [_rung("memory_layout")])
     assert warmer.building.wait(PATIENCE_S)
     plain, tuned = _plan("bn_fold"), _plan("bn_fold", "max_autotune")
     synced: list[str] = []
@@ -279,6 +282,106 @@ def test_an_autotuning_build_waits_for_the_warmers_build_under_way(
     assert not waiter.is_alive()
     assert "before bn_fold-1+algorithm_selection-1 autotunes" in capsys.readouterr().out
     warmer.finish()
+
+
+def test_selection_wants_the_kept_branch_one_plan_for_each_warmer_nearest_first(
+    tmp_path: Path,
+) -> None:
+    """Three warmers: the plans of the next three rungs, each on top of the one before; a rung
+    that cannot change the plan so far is skipped (selection does not build it), the list
+    stops before a plan that autotunes, and after the last rung nothing is wanted."""
+    ahead, folder = Ahead(str(tmp_path)), Folder(tmp_path)
+    folder.start(3)
+    rungs = [_rung(k) for k in ("dtype_promotion", "memory_layout", "bn_fold", "cuda_graphs")]
+    ahead.want(BackendPlan(), rungs)
+    assert folder.wanted() == [
+        _plan("dtype_promotion"),
+        _plan("dtype_promotion", "memory_layout"),
+        _plan("dtype_promotion", "memory_layout", "bn_fold"),
+    ]
+    # exact GELUs on GEMMs the plan keeps in fp32: moot, and the layout rung meets bn_fold
+    ahead.want(BackendPlan(), [_rung("bn_fold"), _rung("gemm_epilogue"), _rung("memory_layout")])
+    assert folder.wanted() == [_plan("bn_fold"), _plan("bn_fold", "memory_layout")]
+    ahead.want(BackendPlan(), [_rung("bn_fold"), _rung("max_autotune"), _rung("memory_layout")])
+    assert folder.wanted() == [_plan("bn_fold")]
+    ahead.want(_plan("bn_fold"), [])
+    assert folder.wanted() == []
+    folder.start(2)
+    ahead.want(BackendPlan(), rungs)
+    assert len(folder.wanted()) == 2
+    assert rung_warmer.plans_after(BackendPlan(), rungs, 1) == [_plan("dtype_promotion")]
+
+
+def test_two_warmers_never_build_one_plan_each_taking_the_nearest_unclaimed_one(
+    tmp_path: Path,
+) -> None:
+    """Selection claimed the nearest plan itself (it builds it now): the first warmer takes the
+    next, the second the one after; the last plan is built once, by whichever is free."""
+    release = threading.Event()
+    folder = Folder(tmp_path)
+    folder.start(3)
+    plans = [
+        _plan("dtype_promotion"),
+        _plan("dtype_promotion", "memory_layout"),
+        _plan("dtype_promotion", "memory_layout", "bn_fold"),
+        _plan("dtype_promotion", "memory_layout", "bn_fold", "cuda_graphs"),
+    ]
+    folder.want(plans)
+    assert folder.claim(plans[0])  # selection's
+    first = Warmer(tmp_path, release)
+    assert first.building.wait(PATIENCE_S)
+    second = Warmer(tmp_path, release)
+    assert second.building.wait(PATIENCE_S)
+    names = [rung_warmer.plan_name(p) for p in plans]
+    assert first.started == [names[1]] and second.started == [names[2]]
+    release.set()
+    _until(folder.done(plans[3]).exists, "the farthest plan's build")
+    time.sleep(0.3)  # polled again meanwhile: nothing is built twice
+    assert first.finish() + second.finish() == 3
+    assert sorted(first.built + second.built) == sorted(names[1:])
+
+
+def test_a_plan_no_longer_wanted_as_it_is_claimed_is_let_go_unbuilt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Selection, about to build a plan that autotunes, wants nothing and then waits for the
+    claims it sees: a warmer that read the former list and claims a plan of it after that
+    must not build it beside the autotuning."""
+    folder = Folder(tmp_path)
+    stale = _plan("dtype_promotion", "memory_layout")
+    folder.want([stale])
+    claim = Folder.claim
+
+    def late(self: Folder, plan: BackendPlan) -> bool:
+        self.want([])  # selection moved on between the warmer's read and its claim
+        return claim(self, plan)
+
+    monkeypatch.setattr(Folder, "claim", late)
+    warmer = Warmer(tmp_path)
+    _until(folder.done(stale).exists, "the plan let go")
+    assert warmer.finish() == 0 and warmer.started == []
+
+
+def test_a_wait_for_a_plan_ends_with_the_warmer_that_claimed_it_while_others_go_on(
+    tmp_path: Path, gpu_calls: list[str]
+) -> None:
+    """A warmer killed mid-build never marks its plan done, and :data:`ENDED` waits for the
+    other warmers, which end only after selection: its process gone ends the wait."""
+    claimer = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        _until(lambda: devicelock.identity(claimer.pid) is not None, "the claimer's start")
+        plan = _plan("dtype_promotion")
+        Folder(tmp_path).claimed(plan).write_text(str(devicelock.identity(claimer.pid)))
+        synced: list[str] = []
+        waiter = _before_build(Ahead(str(tmp_path)), plan, synced)
+        time.sleep(0.4)
+        assert waiter.is_alive() and synced == ["sync"]  # its build is under way
+    finally:
+        claimer.kill()
+        claimer.wait()
+    waiter.join(PATIENCE_S)
+    assert not waiter.is_alive(), "selection still waits for a warmer that is gone"
+    assert gpu_calls == ["let go", "resume"] and not (tmp_path / ENDED).exists()
 
 
 # ------------------------------------------------------------------------------ the pause
@@ -372,7 +475,7 @@ def test_selection_stops_the_warmer_that_named_itself_while_it_measures(
     ahead = Ahead(str(tmp_path))
     with ahead.paused():  # not started yet: nothing to stop
         assert _counts(busy.count)
-    (tmp_path / rung_warmer.PID).write_text(str(devicelock.identity(busy.proc.pid)))
+    (tmp_path / f"{busy.proc.pid}.warmer").write_text(str(devicelock.identity(busy.proc.pid)))
     with ahead.paused():
         _until(lambda: _state(busy.proc.pid) == "T", "the stop")
     assert _counts(busy.count)
@@ -381,6 +484,29 @@ def test_selection_stops_the_warmer_that_named_itself_while_it_measures(
         assert _counts(busy.count)
     with Ahead(None).paused():
         assert _counts(busy.count)
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs /proc (Linux)")
+def test_selection_stops_every_warmer_that_named_itself_while_it_measures(
+    tmp_path: Path, busy: Any
+) -> None:
+    other = tmp_path / "other"
+    other.mkdir()
+    count = other / "count"
+    second = subprocess.Popen([sys.executable, "-c", COUNTER, str(count)], start_new_session=True)
+    try:
+        _until(lambda: count.exists() and count.read_text(), "the second counter's start")
+        for proc in (busy.proc, second):
+            me = devicelock.identity(proc.pid)
+            (tmp_path / f"{proc.pid}.warmer").write_text(str(me))
+        with Ahead(str(tmp_path)).paused():
+            _until(lambda: _state(busy.proc.pid) == _state(second.pid) == "T", "both stops")
+            assert not _counts(count)
+        assert _counts(busy.count) and _counts(count)
+    finally:
+        os.kill(second.pid, signal.SIGCONT)
+        second.kill()
+        second.wait()
 
 
 # ------------------------------------------------------------------------ the parent half
@@ -394,11 +520,12 @@ WARMER_ENDS = {
 
 
 class StandIn:
-    """What ``backend.run`` uses of a ``WorkloadRun``. The warmer's child starts, notes
+    """What ``backend.run`` uses of a ``WorkloadRun``. Each warmer's child starts, notes
     whether selection runs, and ends once ``FINISHED`` is there (``ends``: else it fails at
-    once), noting whether selection had ended by then; selection, given the folder, waits
-    until the warmer has started (or, where it fails, has ``ENDED``), as a selection whose
-    rungs take a while does."""
+    once, each warmer or those whose logs ``ending`` names), noting whether selection had
+    ended by then; selection, given the folder, waits until a warmer has started (or, where
+    they fail, until ``ENDED``, or until those ``ending`` have ended), as a selection whose
+    rungs take a while does, and notes how many plans it would want ahead."""
 
     def __init__(
         self,
@@ -407,6 +534,7 @@ class StandIn:
         warm_rungs: bool = True,
         stock: bool = False,
         ends: str | None = None,
+        ending: tuple[str, ...] | None = None,
         fail_select: bool = False,
         interrupt: bool = False,
     ) -> None:
@@ -416,14 +544,16 @@ class StandIn:
         self.spec = SimpleNamespace(stem="conv_block", path=folder / "conv_block.py", overrides={})
         self.generated = self.out_dir / "conv_block_optimized.py"
         self.generated_test = self.out_dir / "test_conv_block_optimized.py"
-        self.warm_rungs, self.stock, self.ends = warm_rungs, stock, ends
+        self.warm_rungs, self.stock, self.ends, self.ending = warm_rungs, stock, ends, ending
         self.fail_select, self.interrupt = fail_select, interrupt
         self.extras: dict[str, dict[str, Any]] = {}
         self.warming = threading.Event()
         self.warm_ended = threading.Event()
+        self.ended_logs: list[str] = []
         self.selection_ended = False
-        self.finished_after_selection: bool | None = None
+        self.finished_after_selection: list[bool] = []
         self.ended_seen: bool | None = None
+        self.depth: int | None = None
         optimizations = read_artifact(H200 / "conv_block" / "optimizations.json.gz", Optimizations)
         write_artifact(self.out_dir / "optimizations.json", optimizations)
 
@@ -441,31 +571,40 @@ class StandIn:
 
     def run_child(self, task: str, stage: str, **extra: Any) -> None:
         assert stage == "backend"
-        self.extras[task] = extra
+        self.extras[extra.get("log_name") or task] = extra
         if task in ("stock", backend.STOCK_WARM):
             return
         if task == rung_warmer.TASK:
+            folder = Path(extra["rung_warmer"])
+            warmers = int((folder / WARMERS).read_text())  # before selection may go on
             self.warming.set()
             try:
-                if self.ends is not None:
+                failing = self.ending is None or extra["log_name"] in self.ending
+                if self.ends is not None and failing:
                     raise WARMER_ENDS[self.ends]
-                finished = Path(extra["rung_warmer"]) / FINISHED
+                finished = folder / FINISHED
                 deadline = time.monotonic() + PATIENCE_S
                 while not finished.exists() and time.monotonic() < deadline:
                     if not finished.parent.is_dir():  # the stage is over (an interrupt)
                         break
                     time.sleep(0.01)
-                self.finished_after_selection = finished.exists() and self.selection_ended
+                self.finished_after_selection.append(finished.exists() and self.selection_ended)
                 if self.interrupt:
                     time.sleep(2.0)  # still ending as the session stops
             finally:
-                self.warm_ended.set()
+                self.ended_logs.append(extra["log_name"])
+                if len(self.ended_logs) == warmers:
+                    self.warm_ended.set()
             return
         if "rung_warmer" in extra:
             ended = Path(extra["rung_warmer"]) / ENDED
+            self.depth = Folder(Path(extra["rung_warmer"])).depth()
             assert self.warming.wait(PATIENCE_S), "the warmer did not start beside selection"
-            if self.ends is not None:
-                _until(ended.exists, "the failed warmer's end marker")
+            if self.ends is not None and self.ending is None:
+                _until(ended.exists, "the failed warmers' end marker")
+            elif self.ends is not None:
+                _until(lambda: set(self.ending or ()) <= set(self.ended_logs), "their end")
+                time.sleep(0.3)  # the parent's marker, were it made at the first end
             self.ended_seen = ended.exists()
         try:
             if self.interrupt:
@@ -487,10 +626,12 @@ def _stand_in(
     *,
     lock: bool = True,
     peak: int | None = GIB,
+    cpus: int = 1,
     **kwargs: Any,
 ) -> StandIn:
     """A stand-in run under a GPU lock where ``lock``, its capture's peak memory ``peak``
-    (None: a capture on the CPU) on a 140 GiB GPU."""
+    (None: a capture on the CPU) on a 140 GiB GPU, its worker's slice ``cpus`` CPUs."""
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cpus)), raising=False)
     if lock:
         monkeypatch.setenv(LOCK_ENV, str(tmp_path / "gpu.lock"))
     else:
@@ -512,17 +653,72 @@ def test_the_rung_warmer_runs_beside_selection_and_ends_after_it(
     (selection stops it instead) and without a pool of compile workers; it ends once
     selection has, and the folder is the stage's own."""
     run = _stand_in(tmp_path, monkeypatch, stock=stock)
-    former = run.profiler_output / f"{rung_warmer.TASK}.log"
-    former.write_text("[opprof] +   10.0 s  task warm_rungs done\n", encoding="utf-8")
+    formers = [run.profiler_output / f"{name}.log" for name in ("warm_rungs", "warm_rungs2")]
+    for former in formers:
+        former.write_text("[opprof] +   10.0 s  task warm_rungs done\n", encoding="utf-8")
     assert backend.run(run).startswith("kept ")  # type: ignore[arg-type]
     warm, select = run.extras[rung_warmer.TASK], run.extras["backend"]
-    assert warm == {"shares_cpus": True, "rung_warmer": select["rung_warmer"]}
-    assert run.finished_after_selection is True
+    assert warm == {
+        "log_name": rung_warmer.TASK,
+        "shares_cpus": True,
+        "rung_warmer": select["rung_warmer"],
+    }
+    assert run.finished_after_selection == [True] and run.depth == 1
     assert not Path(select["rung_warmer"]).exists()
-    assert not former.exists()  # not this run's
+    assert not any(former.exists() for former in formers)  # not this run's
     if stock:  # selection's own siblings are the stock task's
         assert select["siblings_lock"] == run.extras["stock"]["siblings_lock"]
         assert select["stock_done"] and select["compile_pool"]
+
+
+def test_the_parent_runs_a_warmer_for_each_cpu_of_the_slice_each_with_its_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Three CPUs: three warmers, logs ``warm_rungs``, ``warm_rungs2``, ``warm_rungs3``, one
+    folder for all; selection wants three plans ahead; every warmer ends after it."""
+    run = _stand_in(tmp_path, monkeypatch, cpus=3)
+    assert backend.run(run).startswith("kept ")  # type: ignore[arg-type]
+    folder = run.extras["backend"]["rung_warmer"]
+    names = ["warm_rungs", "warm_rungs2", "warm_rungs3"]
+    assert sorted(n for n in run.extras if n != "backend") == names
+    for name in names:
+        assert run.extras[name] == {"log_name": name, "shares_cpus": True, "rung_warmer": folder}
+    assert run.depth == 3
+    assert run.finished_after_selection == [True] * 3 and sorted(run.ended_logs) == names
+
+
+def test_how_many_warmers_the_cpus_of_the_slice_the_most_and_memory_allow(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cases = [  # CPUs of the slice (None: the platform does not say), peak GiB, beside, warmers
+        (1, 1, 0, 1),
+        (2, 1, 0, 2),
+        (3, 1, 0, 3),
+        (16, 1, 0, rung_warmer.MAX_WARMERS),  # a wide slice: no more than the most
+        (16, 18, 0, 2),  # selection and two warmers fit in memory, not a third
+        (16, 12, 1, 2),  # the stock task beside counted
+        (16, 15, 2, 0),  # and its warmer: no room for one more
+        (None, 1, 0, 1),
+    ]
+    got = []
+    for i, (cpus, peak_gib, beside, _) in enumerate(cases):
+        run = _stand_in(tmp_path / str(i), monkeypatch, peak=peak_gib * GIB, cpus=cpus or 1)
+        if cpus is None:
+            monkeypatch.delattr(os, "sched_getaffinity")
+        got.append(rung_warmer.warms_rungs(run, beside))  # type: ignore[arg-type]
+    assert got == [warmers for *_, warmers in cases]
+
+
+def test_the_warmers_end_is_marked_once_every_warmer_has_ended(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One of two warmers crashes at once: selection goes on beside the other, no marker
+    made meanwhile, which would end its waits for the other's builds; nothing fails."""
+    run = _stand_in(tmp_path, monkeypatch, cpus=2, ends="crashed", ending=("warm_rungs2",))
+    assert backend.run(run).startswith("kept ")  # type: ignore[arg-type]
+    assert run.ended_seen is False
+    assert run.warm_ended.is_set() and run.finished_after_selection == [True]
+    assert run.generated.exists()
 
 
 @pytest.mark.parametrize("where", ["option-off", "no-lock", "no-room", "cpu"])
@@ -569,7 +765,7 @@ def test_a_failed_selection_fails_the_stage_once_the_warmer_has_ended(
     with pytest.raises(StageError, match="the backend process failed"):
         backend.run(run)  # type: ignore[arg-type]
     assert run.warm_ended.is_set()  # told to end, and waited for
-    assert run.finished_after_selection is True
+    assert run.finished_after_selection == [True]
 
 
 def test_an_interrupt_does_not_wait_for_the_rung_warmer(
@@ -631,7 +827,7 @@ def test_a_plan_the_warmer_compiled_is_answered_by_the_fx_graph_cache_in_selecti
     folder = tmp_path / "rungs"
     folder.mkdir()
     plan = _plan("bn_fold")
-    Folder(folder).want(plan)
+    Folder(folder).want([plan])
     spec = ChildSpec(
         task=rung_warmer.TASK,
         workload=str(workload),
