@@ -19,7 +19,9 @@ compiles, not by the GPU's lock.
 
 It also sums the measurements' GPU-time passes (``stages.capture.GPU_TIMES``), and for the
 recaptures started beside validation (``stages.recapture.VALIDATED``) says how long their
-processes ran while their workload's validation did, and how long they then waited for it.
+processes ran while their workload's validation did, and how long they then waited for it;
+and per workload, selection's builds, how many the FX graph cache answered, and the rung
+warmers' builds ahead of it (``--opprof-warm-rungs``) with selection's waits for them.
 
 ``--until`` lays a whole run beside one cut short (a lent machine taken back mid-run, only
 the stage logs so far brought back): the same span of both, from each run's first process.
@@ -315,7 +317,64 @@ def main(root: Path, until: float | None = None) -> int:
         print(f"- {name}: {a:.1f}–{b:.1f} s, {gap:.1f} s while nobody held it alone")
     shared_holds(procs)
     beside_validation(procs)
+    selection_builds(root)
     return 0
+
+
+BUILT = re.compile(r"^built (\S+): model [\d.]+ s, compile and first call ([\d.]+) s(.*)$")
+"""Selection's build of one plan (``stages.backend.task_select``), with where the compile's
+time went and whether the FX graph cache answered (``common.compile_note``)."""
+CACHE = re.compile(r"FX graph cache (\d+) hit, (\d+) miss")
+AHEAD = re.compile(r"^built (\S+) ahead of selection: ([\d.]+) s")
+"""A rung warmer's build of a plan selection wanted (``stages.backend.task_warm_rungs``)."""
+WAITED_FOR_WARMER = re.compile(r"^waited ([\d.]+) s for the rung warmer")
+"""Selection's wait for a rung warmer's build (``stages.rung_warmer.Ahead.before_build``)."""
+
+
+def selection_builds(root: Path) -> None:
+    """Per workload, selection's builds (how many, their compile and first call summed, how
+    many the FX graph cache answered in whole), the rung warmers' builds ahead of it, and
+    selection's waits for them: the chain of builds the warmers exist to shorten
+    (docs/design-notes.md#selections-rungs-compiled-ahead)."""
+    rows = []
+    for folder in sorted(root.glob("*/profiler_output")):
+        built: list[tuple[float, bool]] = []
+        ahead: list[float] = []
+        waits: list[float] = []
+        backend = folder / "backend.log"
+        for log in [backend, *sorted(folder.glob("warm_rungs*.log"))]:
+            if not log.exists():
+                continue
+            for line in log.read_text(errors="replace").splitlines():
+                m = LINE.match(line)
+                what = m.group(2) if m else ""
+                if log == backend and (b := BUILT.match(what)):
+                    c = CACHE.search(b.group(3))
+                    built.append(
+                        (float(b.group(2)), bool(c and c.group(1) != "0" and c.group(2) == "0"))
+                    )
+                elif log == backend and (w := WAITED_FOR_WARMER.match(what)):
+                    waits.append(float(w.group(1)))
+                elif log != backend and (a := AHEAD.match(what)):
+                    ahead.append(float(a.group(2)))
+        if built:
+            rows.append((folder.parent.name, built, ahead, waits))
+    if not rows:
+        return
+    print(
+        "\nSelection's builds (compile and first call), the rung warmers' builds ahead of it, "
+        "and selection's waits for them:\n"
+    )
+    print(
+        "| workload | builds | s | answered by the FX graph cache | built ahead | s | waits | s |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for name, built, ahead, waits in rows:
+        print(
+            f"| {name} | {len(built)} | {sum(s for s, _ in built):.1f} | "
+            f"{sum(hit for _, hit in built)} | {len(ahead)} | {sum(ahead):.1f} | "
+            f"{len(waits)} | {sum(waits):.1f} |"
+        )
 
 
 def beside_validation(procs: list[Process]) -> None:

@@ -328,3 +328,45 @@ def test_the_gpu_time_passes_and_the_recapture_beside_validation(
         "Recaptures started beside validation: 1 workloads; their processes ran 14 s while "
         "validation did, then waited 4 s for it to pass"
     ) in out
+
+
+def test_selection_s_builds_the_warmers_builds_and_the_waits_for_them(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Per workload: selection's builds as its log says them (task_select), those the FX graph
+    cache answered whole, the rung warmers' builds ahead of it and selection's waits for
+    them."""
+    at = "forked from the fork server of pid 7 at"
+    note = "(trace 1.0, aot 3.4, inductor 0.3, kernels 0.0 s; FX graph cache {} hit, {} miss)"
+    _log(
+        tmp_path,
+        "w",
+        "backend",
+        [
+            f"[opprof] +    0.0 s  {at} 10:00:00.000 UTC",
+            "[opprof] +   20.3 s  built cuda_graphs-model: model 0.0 s, compile and first call "
+            f"5.7 s {note.format(1, 0)}",
+            "[opprof] +   22.0 s  waited 2.5 s for the rung warmer's build of "
+            "cuda_graphs-model+dtype_promotion-1",
+            "[opprof] +   36.6 s  built cuda_graphs-model+dtype_promotion-1: model 0.0 s, compile "
+            f"and first call 4.5 s {note.format(1, 0)}",
+            "[opprof] +   55.4 s  built cuda_graphs-model+dtype_promotion-1+bn_fold-1: model "
+            f"0.0 s, compile and first call 15.1 s {note.format(0, 1)}",
+        ],
+    )
+    _log(
+        tmp_path,
+        "w",
+        "warm_rungs",
+        [
+            f"[opprof] +    0.0 s  {at} 10:00:01.000 UTC",
+            "[opprof] +   19.0 s  built cuda_graphs-model+dtype_promotion-1 ahead of selection: "
+            f"14.0 s {note.format(0, 1)}",
+        ],
+    )
+    _log(tmp_path, "v", "capture", [f"[opprof] +    0.0 s  {at} 10:00:00.000 UTC"])
+    assert _timeline().main(tmp_path) == 0
+    out = capsys.readouterr().out
+    builds = out[out.index("Selection's builds") :]
+    assert "| w | 3 | 25.3 | 2 | 1 | 14.0 | 1 | 2.5 |" in builds
+    assert "| v |" not in builds  # no selection in its logs
