@@ -12,6 +12,7 @@ import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pytest_opprof.capture.counters import pending
 from pytest_opprof.report.format import (
     DASH,
     bullet,
@@ -179,6 +180,12 @@ def section_caveats(a: WorkloadArtifacts) -> list[str]:
     else:
         if has_counters(prof):
             lines += _counter_caveats(dict(prof.counters or {}))
+        elif pending(prof):
+            lines += bullet(
+                "Hardware counters missing: the counters pass, run beside the later stages, "
+                "had not ended when this report was written (its session ended first); "
+                "bottleneck classes come from the fallbacks (kernel names, idle gaps)."
+            )
         else:
             lines += bullet(
                 "Hardware counters missing: Nsight Compute did not run or was not permitted; "

@@ -621,6 +621,26 @@ def test_counters_missing(full: WorkloadArtifacts) -> None:
     assert "_No roofline: no kernel carries both FLOP and DRAM-byte counters._" in text
 
 
+def test_counters_still_pending_say_so(full: WorkloadArtifacts) -> None:
+    """A profile whose counters pass, run beside the later stages, never ended (its session
+    ended first): the caveat says so rather than that ncu did not run."""
+    from pytest_opprof.capture.counters import PENDING
+
+    assert full.profile is not None
+    full.optimized = None
+    prof = full.profile
+    prof.counters = {PENDING: "the counters pass runs beside the later stages"}
+    for t in prof.timelines:
+        for op in t.operators:
+            for k in op.kernels:
+                k.metrics = {}
+        for agg in t.aggregated:
+            agg.metrics = {}
+    caveats = _section(_render(full, plots=False), "## Caveats")
+    assert "the counters pass, run beside the later stages, had not ended" in caveats
+    assert "did not run or was not permitted" not in caveats
+
+
 def test_no_dtype_change(full: WorkloadArtifacts) -> None:
     assert full.selection is not None and full.optimized is not None
     full.selection.plan.dtype = None
