@@ -190,7 +190,7 @@ STOCK_BAR = Bar(stock_holds, lambda gain: PLAN_FASTER, "the ladder's plan")
 
 EARLY_ROUNDS = 3
 """Rounds after which selection stops timing a rung whose call took over twice the plan's in
-every one of them (:func:`over_twice_as_slow`)."""
+every one of them, or under half of it (:func:`settled`)."""
 
 
 def over_twice_as_slow(samples: Mapping[str, Sequence[float]]) -> bool:
@@ -203,6 +203,24 @@ def over_twice_as_slow(samples: Mapping[str, Sequence[float]]) -> bool:
     return done >= EARLY_ROUNDS and all(
         c * MUCH_SLOWER > b for b, c in zip(current[:done], candidate[:done], strict=True)
     )
+
+
+def over_twice_as_fast(samples: Mapping[str, Sequence[float]]) -> bool:
+    """The other way round: in each of at least ``EARLY_ROUNDS`` rounds so far, the rung's
+    call took under half the plan's. Such a rung is kept (its paired CI then lies above 2,
+    far past the bar), and its rest of rounds would only narrow a figure no decision reads:
+    the reported figures are the recapture's."""
+    current, candidate = samples["current"], samples["candidate"]
+    done = min(len(current), len(candidate))
+    return done >= EARLY_ROUNDS and all(
+        b * MUCH_SLOWER > c for b, c in zip(current[:done], candidate[:done], strict=True)
+    )
+
+
+def settled(samples: Mapping[str, Sequence[float]]) -> bool:
+    """Whether a rung's early rounds settle it either way (:func:`over_twice_as_slow`,
+    :func:`over_twice_as_fast`), so its timing stops there, sparing the GPU the rounds left."""
+    return over_twice_as_slow(samples) or over_twice_as_fast(samples)
 
 
 def timed_rung(

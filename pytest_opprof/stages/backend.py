@@ -361,6 +361,7 @@ def task_select(spec: ChildSpec) -> None:
         dropped_reason,
         over_twice_as_slow,
         second_pass,
+        settled,
         stock_rung,
         timed_rung,
         worth_a_second_pass,
@@ -533,12 +534,13 @@ def task_select(spec: ChildSpec) -> None:
                 {"current": state["fn"], "candidate": built.fn},
                 w.inputs,
                 **brief,
-                enough=over_twice_as_slow,
+                enough=settled,
             )
         gain, cand, below = paired_gain(s, s.calls, s.host_us, "current", "candidate")
         aside = f" ({len(cand.set_aside)} rounds set aside)" if cand.set_aside else ""
-        timed = len(s["candidate"])  # fewer than planned: stopped, over twice as slow in each
-        early = f", timed for {timed} rounds, each over twice as slow" if timed < rounds else ""
+        timed = len(s["candidate"])  # fewer than planned: settled in each, one way or the other
+        how = "over twice as slow" if over_twice_as_slow(s) else "over twice as fast"
+        early = f", timed for {timed} rounds, each {how}" if timed < rounds else ""
         common.phase(f"timed {name}: {gain.ratio:.3f}x{aside}{early}")
         ids = ", ".join(p.id for p in rung.proposals)
         variant, step = timed_rung(
