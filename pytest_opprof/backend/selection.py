@@ -205,22 +205,33 @@ def over_twice_as_slow(samples: Mapping[str, Sequence[float]]) -> bool:
     )
 
 
-def over_twice_as_fast(samples: Mapping[str, Sequence[float]]) -> bool:
+MUCH_FASTER = 1 / 3
+"""A rung's call under this share of the plan's in each early round settles it kept
+(:func:`far_faster`). Not a half, the mirror of :data:`MUCH_SLOWER`: a slowed host moves a
+launch-bound plan's call by up to twice for seconds at a time while a CUDA-graph replay's
+stays, so a rung level with the plan can time twice as fast on such a host."""
+
+
+def far_faster(samples: Mapping[str, Sequence[float]]) -> bool:
     """The other way round: in each of at least ``EARLY_ROUNDS`` rounds so far, the rung's
-    call took under half the plan's. Such a rung is kept (its paired CI then lies above 2,
-    far past the bar), and its rest of rounds would only narrow a figure no decision reads:
-    the reported figures are the recapture's."""
+    call took under :data:`MUCH_FASTER` of the plan's, and no round ran on a slowed host (its
+    host reference over ``measure.SLOW_HOST`` times the fastest of them). Such a rung is kept
+    (its paired CI then lies far past the bar), and its rest of rounds would only narrow a
+    figure no decision reads: the reported figures are the recapture's."""
+    from pytest_opprof.measure import SLOW_HOST
+
     current, candidate = samples["current"], samples["candidate"]
     done = min(len(current), len(candidate))
-    return done >= EARLY_ROUNDS and all(
-        b * MUCH_SLOWER > c for b, c in zip(current[:done], candidate[:done], strict=True)
-    )
+    host = list(getattr(samples, "host_us", ()))[:done]
+    if done < EARLY_ROUNDS or (host and max(host) > SLOW_HOST * min(host)):
+        return False
+    return all(c < MUCH_FASTER * b for b, c in zip(current[:done], candidate[:done], strict=True))
 
 
 def settled(samples: Mapping[str, Sequence[float]]) -> bool:
     """Whether a rung's early rounds settle it either way (:func:`over_twice_as_slow`,
-    :func:`over_twice_as_fast`), so its timing stops there, sparing the GPU the rounds left."""
-    return over_twice_as_slow(samples) or over_twice_as_fast(samples)
+    :func:`far_faster`), so its timing stops there, sparing the GPU the rounds left."""
+    return over_twice_as_slow(samples) or far_faster(samples)
 
 
 def timed_rung(

@@ -539,7 +539,7 @@ def task_select(spec: ChildSpec) -> None:
         gain, cand, below = paired_gain(s, s.calls, s.host_us, "current", "candidate")
         aside = f" ({len(cand.set_aside)} rounds set aside)" if cand.set_aside else ""
         timed = len(s["candidate"])  # fewer than planned: settled in each, one way or the other
-        how = "over twice as slow" if over_twice_as_slow(s) else "over twice as fast"
+        how = "over twice as slow" if over_twice_as_slow(s) else "over three times as fast"
         early = f", timed for {timed} rounds, each {how}" if timed < rounds else ""
         common.phase(f"timed {name}: {gain.ratio:.3f}x{aside}{early}")
         ids = ", ".join(p.id for p in rung.proposals)

@@ -353,22 +353,29 @@ def test_a_rung_over_twice_as_slow_in_each_early_round_stops_being_timed() -> No
     assert over_twice_as_slow(rounds([190.0, 188.0, 191.0, 189.0], [1110.0, 1120.0, 1098.0]))
 
 
-def test_a_rung_twice_as_fast_in_each_early_round_is_settled_too() -> None:
-    """dtype_promotion's 2-5x: under half the plan's time in every one of the first rounds
-    settles the rung, as over twice the time does; a round within a factor of two either
-    way, or fewer rounds than EARLY_ROUNDS, does not."""
-    from pytest_opprof.backend.selection import over_twice_as_fast, over_twice_as_slow, settled
+def test_a_rung_far_faster_in_each_early_round_is_settled_too() -> None:
+    """dtype_promotion's 3-5x: under a third of the plan's time in every one of the first
+    rounds settles the rung, as over twice the time does; not a round within that, not fewer
+    rounds than EARLY_ROUNDS, and not rounds on a slowed host, where a launch-bound plan's
+    call can take twice its time while a CUDA-graph replay's does not."""
+    from pytest_opprof.backend.selection import far_faster, over_twice_as_slow, settled
+    from pytest_opprof.capture.timing import RoundSamples
 
-    def rounds(current: list[float], candidate: list[float]) -> dict[str, list[float]]:
-        return {"current": current, "candidate": candidate}
+    def rounds(current: list[float], candidate: list[float], host: list[float]) -> Any:
+        samples = RoundSamples({"current": current, "candidate": candidate}, {})
+        samples.host_us = host
+        return samples
 
-    fast = rounds([1.00, 1.02, 0.99], [0.31, 0.30, 0.32])
-    assert over_twice_as_fast(fast) and settled(fast) and not over_twice_as_slow(fast)
-    assert not settled(rounds([1.00, 1.02], [0.31, 0.30]))  # too few
-    assert not settled(rounds([1.00, 1.02, 0.99], [0.31, 0.60, 0.32]))  # one round within 2x
-    assert not settled(rounds([1.0, 1.0, 1.0], [0.5, 0.5, 0.5]))  # exactly half
-    assert not settled(rounds([1.00, 1.02, 0.99], [0.31, 0.30]))  # only whole rounds count
-    assert settled(rounds([190.0, 188.0, 191.0], [1110.0, 1120.0, 1098.0]))  # the slow way
+    quiet = [10.0, 10.3, 10.1]
+    fast = rounds([1.00, 1.02, 0.99], [0.31, 0.30, 0.32], quiet)
+    assert far_faster(fast) and settled(fast) and not over_twice_as_slow(fast)
+    assert not settled(rounds([1.00, 1.02], [0.31, 0.30], quiet[:2]))  # too few
+    assert not settled(rounds([1.00, 1.02, 0.99], [0.31, 0.40, 0.32], quiet))  # one at 0.39x
+    assert not settled(rounds([1.00, 1.02, 0.99], [0.45, 0.45, 0.45], quiet))  # a halving
+    assert not settled(rounds([1.00, 1.02, 0.99], [0.31, 0.30], quiet))  # whole rounds only
+    assert not settled(rounds([1.00, 2.04, 0.99], [0.31, 0.30, 0.32], [10.0, 21.0, 10.1]))
+    slow = rounds([190.0, 188.0, 191.0], [1110.0, 1120.0, 1098.0], quiet)
+    assert settled(slow)  # the slow way
 
 
 def _gain(ratio: float, low: float, high: float) -> Any:
