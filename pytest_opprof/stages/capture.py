@@ -98,11 +98,9 @@ class CountersBeside:
     the rules propose the same from the timeline alone."""
 
     def __init__(self, run: WorkloadRun) -> None:
-        from concurrent.futures import ThreadPoolExecutor
-
-        pool = ThreadPoolExecutor(1, thread_name_prefix=f"opprof-counters-{run.name}")
-        self._future = pool.submit(counters_pass, run)
-        pool.shutdown(wait=False)
+        self._future = common.in_background(
+            lambda: counters_pass(run), f"opprof-counters-{run.name}"
+        )
 
     def wait(self) -> None:
         self._future.result()

@@ -120,6 +120,18 @@ def compile_note(before: dict[str, float]) -> str:
     return f"{', '.join(parts)} s; FX graph cache {hits} hit, {misses} miss"
 
 
+def in_background(task: Callable[[], Any], name: str) -> Future[Any]:
+    """``task`` (a later stage's work started ahead: the recapture beside validation, the
+    counters pass beside the stages after the capture) in a thread of its own, named
+    ``name``, which outlives the caller; its future, for the stage that takes the work up."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix=name)
+    future = pool.submit(task)
+    pool.shutdown(wait=False)
+    return future
+
+
 @contextlib.contextmanager
 def beside(task: Callable[[], None]) -> Iterator[Future[None]]:
     """``task`` (a sibling stage process's ``run_child``) in a thread while the block runs the

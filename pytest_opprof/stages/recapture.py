@@ -219,9 +219,7 @@ class Ahead:
         self.digest = digest
         self.folder = Path(tempfile.mkdtemp(prefix="opprof-retime-"))
         self.gate = self.folder / "validated"
-        pool = ThreadPoolExecutor(1, thread_name_prefix=f"opprof-recapture-{run.name}")
-        self._future = pool.submit(self._run, run)
-        pool.shutdown(wait=False)
+        self._future = common.in_background(lambda: self._run(run), f"opprof-recapture-{run.name}")
 
     def _run(self, run: WorkloadRun) -> Timed:
         try:
