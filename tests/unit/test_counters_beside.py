@@ -7,13 +7,13 @@ is a stand-in that writes the real H200 output of the run those profiles come fr
 
 from __future__ import annotations
 
-import sys
 import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from test_counters import _fake_ncu  # an ncu that writes a saved run's output
 
 import pytest_opprof.capture.counters as c
 from pytest_opprof import STAGES, devicelock
@@ -72,22 +72,6 @@ def test_the_rules_propose_the_same_without_the_counters(name: str) -> None:
     assert key(propose(profile, graph)) == key(propose(without_counters(profile), graph))
 
 
-def fake_ncu(tmp_path: Path, log: Path) -> Path:
-    """An ncu that writes ``log`` (a real run's output) where it is asked to."""
-    fake = tmp_path / "bin" / "ncu"
-    fake.parent.mkdir(parents=True, exist_ok=True)
-    fake.write_text(
-        f"#!{sys.executable}\n"
-        "import sys, shutil\n"
-        "if '--query-metrics' in sys.argv: sys.exit(1)\n"
-        "log = sys.argv[sys.argv.index('--log-file') + 1]\n"
-        f"shutil.copy({str(log)!r}, log)\n",
-        encoding="utf-8",
-    )
-    fake.chmod(0o755)
-    return fake
-
-
 def counters_spec(out: Path, **options: Any) -> ChildSpec:
     opts = OpprofOptions(ncu_sudo="false", **options)
     return ChildSpec(task="counters", workload=str(out / "w.py"), out_dir=str(out),
@@ -105,7 +89,7 @@ def test_the_pass_beside_gives_the_profile_its_counters(
     out = tmp_path / "out"
     write_artifact(out / "profile.json", without_counters(real))
     write_artifact(out / "graph.json", read_artifact(H200 / name / "graph.json.gz", FxGraphSummary))
-    fake = fake_ncu(tmp_path, DATA / "ncu" / "h200" / f"{name}.log")
+    fake = _fake_ncu(tmp_path, f"h200/{name}.log")  # the real H200 output
     monkeypatch.setattr(c, "find_ncu", lambda: str(fake))
 
     capture.task_counters(counters_spec(out))
@@ -129,7 +113,7 @@ def test_a_comparison_that_fails_keeps_the_counters(
     real = read_artifact(H200 / "conv_block" / "profile.json.gz", Profile)
     out = tmp_path / "out"
     write_artifact(out / "profile.json", without_counters(real))
-    fake = fake_ncu(tmp_path, DATA / "ncu" / "h200" / "conv_block.log")
+    fake = _fake_ncu(tmp_path, "h200/conv_block.log")
     monkeypatch.setattr(c, "find_ncu", lambda: str(fake))
 
     def broken(*args: Any) -> list[str]:
