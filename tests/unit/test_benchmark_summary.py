@@ -441,6 +441,22 @@ def test_a_missed_target_says_by_how_much_and_why() -> None:
     assert met and all(r["shortfall"] is None for r in met)
 
 
+def test_the_counters_pass_beside_is_read_from_its_own_log(tmp_path: Path) -> None:
+    """--opprof-ncu-when=beside: the pass is a process of its own (counters.log), not a phase
+    of the capture; its whole process is the counters column, its wait counted too."""
+    tool = _summarize()
+    logs = tmp_path / "profiler_output"
+    logs.mkdir()
+    (logs / "capture.log").write_text("[opprof] +   16.2 s  task capture done\n")
+    (logs / "counters.log").write_text(
+        "[opprof] +    0.0 s  forked from the fork server of pid 7 at 10:00:16.300 UTC\n"
+        "[opprof] +  110.4 s  counters pass\n"
+        "[opprof] +  110.6 s  task counters done, 3.0 s of it waiting for the GPU\n"
+    )
+    got = tool.child_seconds(tmp_path)
+    assert got == pytest.approx({"capture": 16.2, "counters": 110.6, "waiting": 3.0})
+
+
 def test_child_seconds_from_stage_logs(tmp_path: Path) -> None:
     tool = _summarize()
     logs = tmp_path / "profiler_output"
