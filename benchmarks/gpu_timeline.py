@@ -315,10 +315,31 @@ def main(root: Path, until: float | None = None) -> int:
     rows = [r for r in rows if r[0] >= 2.0]
     for gap, name, a, b in sorted(rows, reverse=True)[:15]:
         print(f"- {name}: {a:.1f}–{b:.1f} s, {gap:.1f} s while nobody held it alone")
+    alone_by_stage(procs)
     shared_holds(procs)
     beside_validation(procs)
     selection_builds(root)
     return 0
+
+
+def alone_by_stage(procs: list[Process]) -> None:
+    """The GPU held alone, summed by the stage process that held it (its log's name, a
+    trailing number dropped: ``retime1`` and ``retime2`` are one row): which stage's quiet
+    measurements a shorter run has to shrink, since they are serial on one GPU."""
+    held: dict[str, list[float]] = {}
+    for p in procs:
+        stage = p.name.split("/")[1].rstrip("0123456789")
+        held.setdefault(stage, []).extend(b - a for a, b in p.alone)
+    total = sum(sum(v) for v in held.values())
+    if not total:
+        return
+    print(f"\nThe GPU held alone, by stage: {total:.0f} s in all\n")
+    print("| stage | holds | s | share | longest s |")
+    print("|---|---|---|---|---|")
+    for stage, spans in sorted(held.items(), key=lambda kv: (-sum(kv[1]), kv[0])):
+        if spans:
+            s = sum(spans)
+            print(f"| {stage} | {len(spans)} | {s:.1f} | {s / total:.0%} | {max(spans):.1f} |")
 
 
 BUILT = re.compile(r"^built (\S+): model [\d.]+ s, compile and first call ([\d.]+) s(.*)$")

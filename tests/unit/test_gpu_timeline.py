@@ -120,6 +120,11 @@ def test_the_h200_run_of_2026_12_03b_on_one_clock(capsys: pytest.CaptureFixture[
     assert "42 stage processes over 209 s; the GPU held alone (measuring) for 71 s" in out
     assert "| gpt2 | 209 | 80.1 | 47.4 | 5.7 | 26.9 |" in out
     assert "All waits: 674 s, 210 s (31%) of them drains" in out
+    # the timing processes (the recapture and its two retimes) held it longest
+    assert "The GPU held alone, by stage: 72 s in all" in out
+    assert "| recapture | 9 | 21.7 | 30% | 6.1 |" in out
+    assert "| retime | 18 | 20.2 | 28% | 2.3 |" in out
+    assert "| select | 47 | 18.7 | 26% | 1.9 |" in out
 
 
 def test_a_run_across_midnight_reads_in_order(
