@@ -373,9 +373,19 @@ def _shortfall_line(name: str, r: dict[str, Any]) -> str:
     return line
 
 
-STAGE_LOGS = ("capture", "counters", "stock", "stock_warm", "backend", "validate", "recapture")
+STAGE_LOGS = (
+    "capture",
+    "counters",
+    "stock",
+    "stock_warm",
+    "backend",
+    "validate",
+    "validate_tests",
+    "recapture",
+)
 """The stage children's logs: ``counters`` is the counters pass's own process where it ran
-beside the later stages (``--opprof-ncu-when=beside``); inside the capture, its phase there."""
+beside the later stages (``--opprof-ncu-when=beside``); inside the capture, its phase there.
+``validate_tests``: the generated tests' process, where it ran beside validation's."""
 FORMER_LOGS = {"backend": "select"}
 """A stage whose child logged under another name in runs before: read where its own is absent."""
 
@@ -794,6 +804,8 @@ def markdown(result: dict[str, Any]) -> str:
         warmed = any("stock_warm" in st for st in children.values())
         if warmed:
             names.insert(names.index("stock") + 1, "stock_warm")
+        if any("validate_tests" in st for st in children.values()):
+            names.insert(names.index("validate") + 1, "validate_tests")
         lines += [
             "",
             "Stage children's own time (s, from their logs; counters is the Nsight Compute pass, "
@@ -801,6 +813,10 @@ def markdown(result: dict[str, Any]) -> str:
             "baseline's task (--opprof-stock), beside "
             "selection or before it, "
             + ("stock_warm the process that compiles its last recipe beside it, " * warmed)
+            + (
+                "validate_tests the generated tests' process beside validation's, "
+                * ("validate_tests" in names)
+            )
             + "retime the recapture's extra timing processes summed, "
             "which run "
             "beside the recapture where they start together; waiting, the part of all of it "

@@ -1,8 +1,9 @@
 """Stage 3, validate: the six steps of docs/how-it-works.md#the-validator on the generated
 file. Steps 2 to 5 run in a child that imports the file (``task_validate``) and saves its
 outputs; step 6 judges them in a child that never imports it (``task_validate_numerics``), with
-the checks of ``pytest_opprof.numerics``. The report records the sha256 of the file it
-validated.
+the checks of ``pytest_opprof.numerics``. Where a process more fits (``tests_beside``), step 4,
+the generated tests, runs in a third child beside the other two (``task_validate_tests``). The
+report records the sha256 of the file it validated.
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ import os
 import py_compile
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +28,7 @@ from pytest_opprof.schema import (
     Numerics,
     Optimizations,
     PassStatus,
+    Profile,
     StepResult,
     ValidationReport,
     read_artifact,
@@ -38,10 +41,12 @@ NAME = "validate"
 
 
 def validate_file(run: WorkloadRun, generated: Path) -> ValidationReport:
-    """The six validation steps, in order (docs/how-it-works.md#the-validator); the first
-    failure blocks the rest. Steps 2 to 5 run in a child that imports the file and saves its
-    outputs; step 6 judges them in another child that never imports it
-    (``runner.task_validate_numerics``)."""
+    """The six validation steps (docs/how-it-works.md#the-validator); the first failure
+    blocks the rest. Steps 2 to 5 run in a child that imports the file and saves its outputs;
+    step 6 judges them in another child that never imports it
+    (``runner.task_validate_numerics``). Where ``tests_beside``, step 4 runs in a third child
+    beside both (``task_validate_tests``): the report is the one the steps in order give, a
+    step after a failed one reported as blocked by it even where it ran beside."""
     steps: dict[str, StepResult] = {}
     extra: dict[str, Any] = {}
     digest = file_sha256(generated)
@@ -54,8 +59,12 @@ def validate_file(run: WorkloadRun, generated: Path) -> ValidationReport:
         dtype = selection.numerics_dtype or selection.plan.dtype
 
     def blocked_after(failed: str) -> None:
+        later = VALIDATION_STEPS[VALIDATION_STEPS.index(failed) + 1 :] if failed in steps else ()
         for name in VALIDATION_STEPS:
-            steps.setdefault(name, StepResult(status="skipped", detail=f"blocked by {failed}"))
+            if name in later or name not in steps:
+                steps[name] = StepResult(status="skipped", detail=f"blocked by {failed}")
+        if "smoke" in later:  # what ran beside the failed step is not the file's record
+            extra.clear()
 
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -70,30 +79,36 @@ def validate_file(run: WorkloadRun, generated: Path) -> ValidationReport:
     if steps["syntax"].status == "pass":
         with tempfile.TemporaryDirectory() as tmp:
             result, outputs = Path(tmp) / "result.json", Path(tmp) / "outputs.pt"
-            run.run_child(
-                "validate",
-                "validate",
-                generated=str(generated.resolve()),
-                result=str(result),
-                outputs=str(outputs),
-                tests_log=str((run.profiler_output / "generated_tests.log").resolve()),
-                dtype=dtype,
-            )
-            data = json.loads(result.read_text())
-            steps.update({k: StepResult(**v) for k, v in data["steps"].items()})
-            extra.update({k: v for k, v in data.items() if k != "steps"})
-            if outputs.exists():
-                # judged where the file under test was never imported
+            tests_log = str((run.profiler_output / "generated_tests.log").resolve())
+            tests = Path(tmp) / "tests.json" if tests_beside(run) else None
+            with _tests_child(run, generated, tests, tests_log) as tests_done:
                 run.run_child(
-                    "validate_numerics",
                     "validate",
+                    "validate",
+                    generated=str(generated.resolve()),
                     result=str(result),
                     outputs=str(outputs),
+                    tests_log=None if tests is not None else tests_log,
                     dtype=dtype,
                 )
                 data = json.loads(result.read_text())
                 steps.update({k: StepResult(**v) for k, v in data["steps"].items()})
                 extra.update({k: v for k, v in data.items() if k != "steps"})
+                if outputs.exists():
+                    # judged where the file under test was never imported
+                    run.run_child(
+                        "validate_numerics",
+                        "validate",
+                        result=str(result),
+                        outputs=str(outputs),
+                        dtype=dtype,
+                    )
+                    data = json.loads(result.read_text())
+                    steps.update({k: StepResult(**v) for k, v in data["steps"].items()})
+                    extra.update({k: v for k, v in data.items() if k != "steps"})
+            if tests is not None and tests_done is not None:
+                tests_done.result()  # the child's failure to run is the stage's, as in step 2's
+                steps["tests"] = StepResult(**json.loads(tests.read_text())["steps"]["tests"])
     llm_passes = _validate_llm_passes(run, dtype) if steps["syntax"].status == "pass" else []
     if digest and file_sha256(generated) != digest:
         steps["syntax"] = StepResult(
@@ -118,6 +133,49 @@ def validate_file(run: WorkloadRun, generated: Path) -> ValidationReport:
         message=message,
         llm_passes=llm_passes,
     )
+
+
+def tests_beside(run: WorkloadRun) -> bool:
+    """Whether step 4, the generated tests, runs in a process of its own beside the smoke run
+    and the judge: on the CPU, and on a GPU where the capture's peak memory says one process
+    more fits beside the most a workload runs at validation (the recapture's timing processes
+    started beside it, validation's, the counters pass; ``common.side_by_side``). The tests
+    compile the model as the smoke run does (the FX graph cache answers one of the two), and
+    one after the other they made most of a validation's time
+    (docs/design-notes.md#the-generated-tests-run-beside)."""
+    profile = run.out_dir / "profile.json"
+    if not profile.is_file():
+        return False
+    try:
+        meta = read_artifact(profile, Profile).capture_metadata
+    except ArtifactError:
+        return False  # the serial steps say what is wrong where it matters
+    if meta.device_type != "cuda":
+        return True
+    return common.side_by_side(meta, common.timing_processes(run, meta.device_type) + 3)
+
+
+@contextlib.contextmanager
+def _tests_child(
+    run: WorkloadRun, generated: Path, result: Path | None, log: str
+) -> Iterator[Future[None] | None]:
+    """Step 4 in its own process beside the block (``task_validate_tests``), its answer in
+    ``result``; nothing where ``result`` is None (the tests run in ``task_validate``)."""
+    if result is None:
+        yield None
+        return
+
+    def tests() -> None:
+        run.run_child(
+            "validate_tests",
+            "validate",
+            generated=str(generated.resolve()),
+            result=str(result),
+            tests_log=log,
+        )
+
+    with common.beside(tests) as done:
+        yield done
 
 
 def _validate_llm_passes(run: WorkloadRun, dtype: str | None) -> list[PassStatus]:
@@ -176,10 +234,11 @@ def edited_since_validation(run: WorkloadRun) -> bool:
 
 
 def task_validate(spec: ChildSpec) -> None:
-    """Validation steps 2 to 6 in one process, so torch is imported once, not three times
+    """Validation steps 2 to 5 in one process, so torch is imported once, not three times
     (docs/design-notes.md#importing-torch-once): the generated file imports and registers
-    its backend, its generated tests pass (run here by ``pytest.main``), a smoke run, then the
-    numerics and anti-cheating checks. The first failure ends the task; the parent marks the
+    its backend, its generated tests pass (run here by ``pytest.main``, where the spec names
+    their log; else a process beside runs them, ``task_validate_tests``), a smoke run, and the
+    candidate's outputs for step 6. The first failure ends the task; the parent marks the
     later steps as blocked."""
     common.setup_torch()
     steps: dict[str, Any] = {}
@@ -187,22 +246,39 @@ def task_validate(spec: ChildSpec) -> None:
 
     device = resolve_device(common.options(spec).device)
     module = _validate_import(spec, steps)
-    if module is not None:
-        common.compile_off_gpu(device)
+    if module is None:
+        _write_steps(spec, steps)
+        return
+    common.compile_off_gpu(device)
+    if spec.tests_log is not None:
         steps["tests"] = _generated_tests(spec)
         common.phase("generated tests")
         common.step_done(device)
-    if module is None or steps["tests"].status == "fail":
-        _write_steps(spec, steps)
-        return
-    import torch
+        if steps["tests"].status == "fail":
+            _write_steps(spec, steps)
+            return
+        import torch
 
-    torch._dynamo.reset()  # the tests' compiled graphs are not the smoke run's
-    common.compile_off_gpu(device)  # the reset cleared Dynamo's callbacks
-    # The tests imported the file again and re-registered its backend, which now records into
-    # that copy's PASS_RESULTS: import it once more, so what the smoke run applies is ours.
-    module = common.import_generated(spec.need("generated"))
+        torch._dynamo.reset()  # the tests' compiled graphs are not the smoke run's
+        common.compile_off_gpu(device)  # the reset cleared Dynamo's callbacks
+        # The tests imported the file again and re-registered its backend, which now records
+        # into that copy's PASS_RESULTS: import it once more, so what the smoke run applies
+        # is ours.
+        module = common.import_generated(spec.need("generated"))
     _validate_run(spec, module, steps)
+
+
+def task_validate_tests(spec: ChildSpec) -> None:
+    """Validation step 4 in a process of its own, beside ``task_validate``'s smoke run and
+    the judge: the generated tests by ``pytest.main``, their step written to ``spec.result``."""
+    from pytest_opprof.capture.system import resolve_device
+
+    common.setup_torch()
+    device = resolve_device(common.options(spec).device)
+    common.compile_off_gpu(device)
+    steps = {"tests": _generated_tests(spec)}
+    common.phase("generated tests")
+    _write_steps(spec, steps)
 
 
 def _validate_import(spec: ChildSpec, steps: dict[str, Any]) -> Any:
@@ -414,6 +490,7 @@ def task_validate_llm_passes(spec: ChildSpec) -> None:
 TASKS: dict[str, Callable[[ChildSpec], None]] = {
     "validate": task_validate,
     "validate_numerics": task_validate_numerics,
+    "validate_tests": task_validate_tests,
     "validate_llm_passes": task_validate_llm_passes,
 }
 """The child halves, by the task name a spec carries (``runner`` dispatches them)."""

@@ -457,6 +457,24 @@ def test_the_counters_pass_beside_is_read_from_its_own_log(tmp_path: Path) -> No
     assert got == pytest.approx({"capture": 16.2, "counters": 110.6, "waiting": 3.0})
 
 
+def test_the_generated_tests_beside_validation_have_their_own_column(tmp_path: Path) -> None:
+    tool = _summarize()
+    logs = tmp_path / "profiler_output"
+    logs.mkdir()
+    (logs / "validate.log").write_text("[opprof] +    9.1 s  task validate done\n")
+    (logs / "validate_tests.log").write_text(
+        "[opprof] +    9.6 s  task validate_tests done, 2.0 s of it waiting for the GPU\n"
+    )
+    got = tool.child_seconds(tmp_path)
+    assert got == pytest.approx({"validate": 9.1, "validate_tests": 9.6, "waiting": 2.0})
+    result = tool.summarize([RESULTS], [RESULTS / "opprof-junit.xml"])
+    for row in result["workloads"].values():
+        row["child_seconds"] = got
+    table = tool.markdown(result)
+    assert "| validate | validate_tests | recapture |" in table
+    assert "| 9.1 | 9.6 | — |" in table and "validate_tests the generated tests'" in table
+
+
 def test_child_seconds_from_stage_logs(tmp_path: Path) -> None:
     tool = _summarize()
     logs = tmp_path / "profiler_output"

@@ -275,13 +275,31 @@ def test_validation_compiles_off_the_gpu_in_its_tests_and_after_its_reset(
         validate_stage, "_validate_run", lambda spec, module, steps: seen("smoke run")
     )
     torch._dynamo.reset()
+    spec = ChildSpec(
+        task="validate",
+        workload="w.py",
+        generated=Path("x_optimized.py"),
+        tests_log=Path("generated_tests.log"),
+    )
     try:
-        validate_stage.task_validate(
-            ChildSpec(task="validate", workload="w.py", generated=Path("x_optimized.py"))
-        )
+        validate_stage.task_validate(spec)
     finally:
         torch._dynamo.reset()
     assert registered == {"tests": True, "smoke run": True}
+    # where a process beside runs the tests (no log named), this one only smoke-runs the file;
+    # the one beside lets go of the GPU as it compiles, too
+    registered.clear()
+    written: list[dict[str, Any]] = []
+    monkeypatch.setattr(validate_stage, "_write_steps", lambda spec, steps: written.append(steps))
+    try:
+        validate_stage.task_validate(spec.model_copy(update={"tests_log": None}))
+        assert registered == {"smoke run": True}
+        torch._dynamo.reset()
+        validate_stage.task_validate_tests(spec.model_copy(update={"task": "validate_tests"}))
+    finally:
+        torch._dynamo.reset()
+    assert registered == {"smoke run": True, "tests": True}
+    assert [set(steps) for steps in written] == [{"tests"}]
 
 
 def test_only_the_reported_measurements_may_time_from_any_cpu_of_the_host(
