@@ -36,8 +36,9 @@ Interactions that shaped this module, checked on torch 2.13 and written for 2.11
 * AOTAutograd's cache (``torch._functorch.config.enable_autograd_cache``) keys on the Dynamo
   graph and Inductor config; a hit skips inner compile, and with it the aten passes and their
   ``PassResult``s. The backend turns it off while it compiles. Inductor's FX graph cache stays
-  on: it is keyed on the graph inner compile receives *after* the passes ran (constants the
-  passes add are hashed by value), so it cannot serve a stale graph.
+  on: it is keyed on the graph inner compile receives *after* the passes ran, the constants
+  the passes add by their shape (``passes.base.register_constant``), whose values the
+  compiled graph reads from that graph module, so it cannot serve a stale graph.
 * The aten passes are also available as an Inductor custom post-grad pass
   (``aten_custom_pass``), a ``CustomGraphPass`` whose ``uuid()`` hashes the pass sources so that
   Inductor's caches key on them.

@@ -208,13 +208,23 @@ def get_attr_value(gm: torch.nn.Module, target: str) -> Any:
 
 def register_constant(gm: torch.fx.GraphModule, prefix: str, value: torch.Tensor) -> str:
     """Store ``value`` on ``gm`` under a fresh name (a non-persistent buffer, as Inductor's
-    freezing does for its ``_frozen_param`` constants) and return the name."""
+    freezing does for its ``_frozen_param`` constants) and return the name.
+
+    Marked as freezing marks its constants (``_is_frozen_param``; the graph's
+    ``_has_frozen_params``): Inductor's FX graph cache then keys the graph on the constant's
+    shape, dtype and strides instead of its values, and the compiled graph reads the values
+    from the graph module it is given, on a hit too (``CompiledFxGraphConstantsWithGm``,
+    torch 2.11 and 2.13), so a hit never serves another model's weights. Keyed by value, each
+    compile turned every folded weight into a Python list (``Tensor.tolist``), seconds per
+    compile for a real model's weights (docs/design-notes.md#folded-weights-in-the-cache-key)."""
     index = 0
     while hasattr(gm, f"{prefix}{index}"):
         index += 1
     name = f"{prefix}{index}"
     gm.register_buffer(name, value, persistent=False)
     note_attribute_source(gm, name)
+    value._is_frozen_param = True  # type: ignore[attr-defined]
+    gm._has_frozen_params = True  # type: ignore[assignment]
     return name
 
 

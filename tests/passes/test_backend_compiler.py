@@ -290,3 +290,48 @@ def test_a_compile_off_the_gpu_takes_it_back_for_the_weights_it_folds(
     ]
     assert freezing.freeze.__name__ == "wrapped"  # the backend's own wrapper is gone
     torch.testing.assert_close(out, model(x), **BF16)
+
+
+def test_a_cache_hit_on_folded_weights_computes_with_its_own_model_s_weights(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Folded weights are keyed by shape, not value (``passes.base.register_constant``): a
+    second model of the same shapes with other weights is served the first one's compiled
+    graph by the FX graph cache, and computes with its own weights. Keyed by value, the same
+    hit would have needed the same weights. Sixteen channels: Inductor inlines a bias of
+    eight or fewer into the code, and keys that by value still."""
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
+    x = torch.randn(2, 3, 8, 8)
+
+    def compiled(model: torch.nn.Module) -> tuple[torch.Tensor, int, int]:
+        torch._dynamo.reset()
+        counters.clear()
+        results: list[PassResult] = []
+        backend = compiler.make_backend(aten=["bn_fold"], results=results)
+        with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=True):
+            out = torch.compile(model, backend=backend)(x)
+        assert _statuses(results) == [("bn_fold", "APPLIED")]
+        inductor = counters["inductor"]
+        return out, inductor["fxgraph_cache_hit"], inductor["fxgraph_cache_miss"]
+
+    def wide(seed: int) -> torch.nn.Module:
+        torch.manual_seed(seed)
+        bn = torch.nn.BatchNorm2d(16)
+        with torch.no_grad():  # statistics far from the identity, so a stale fold shows
+            bn.running_mean.normal_()  # type: ignore[union-attr]
+            bn.running_var.uniform_(0.5, 2.0)  # type: ignore[union-attr]
+        conv = torch.nn.Conv2d(3, 16, 3, padding=1)
+        return torch.nn.Sequential(conv, bn, torch.nn.ReLU()).eval()
+
+    first, second = wide(1), wide(2)
+    out, hits, misses = compiled(first)
+    assert (hits, misses) == (0, 1)
+    torch.testing.assert_close(out, first(x), rtol=1e-4, atol=1e-5)
+    out, hits, misses = compiled(second)
+    assert (hits, misses) == (1, 0)
+    with torch.no_grad():
+        torch.testing.assert_close(out, second(x), rtol=1e-4, atol=1e-5)
+        assert not torch.allclose(out, first(x), rtol=1e-2, atol=1e-2)
+    torch._dynamo.reset()
