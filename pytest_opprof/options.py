@@ -132,12 +132,12 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "warm-rungs",
         lambda v: parse_bool(v, "--opprof-warm-rungs"),
         False,
-        "experimental: sibling processes compile ahead the plans measured selection will "
-        "likely build next (the next rungs, where this one and those are kept), each a plan "
-        "further along, so that Inductor's FX graph cache answers selection's own builds; they "
-        "are stopped while selection measures. One for each CPU of the worker's slice, at "
-        "most 3, and only on a GPU under its lock, as many as the capture's peak memory says "
-        "fit; not yet measured on a GPU",
+        "experimental: sibling processes at idle priority compile ahead the plans measured "
+        "selection may build next (whether the rung under way is kept or dropped), so that "
+        "Inductor's FX graph cache answers selection's own builds; they are stopped while "
+        "selection measures. One for each CPU of the worker's slice, at most 3, and only on a "
+        "GPU under its lock, as many as the capture's peak memory says fit; not yet measured "
+        "on a GPU",
         flag=True,
     ),
     _one_of(

@@ -471,21 +471,20 @@ def task_select(spec: ChildSpec) -> None:
     ) -> bool:
         """Build ``rung`` on top of the plan so far (or of ``on``, in its place), check its
         outputs, time it against the plan so far and keep it where it clears ``bar``. On the
-        first pass, the rung warmers are asked for the plans of the rungs after it, ``after``,
-        where this one and those are kept (``rung_warmer.Ahead``)."""
-        plan = state["plan"] if on is None else on
-        first_pass = on is None and not second_chance
+        plan so far, the rung warmers are asked for the plans selection may build next, of the
+        rungs after it, ``after``, whether this one is kept or dropped (``rung_warmer.Ahead``)."""
+        below = plan = state["plan"] if on is None else on
         moot = next(filter(None, (cannot_change(plan, p) for p in rung.proposals)), None)
         if moot is not None:
-            if first_pass:  # not built: the next rung meets the plan as it is
+            if on is None:  # not built: the next rung meets the plan as it is
                 ahead.want(plan, after)
             drop(rung, f"not tried: {moot}", second_chance)
             return False
         for p in rung.proposals:
             plan = add_proposal(plan, p)
         name = "+".join(plan.proposals)
-        if first_pass:
-            ahead.want(plan, after)
+        if on is None:
+            ahead.want(plan, after, below)
         ahead.before_build(plan, lambda: synchronize(device))
         common.step_done(device)  # after the rung before, built and dropped without a measurement
         devicelock.resume()  # or measured: then the GPU was released
@@ -577,10 +576,14 @@ def task_select(spec: ChildSpec) -> None:
     # One that applied nowhere is tried again once a rung before it was kept on this pass
     # (gemm_out_dtype finds its bf16 GEMMs only once dtype_promotion is in).
     revived = False
-    for i in second_pass(kept):
-        rung = rungs[i]
-        reasons = [dropped[p.id].reason for p in rung.proposals]
-        if worth_a_second_pass(reasons, revived) and attempt(rung, second_chance=True):
+
+    def worth(r: Rung) -> bool:
+        return worth_a_second_pass([dropped[p.id].reason for p in r.proposals], revived)
+
+    again = second_pass(kept)
+    for n, i in enumerate(again):
+        later = [rungs[j] for j in again[n + 1 :] if worth(rungs[j])]  # the warmers' guess
+        if worth(rungs[i]) and attempt(rungs[i], second_chance=True, after=later):
             revived = True
 
     def record() -> None:
@@ -753,6 +756,8 @@ def task_warm_rungs(spec: ChildSpec) -> None:
     folder = rung_warmer.Folder(Path(spec.rung_warmer))
     folder.announce()
     common.stopped_while_siblings_measure()
+    if not rung_warmer.idle_priority():
+        common.phase("not at idle priority: this platform has no SCHED_IDLE")
     common.setup_torch()
     device = resolve_device(common.options(spec).device)
     w = common.load_baseline(spec, device)

@@ -3,9 +3,10 @@ warmers, compile the plans measured selection will most likely build next, so th
 FX graph cache, which the session's processes share, answers selection's own builds of them.
 
 They talk through files in a folder their parent makes (``ChildSpec.rung_warmer``). Selection
-alone decides what to warm (:class:`Ahead`): as it starts a rung of its first pass it names in
-:data:`WANTED` the plans it builds next where this rung and the ones after it are kept, nearest
-first, one for each warmer (:func:`plans_after`), or none. Each warmer (:func:`serve`) claims
+alone decides what to warm (:class:`Ahead`): as it starts a rung on the plan so far, on
+either pass, it names in :data:`WANTED` the plans it may build next, whether this rung and the
+ones after it are kept or dropped, nearest first, two for each warmer (:func:`plans_after`),
+or none. Each warmer (:func:`serve`), at idle priority (:func:`idle_priority`), claims
 the nearest wanted plan nobody has claimed, by creating its claim file exclusively, so no two
 processes build one plan; it builds it and marks it done, however its build ended. Selection
 claims each plan it builds too: one a warmer claimed first it waits for (until done, until
@@ -47,11 +48,11 @@ TASK = "warm_rungs"
 the others' :func:`log_name`)."""
 MAX_WARMERS = 3
 """The most warmers beside one selection, which runs one for each CPU of its slice up to this.
-Each compiles on one CPU (``common.setup_torch``: no pool of compile workers beside
-selection), and selection mostly measures, with the warmers stopped, or waits while they
-build, so a slice of two CPUs runs selection and two warmers (more would slow each other's
-compiles). Past a few: a plan further ahead is built only where every rung before it is kept,
-and each warmer holds a copy of the model in the GPU's memory."""
+Each compiles at idle priority with its own pool of compile workers, on the CPU time
+selection leaves (its waits for the GPU; its timings stop the warmers), so a slice of two
+CPUs runs selection and two warmers: the next build whether the rung under way is kept or
+dropped. Past a few, a plan further ahead is less likely to be built, and each warmer holds a
+copy of the model in the GPU's memory."""
 WANTED = "wanted.json"
 """The plans selection wants compiled ahead, nearest first (a JSON array of ``BackendPlan``);
 an empty array, or no file, wants nothing."""
@@ -83,26 +84,48 @@ def autotunes(plan: BackendPlan) -> bool:
     return bool(plan.config_patches.get("max_autotune") or plan.stock_recipe)
 
 
-def plans_after(plan: BackendPlan, rungs: Sequence[Rung], depth: int) -> list[BackendPlan]:
-    """The plans selection builds after ``plan`` where ``plan`` and each rung of ``rungs`` are
-    kept, nearest first: each rung on top of the one before, but a rung selection would not
-    build (a proposal of it cannot change the plan so far: ``backend.plan.cannot_change``),
-    which the next rung meets as it is; up to ``depth`` plans, and none from the first that
-    autotunes on."""
+def plans_after(
+    plan: BackendPlan, rungs: Sequence[Rung], depth: int, below: BackendPlan | None = None
+) -> list[BackendPlan]:
+    """The plans selection may build next, whatever it decides, nearest first: ``plan`` is
+    the plan with the rung under way, ``below`` the plan without it (where selection may drop
+    it; None where ``plan`` is the plan either way), and each rung of ``rungs`` after it is
+    kept or dropped in turn. Level by level, so that the next build of every branch comes
+    before any build after it, and on each level the branch that kept more first; a rung
+    selection would not build on a branch (a proposal of it cannot change that branch's plan:
+    ``backend.plan.cannot_change``) is skipped there, and the branch's next rung meets its plan
+    as it is. Up to ``depth`` plans; none past the first that autotunes, and none at all where
+    ``plan`` autotunes (no compile ahead runs beside selection's autotuning)."""
     from pytest_opprof.backend.plan import add_proposal, cannot_change
 
+    if autotunes(plan):
+        return []
+    # each branch: its plan, and the index of the first rung of ``rungs`` it has not met
+    level = [(plan, 0)] + ([(below, 0)] if below is not None and below != plan else [])
     plans: list[BackendPlan] = []
-    for rung in rungs:
-        if len(plans) >= depth:
-            break
-        if any(cannot_change(plan, p) for p in rung.proposals):
-            continue
-        for p in rung.proposals:
-            plan = add_proposal(plan, p)
-        if autotunes(plan):
-            break
-        plans.append(plan)
-    return plans
+    while level and len(plans) < depth:
+        deeper: list[tuple[BackendPlan, int]] = []
+        for base, start in level:
+            at = next(
+                (
+                    i
+                    for i in range(start, len(rungs))
+                    if not any(cannot_change(base, p) for p in rungs[i].proposals)
+                ),
+                None,
+            )
+            if at is None:
+                continue
+            built = base
+            for p in rungs[at].proposals:
+                built = add_proposal(built, p)
+            if autotunes(built):
+                return plans[:depth]
+            if built not in plans:
+                plans.append(built)
+            deeper += [(built, at + 1), (base, at + 1)]  # kept, then dropped
+        level = deeper
+    return plans[:depth]
 
 
 def plan_name(plan: BackendPlan) -> str:
@@ -217,12 +240,15 @@ class Ahead:
         self._mine: set[str] = set()
         """The keys of the plans selection claimed: no warmer builds those."""
 
-    def want(self, plan: BackendPlan, rungs: Sequence[Rung]) -> None:
-        """At the start of a first-pass rung whose plan is ``plan``: want compiled the plans
-        of the rungs after it, ``rungs``, on top of it (:func:`plans_after`), one for each
-        warmer, or nothing."""
+    def want(
+        self, plan: BackendPlan, rungs: Sequence[Rung], below: BackendPlan | None = None
+    ) -> None:
+        """At the start of a rung whose plan is ``plan`` (``below`` without it, where
+        selection may drop it): want compiled the plans selection may build next, of the
+        rungs after it, ``rungs`` (:func:`plans_after`), two for each warmer (the next build
+        whether this rung is kept or dropped), or nothing."""
         if self.folder is not None:
-            self.folder.want(plans_after(plan, rungs, self.folder.depth()))
+            self.folder.want(plans_after(plan, rungs, 2 * self.folder.depth(), below))
 
     def before_build(self, plan: BackendPlan, sync: Callable[[], None]) -> None:
         """Before selection builds ``plan``: claim it, or, where a warmer has, wait for its
@@ -308,6 +334,21 @@ def serve(
             idle()
 
 
+def idle_priority() -> bool:
+    """Run this process, and the threads and compile workers it starts, only on CPU time
+    nothing else on the host wants (Linux's ``SCHED_IDLE``): a compile ahead is a guess, and
+    must not slow selection's own build on the CPUs it shares. False where the platform has
+    no such policy, or refuses it."""
+    policy = getattr(os, "SCHED_IDLE", None)
+    if policy is None or not hasattr(os, "sched_setscheduler"):
+        return False
+    try:
+        os.sched_setscheduler(0, policy, os.sched_param(0))
+    except OSError:
+        return False
+    return True
+
+
 def slice_cpus() -> int:
     """The CPUs of this worker's slice (the session's affinity, ``gpus.pin_worker``); one
     where the platform does not say."""
@@ -353,7 +394,12 @@ def selected_beside_warmers(run: WorkloadRun, stage: str, warmers: int, **extra:
             # a warmer's error: selection builds itself each plan this one would have
             with contextlib.suppress(OpprofError):
                 run.run_child(
-                    TASK, stage, log_name=log_name(index), shares_cpus=True, rung_warmer=tmp
+                    TASK,
+                    stage,
+                    log_name=log_name(index),
+                    shares_cpus=True,
+                    compile_pool=True,  # at idle priority, as the warmer is (task_warm_rungs)
+                    rung_warmer=tmp,
                 )
 
         def warm_all() -> None:

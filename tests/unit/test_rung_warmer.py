@@ -131,14 +131,15 @@ def _before_build(ahead: Ahead, plan: BackendPlan, synced: list[str]) -> threadi
 def test_the_warmer_builds_the_plan_selection_wants_next_and_marks_it_done(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Selection, starting the dtype rung with the layout rung next, wants both built: the
-    branch where the dtype rung is kept (one plan: one warmer, where the parent does not say
-    how many). The warmer claims that plan, builds it once, marks it done, and builds nothing
-    more while nothing new is wanted; selection then finds it done and waits for nothing."""
+    """Selection, starting the dtype rung with the layout rung last, wants both built: the
+    plan it builds next where the dtype rung is kept (one warmer, where the parent does not
+    say how many). The warmer claims that plan, builds it once, marks it done, and builds
+    nothing more while nothing new is wanted; selection then finds it done and waits for
+    nothing."""
     warmer = Warmer(tmp_path)
     ahead = Ahead(str(tmp_path))
     now = _plan("dtype_promotion")
-    ahead.want(now, [_rung("memory_layout"), _rung("bn_fold")])
+    ahead.want(now, [_rung("memory_layout")])
     following = _plan("dtype_promotion", "memory_layout")
     assert Folder(tmp_path).wanted() == [following]
     _until(Folder(tmp_path).done(following).exists, "the warmer's build")
@@ -284,12 +285,13 @@ def test_an_autotuning_build_waits_for_the_warmers_build_under_way(
     warmer.finish()
 
 
-def test_selection_wants_the_kept_branch_one_plan_for_each_warmer_nearest_first(
+def test_selection_wants_the_next_build_of_every_branch_first_two_plans_for_each_warmer(
     tmp_path: Path,
 ) -> None:
-    """Three warmers: the plans of the next three rungs, each on top of the one before; a rung
-    that cannot change the plan so far is skipped (selection does not build it), the list
-    stops before a plan that autotunes, and after the last rung nothing is wanted."""
+    """Three warmers, six plans: level by level over the rungs' outcomes, each rung kept or
+    dropped, the branch that kept more first on each level; a rung that cannot change a
+    branch's plan is skipped there (selection does not build it), nothing is wanted past a
+    plan that autotunes, and after the last rung nothing is wanted."""
     ahead, folder = Ahead(str(tmp_path)), Folder(tmp_path)
     folder.start(3)
     rungs = [_rung(k) for k in ("dtype_promotion", "memory_layout", "bn_fold", "cuda_graphs")]
@@ -297,19 +299,53 @@ def test_selection_wants_the_kept_branch_one_plan_for_each_warmer_nearest_first(
     assert folder.wanted() == [
         _plan("dtype_promotion"),
         _plan("dtype_promotion", "memory_layout"),
+        _plan("memory_layout"),
         _plan("dtype_promotion", "memory_layout", "bn_fold"),
+        _plan("dtype_promotion", "bn_fold"),
+        _plan("memory_layout", "bn_fold"),
     ]
     # exact GELUs on GEMMs the plan keeps in fp32: moot, and the layout rung meets bn_fold
     ahead.want(BackendPlan(), [_rung("bn_fold"), _rung("gemm_epilogue"), _rung("memory_layout")])
-    assert folder.wanted() == [_plan("bn_fold"), _plan("bn_fold", "memory_layout")]
+    assert folder.wanted() == [
+        _plan("bn_fold"),
+        _plan("bn_fold", "memory_layout"),
+        _plan("memory_layout"),
+    ]
     ahead.want(BackendPlan(), [_rung("bn_fold"), _rung("max_autotune"), _rung("memory_layout")])
     assert folder.wanted() == [_plan("bn_fold")]
     ahead.want(_plan("bn_fold"), [])
     assert folder.wanted() == []
     folder.start(2)
     ahead.want(BackendPlan(), rungs)
-    assert len(folder.wanted()) == 2
+    assert len(folder.wanted()) == 4
     assert rung_warmer.plans_after(BackendPlan(), rungs, 1) == [_plan("dtype_promotion")]
+
+
+def test_the_next_build_is_wanted_whether_the_rung_under_way_is_kept_or_dropped(
+    tmp_path: Path,
+) -> None:
+    """Selection builds the dtype rung on the plan below it: one warmer is asked for the
+    layout rung on top of each, the dtype rung kept first, so that one of the two is always
+    selection's next build, whatever it decides (the kept branch alone misses it wherever the
+    rung is dropped)."""
+    ahead, folder = Ahead(str(tmp_path)), Folder(tmp_path)
+    now, below = _plan("dtype_promotion"), BackendPlan()
+    ahead.want(now, [_rung("memory_layout"), _rung("bn_fold")], below)
+    assert folder.wanted() == [_plan("dtype_promotion", "memory_layout"), _plan("memory_layout")]
+    folder.start(2)
+    ahead.want(now, [_rung("memory_layout"), _rung("bn_fold")], below)
+    assert folder.wanted() == [
+        _plan("dtype_promotion", "memory_layout"),
+        _plan("memory_layout"),
+        _plan("dtype_promotion", "memory_layout", "bn_fold"),
+        _plan("dtype_promotion", "bn_fold"),
+    ]
+    ahead.want(now, [_rung("memory_layout")], now)  # the plan either way: one branch
+    assert folder.wanted() == [_plan("dtype_promotion", "memory_layout")]
+    # nothing ahead of a rung that autotunes, not even on the branch that drops it
+    tuned = _plan("bn_fold", "max_autotune")
+    ahead.want(tuned, [_rung("memory_layout")], _plan("bn_fold"))
+    assert folder.wanted() == []
 
 
 def test_two_warmers_never_build_one_plan_each_taking_the_nearest_unclaimed_one(
@@ -661,6 +697,7 @@ def test_the_rung_warmer_runs_beside_selection_and_ends_after_it(
     assert warm == {
         "log_name": rung_warmer.TASK,
         "shares_cpus": True,
+        "compile_pool": True,
         "rung_warmer": select["rung_warmer"],
     }
     assert run.finished_after_selection == [True] and run.depth == 1
@@ -675,14 +712,20 @@ def test_the_parent_runs_a_warmer_for_each_cpu_of_the_slice_each_with_its_log(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Three CPUs: three warmers, logs ``warm_rungs``, ``warm_rungs2``, ``warm_rungs3``, one
-    folder for all; selection wants three plans ahead; every warmer ends after it."""
+    folder for all, each with Inductor's compile workers (at its idle priority); selection
+    wants plans ahead for three; every warmer ends after it."""
     run = _stand_in(tmp_path, monkeypatch, cpus=3)
     assert backend.run(run).startswith("kept ")  # type: ignore[arg-type]
     folder = run.extras["backend"]["rung_warmer"]
     names = ["warm_rungs", "warm_rungs2", "warm_rungs3"]
     assert sorted(n for n in run.extras if n != "backend") == names
     for name in names:
-        assert run.extras[name] == {"log_name": name, "shares_cpus": True, "rung_warmer": folder}
+        assert run.extras[name] == {
+            "log_name": name,
+            "shares_cpus": True,
+            "compile_pool": True,
+            "rung_warmer": folder,
+        }
     assert run.depth == 3
     assert run.finished_after_selection == [True] * 3 and sorted(run.ended_logs) == names
 
@@ -815,6 +858,26 @@ print(common.compile_note(clock))
 """Selection's build of a plan, as ``task_select``'s ``compiled_plan`` makes it."""
 
 
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="no SCHED_IDLE on this platform")
+def test_a_warmer_runs_at_idle_priority_and_so_do_the_processes_it_starts() -> None:
+    """Linux sets the policy per thread: the warmer's, in a thread of its own here, and a
+    process it starts after (Inductor's compile workers) inherits it; this thread keeps its
+    own."""
+    seen: dict[str, Any] = {}
+
+    def warmer() -> None:
+        seen["set"] = rung_warmer.idle_priority()
+        seen["policy"] = os.sched_getscheduler(0)
+        child = [sys.executable, "-c", "import os; print(os.sched_getscheduler(0))"]
+        seen["child"] = int(subprocess.run(child, capture_output=True, text=True).stdout)
+
+    thread = threading.Thread(target=warmer)
+    thread.start()
+    thread.join(60)
+    assert seen == {"set": True, "policy": os.SCHED_IDLE, "child": os.SCHED_IDLE}
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE
+
+
 @pytest.mark.slow
 def test_a_plan_the_warmer_compiled_is_answered_by_the_fx_graph_cache_in_selection(
     tmp_path: Path,
@@ -861,6 +924,7 @@ def test_a_plan_the_warmer_compiled_is_answered_by_the_fx_graph_cache_in_selecti
         (folder / FINISHED).touch()
         assert warmer.wait(60) == 0, log.read_text()
     said = log.read_text()
+    assert "not at idle priority" not in said or not hasattr(os, "SCHED_IDLE")
     assert re.search(r"built bn_fold-1 ahead of selection: .*FX graph cache 0 hit, 1 miss", said)
     assert "built 1 plans ahead of selection" in said
     (tmp_path / "plan.json").write_text(plan.model_dump_json(), encoding="utf-8")

@@ -191,6 +191,52 @@ def test_task_select_keeps_each_dropped_rungs_history(
     json.loads((tmp_path / "profiler_output" / "backend_selection.json").read_text())
 
 
+def test_selection_asks_the_warmers_for_both_outcomes_on_both_passes(
+    make_proposal: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ladder of the test above. At each rung it builds on the plan so far, selection
+    names the plan with it and the plan below it, and the rungs it may build after it: on the
+    first pass the rest of the ladder, on the second the dropped rungs still to be tried
+    again. The next plan it builds on the same pass is one of the first two the warmers are
+    asked for, whether the rung was kept or not (the second pass's first build, which the
+    first pass's outcome decides, is not guessed)."""
+    from pytest_opprof.backend import build as build_module
+    from pytest_opprof.stages import backend, rung_warmer
+
+    model, x = _workload(tmp_path, _proposals(make_proposal))
+    asked: list[tuple[tuple[str, ...], list[str], tuple[str, ...] | None]] = []
+    tried: list[tuple[str, ...]] = []
+
+    asked_for: list[list[tuple[str, ...]]] = []
+
+    def want(self: Any, plan: Any, rungs: Any, below: Any = None) -> None:
+        names = [r.name for r in rungs]
+        asked.append((tuple(plan.proposals), names, below and tuple(below.proposals)))
+        guess = rung_warmer.plans_after(plan, rungs, 2, below)
+        asked_for.append([tuple(p.proposals) for p in guess])
+
+    monkeypatch.setattr(rung_warmer.Ahead, "want", want)
+
+    def build(fresh: torch.nn.Module, inputs: Any, plan: Any) -> Any:
+        tried.append(tuple(plan.proposals))
+        frozen = bool(plan.config_patches.get("freezing"))
+        faster = (plan.channels_last and frozen) or plan.proposals == ["pretranspose_weights-1"]
+        return build_module.BuiltVariant(fn=Variant(fresh, faster), model=fresh, results=[])
+
+    backend.task_select(_select_on_cpu(monkeypatch, tmp_path, model, x, build))
+
+    frozen = "pretranspose_weights-1"
+    assert asked == [
+        (("bn_fold-1",), ["memory_layout", "pretranspose_weights"], ()),
+        (("memory_layout-1",), ["pretranspose_weights"], ()),
+        ((frozen,), [], ()),
+        ((frozen, "bn_fold-1"), ["memory_layout"], (frozen,)),
+        ((frozen, "memory_layout-1"), [], (frozen,)),
+    ]
+    for at in (0, 1, 3):  # the first pass's first two rungs, the second pass's first
+        assert tried[at + 1] in asked_for[at], (tried[at + 1], asked_for[at])
+
+
 def test_a_cast_past_the_tolerance_is_kept_under_autocast_and_a_faster_stock_recipe_ships(
     make_proposal: Any,
     tmp_path: Path,

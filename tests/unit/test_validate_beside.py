@@ -126,9 +126,7 @@ def test_failed_tests_block_the_steps_after_them_though_those_ran_beside(tmp_pat
 
 
 def test_a_failed_import_blocks_the_tests_that_ran_beside_it(tmp_path: Path) -> None:
-    broken = {
-        "steps": {"import": {"status": "fail", "detail": "ImportError: no module named x"}}
-    }
+    broken = {"steps": {"import": {"status": "fail", "detail": "ImportError: no module named x"}}}
     passed = {"steps": {"tests": {"status": "pass", "detail": "5 passed"}}}
     run = StandIn(tmp_path, {"validate": broken, "validate_tests": passed}, 0.0)
     _profile(run, "cpu", GIB)
