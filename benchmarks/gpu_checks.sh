@@ -20,6 +20,11 @@ timeout 180 python3 -m pytest -p pytest_opprof.plugin -m gpu tests/unit/test_mod
   tests/unit/test_devicelock.py tests/unit/test_gpu_time.py \
   -q -p no:cacheprovider -rA > "$OUT/gpu-tests.log" 2>&1
 echo "gpu tests exit $?" >> "$OUT/gpu-tests.log"
+# The backend's reach into Inductor (compile_fx's wiring, freezing, the FX graph cache keying
+# folded weights by shape) on this host's torch: CI runs the same tests on the CPU build.
+timeout 300 python3 -m pytest -p pytest_opprof.plugin tests/passes/test_backend_compiler.py \
+  -q -p no:cacheprovider -rA > "$OUT/torch-internals.log" 2>&1
+echo "torch internals tests exit $?" >> "$OUT/torch-internals.log"
 cat > /tmp/toy.py <<'PY'
 import torch
 a = torch.randn(256, 256, device="cuda"); b = torch.randn(64, 64, device="cuda")
