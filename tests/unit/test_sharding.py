@@ -32,7 +32,10 @@ def test_each_worker_measures_under_the_lock_of_its_gpu(
 ) -> None:
     """Workers sharing a GPU name the same lock, by the GPU's UUID; a UUID entry is its own
     name; no GPU, no lock."""
-    monkeypatch.delenv(devicelock.LOCK_ENV, raising=False)  # and absent again after the test
+    # absent again after the test: a delenv of an absent variable records nothing to undo, and
+    # the one below would restore the lock assign() set, for every later test to see
+    monkeypatch.setenv(devicelock.LOCK_ENV, "")
+    monkeypatch.delenv(devicelock.LOCK_ENV)
     monkeypatch.setattr("pytest_opprof.gpus.pin_worker", lambda worker, count: None)
     monkeypatch.setattr("pytest_opprof.gpus._smi_first_line", lambda args: f"GPU-uuid-of-{args[1]}")
     locks = []

@@ -144,6 +144,7 @@ def test_on_a_gpu_the_tests_run_beside_only_where_one_process_more_fits(
     GPU lock nothing runs beside."""
     run = StandIn(tmp_path, {}, 0.0)
     _profile(run, "cuda", 9 * GIB)
+    monkeypatch.delenv(LOCK_ENV, raising=False)
     assert not validate.tests_beside(run)  # type: ignore[arg-type]
     monkeypatch.setenv(LOCK_ENV, str(tmp_path / "gpu.lock"))
     assert validate.tests_beside(run)  # type: ignore[arg-type]
