@@ -190,7 +190,7 @@ STOCK_BAR = Bar(stock_holds, lambda gain: PLAN_FASTER, "the ladder's plan")
 
 EARLY_ROUNDS = 3
 """Rounds after which selection stops timing a rung whose call took over twice the plan's in
-every one of them, or under half of it (:func:`settled`)."""
+every one of them, or under a third of it (:func:`settled`)."""
 
 
 def over_twice_as_slow(samples: Mapping[str, Sequence[float]]) -> bool:

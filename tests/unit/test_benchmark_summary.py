@@ -441,82 +441,85 @@ def test_a_missed_target_says_by_how_much_and_why() -> None:
     assert met and all(r["shortfall"] is None for r in met)
 
 
+def _stage_logs(folder: Path, **logs: str) -> dict[str, float]:
+    """``summarize.child_seconds`` of a workload folder once its stage logs (name: text) are
+    written, over any written before."""
+    out = folder / "profiler_output"
+    out.mkdir(exist_ok=True)
+    for name, text in logs.items():
+        (out / f"{name}.log").write_text(text)
+    seconds: dict[str, float] = _summarize().child_seconds(folder)
+    return seconds
+
+
+def _table_with(child_seconds: dict[str, float]) -> str:
+    """The summary table of the H200 fixture run, every workload's child seconds these."""
+    tool = _summarize()
+    result = tool.summarize([RESULTS], [RESULTS / "opprof-junit.xml"])
+    for row in result["workloads"].values():
+        row["child_seconds"] = child_seconds
+    table: str = tool.markdown(result)
+    return table
+
+
 def test_the_counters_pass_beside_is_read_from_its_own_log(tmp_path: Path) -> None:
     """--opprof-ncu-when=beside: the pass is a process of its own (counters.log), not a phase
     of the capture; its whole process is the counters column, its wait counted too."""
-    tool = _summarize()
-    logs = tmp_path / "profiler_output"
-    logs.mkdir()
-    (logs / "capture.log").write_text("[opprof] +   16.2 s  task capture done\n")
-    (logs / "counters.log").write_text(
-        "[opprof] +    0.0 s  forked from the fork server of pid 7 at 10:00:16.300 UTC\n"
+    got = _stage_logs(
+        tmp_path,
+        capture="[opprof] +   16.2 s  task capture done\n",
+        counters="[opprof] +    0.0 s  forked from the fork server of pid 7 at 10:00:16.300 UTC\n"
         "[opprof] +  110.4 s  counters pass\n"
-        "[opprof] +  110.6 s  task counters done, 3.0 s of it waiting for the GPU\n"
+        "[opprof] +  110.6 s  task counters done, 3.0 s of it waiting for the GPU\n",
     )
-    got = tool.child_seconds(tmp_path)
     assert got == pytest.approx({"capture": 16.2, "counters": 110.6, "waiting": 3.0})
 
 
 def test_the_generated_tests_beside_validation_have_their_own_column(tmp_path: Path) -> None:
-    tool = _summarize()
-    logs = tmp_path / "profiler_output"
-    logs.mkdir()
-    (logs / "validate.log").write_text("[opprof] +    9.1 s  task validate done\n")
-    (logs / "validate_tests.log").write_text(
-        "[opprof] +    9.6 s  task validate_tests done, 2.0 s of it waiting for the GPU\n"
+    got = _stage_logs(
+        tmp_path,
+        validate="[opprof] +    9.1 s  task validate done\n",
+        validate_tests="[opprof] +    9.6 s  task validate_tests done, 2.0 s of it waiting "
+        "for the GPU\n",
     )
-    got = tool.child_seconds(tmp_path)
     assert got == pytest.approx({"validate": 9.1, "validate_tests": 9.6, "waiting": 2.0})
-    result = tool.summarize([RESULTS], [RESULTS / "opprof-junit.xml"])
-    for row in result["workloads"].values():
-        row["child_seconds"] = got
-    table = tool.markdown(result)
+    table = _table_with(got)
     assert "| validate | validate_tests | recapture |" in table
     assert "| 9.1 | 9.6 | — |" in table and "validate_tests the generated tests'" in table
 
 
 def test_child_seconds_from_stage_logs(tmp_path: Path) -> None:
-    tool = _summarize()
-    logs = tmp_path / "profiler_output"
-    logs.mkdir()
-    (logs / "capture.log").write_text(
-        "[opprof] +    0.5 s  torch imported\n"
+    got = _stage_logs(
+        tmp_path,
+        capture="[opprof] +    0.5 s  torch imported\n"
         "[opprof] +    6.0 s  timed and profiled\n"
         "[opprof] +   36.0 s  counters pass\n"
-        "[opprof] +   36.1 s  task capture done\n"
+        "[opprof] +   36.1 s  task capture done\n",
+        recapture="noise\n[opprof] +    7.5 s  task recapture done\n",
+        retime1="[opprof] +    4.0 s  task retime done\n",
+        retime2="[opprof] +    5.5 s  task retime done\n",
     )
-    (logs / "recapture.log").write_text("noise\n[opprof] +    7.5 s  task recapture done\n")
-    for i, at in ((1, 4.0), (2, 5.5)):
-        (logs / f"retime{i}.log").write_text(f"[opprof] +    {at} s  task retime done\n")
-    got = tool.child_seconds(tmp_path)
     assert got == pytest.approx(
         {"capture": 36.1, "counters": 30.0, "recapture": 7.5, "retime": 9.5}
     )
     # processes sharing a GPU say how long they waited for its lock
-    (logs / "recapture.log").write_text(
-        "[opprof] +   49.2 s  task recapture done, 38.8 s of it waiting for the GPU\n"
+    got = _stage_logs(
+        tmp_path,
+        recapture="[opprof] +   49.2 s  task recapture done, 38.8 s of it waiting for the GPU\n",
+        retime1="[opprof] +   49.1 s  task retime done, 41.4 s of it waiting for the GPU\n",
     )
-    (logs / "retime1.log").write_text(
-        "[opprof] +   49.1 s  task retime done, 41.4 s of it waiting for the GPU\n"
-    )
-    got = tool.child_seconds(tmp_path)
     assert got["recapture"] == 49.2 and got["retime"] == pytest.approx(49.1 + 5.5)
     assert got["waiting"] == pytest.approx(38.8 + 41.4)
     assert "alone" not in got
     # and how long they held it alone, measuring
-    (logs / "recapture.log").write_text(
-        "[opprof] +   49.2 s  task recapture done, 38.8 s of it waiting for the GPU, "
-        "2.5 s with the GPU to itself\n"
+    got = _stage_logs(
+        tmp_path,
+        recapture="[opprof] +   49.2 s  task recapture done, 38.8 s of it waiting for the GPU, "
+        "2.5 s with the GPU to itself\n",
+        retime2="[opprof] +    5.5 s  task retime done, 1.5 s with the GPU to itself\n",
     )
-    (logs / "retime2.log").write_text(
-        "[opprof] +    5.5 s  task retime done, 1.5 s with the GPU to itself\n"
-    )
-    got = tool.child_seconds(tmp_path)
     assert got["waiting"] == pytest.approx(38.8 + 41.4) and got["alone"] == pytest.approx(4.0)
-    result = tool.summarize([RESULTS], [RESULTS / "opprof-junit.xml"])
-    for row in result["workloads"].values():
-        row["child_seconds"] = got
-    table = tool.markdown(result)
+    table = _table_with(got)
     assert "| sum | waiting | alone |" in table
     assert "| 139.9 | 80.2 | 4.0 |" in table  # 36.1 + 49.2 + 54.6: not waiting, alone
     assert "of them waiting for the GPU and 28 with it to themselves" in table  # 7 x 4.0
