@@ -15,7 +15,10 @@ which one worker's Inductor compile pool (a process per core) can take from the 
 timing loop, moving the torch.compile baselines and the speedups with them between runs
 (docs/design-notes.md#cpu-slices-per-worker). Worker ``gwK`` is pinned to the K-th of N contiguous
 slices of the CPUs this process may use, and Inductor's compile pool and OpenMP are sized to
-that slice; every child process inherits both.
+that slice; every child process inherits both. Inductor's pool of compile workers alone may
+reach past it, onto every CPU the session had (:data:`HOST_CPUS_ENV`), below normal priority
+(``stages.common.compile_pool_on_host``): the host's CPUs sat mostly idle while each
+workload's kernels compiled on two of them.
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ import subprocess
 from typing import Any
 
 from pytest_opprof.devicelock import OWN_CPUS_ENV
+
+HOST_CPUS_ENV = "OPPROF_HOST_CPUS"
+"""The CPUs the session could use before it pinned its worker to a slice (comma-separated):
+where Inductor's compile workers may run (``stages.common.compile_pool_on_host``)."""
 
 
 def visible_gpus(environ: dict[str, str] | None = None) -> list[str]:
@@ -126,6 +133,7 @@ def pin_worker(worker_id: str, worker_count: int) -> list[int] | None:
         return None
     mine = worker_cpus(worker_id, worker_count, cpus)
     os.sched_setaffinity(0, mine)
+    os.environ[HOST_CPUS_ENV] = ",".join(map(str, cpus))
     os.environ[OWN_CPUS_ENV] = "1"  # its stage processes may compile beside a measurement
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(len(mine)))
     os.environ.setdefault("OMP_NUM_THREADS", str(len(mine)))

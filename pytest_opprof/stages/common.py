@@ -214,7 +214,73 @@ def setup_torch() -> None:
         # compiled (the caches answer): in this process, without the pool.
         # (docs/design-notes.md#compiling-beside-a-sibling-timing-process)
         torch._inductor.config.compile_threads = 1
+    elif not _SHARES_CPUS:
+        compile_pool_on_host()
     phase("torch imported")
+
+
+COMPILE_POOL_ENV = "OPPROF_COMPILE_POOL"
+"""``slice``: Inductor's compile workers stay on the worker's CPU slice, as Inductor starts
+them (:func:`compile_pool_on_host`), to compare the two."""
+
+POOL_NICE = 10
+"""The compile workers' niceness on the host's CPUs: a neighbour's thread of normal priority
+(a timing loop, a compile's own Python) takes a CPU back from them at once, and they still
+get the time nothing else wants."""
+
+POOL_PER_SLICE_CPU = 4
+"""Compile workers per CPU of the slice, at most the host's CPUs: several workloads' pools
+share the host, each with a process per worker (hundreds of MB each)."""
+
+
+def compile_pool_on_host() -> int | None:
+    """Start Inductor's pool of compile workers now, on every CPU the session had before it
+    pinned its worker to a slice (``gpus.HOST_CPUS_ENV``), at nice :data:`POOL_NICE`, with up
+    to :data:`POOL_PER_SLICE_CPU` workers per CPU of the slice; their number, or None where
+    the pool starts as Inductor would start it: no CPUs past the slice,
+    ``OPPROF_COMPILE_POOL=slice``, a process that compiles without the pool (one compile
+    thread), a pool already started, or workers Inductor forks from this process.
+
+    The pool's sidecar process (``subprocess.Popen`` from this thread) takes this thread's
+    CPUs of the moment, so the thread widens them for the span of the start; the sidecar is
+    reniced before it has any worker, and the workers it forks at their first job inherit both.
+    The stage process itself stays on the slice: its measurements launch from it."""
+    from pytest_opprof.gpus import HOST_CPUS_ENV
+
+    listed = os.environ.get(HOST_CPUS_ENV, "")
+    if os.environ.get(COMPILE_POOL_ENV) == "slice" or not listed:
+        return None
+    if not hasattr(os, "sched_setaffinity"):
+        return None
+    mine = os.sched_getaffinity(0)
+    host = {int(c) for c in listed.split(",") if c.strip().isdigit()}
+    if not host - mine:
+        return None
+    import torch
+    from torch._inductor import async_compile
+
+    config = torch._inductor.config
+    threads = config.compile_threads or config.decide_compile_threads()
+    started = getattr(async_compile.AsyncCompile.process_pool, "cache_info", None)
+    if (
+        threads <= 1
+        or config.worker_start_method != "subprocess"
+        or started is None
+        or started().currsize
+    ):
+        return None
+    config.compile_threads = max(threads, min(len(host), POOL_PER_SLICE_CPU * len(mine)))
+    os.sched_setaffinity(0, host)
+    try:
+        async_compile.AsyncCompile.warm_pool()
+    finally:
+        os.sched_setaffinity(0, mine)
+    sidecar = getattr(async_compile.AsyncCompile.process_pool(), "process", None)
+    if sidecar is not None:
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, sidecar.pid, POOL_NICE)
+    phase(f"compile workers: {config.compile_threads} on the host's {len(host)} CPUs")
+    return int(config.compile_threads)
 
 
 def _warm_compile_pool() -> bool:
@@ -232,7 +298,8 @@ def _warm_compile_pool() -> bool:
         return False
     try:
         with devicelock.off_gpu(lambda: None):  # nothing of this process is on the GPU yet
-            warm()
+            if compile_pool_on_host() is None:
+                warm()
             ready()
     except Exception as exc:  # a pool that never answered: compile in this process instead
         phase(f"compile workers did not start ({type(exc).__name__}: {exc}); compiling here")

@@ -93,3 +93,66 @@ def test_a_pool_that_never_answers_leaves_the_process_compiling_in_process(
     common.setup_torch()
     assert torch._inductor.config.compile_threads == 1
     assert joined.held == "shared" and not joined.aside and joined.siblings_held is None
+
+
+POOL_ON_HOST = """
+import json, os, sys, time
+from pathlib import Path
+host = sorted(os.sched_getaffinity(0))
+os.sched_setaffinity(0, host[:1])  # the worker's slice: one CPU of the host
+os.environ["OPPROF_HOST_CPUS"] = ",".join(map(str, host))
+os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "2"
+from pytest_opprof.stages import common
+from torch._inductor.async_compile import AsyncCompile
+workers = common.compile_pool_on_host()
+seen = {"workers": workers, "mine": sorted(os.sched_getaffinity(0))}
+if workers:
+    sidecar = AsyncCompile.process_pool().process.pid
+    AsyncCompile.wakeup()  # the sidecar forks its workers
+    deadline, forked = time.monotonic() + 60, []
+    while len(forked) < workers and time.monotonic() < deadline:
+        time.sleep(0.2)
+        forked = [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()
+                  and (p / "stat").read_text().rsplit(")", 1)[1].split()[1] == str(sidecar)]
+    seen["procs"] = [(sorted(os.sched_getaffinity(p)), os.getpriority(os.PRIO_PROCESS, p))
+                     for p in [sidecar, *forked]]
+print(json.dumps(seen))
+"""
+
+
+def _pool_on_host(environ: dict[str, str]) -> dict[str, object]:
+    import json
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-c", POOL_ON_HOST],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={**os.environ, **environ},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+@pytest.mark.skipif(
+    not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2,
+    reason="needs two CPUs to pin to one",
+)
+def test_a_pinned_process_s_compile_workers_run_on_the_whole_host_below_normal_priority() -> None:
+    """The stage process stays on its slice (its measurements launch from it); Inductor's
+    workers, sized past the slice, may use every CPU the session had, niced."""
+    host = sorted(os.sched_getaffinity(0))
+    seen = _pool_on_host({})
+    assert seen["mine"] == host[:1]
+    assert seen["workers"] == max(2, min(len(host), common.POOL_PER_SLICE_CPU))
+    procs = seen["procs"]
+    assert isinstance(procs, list) and len(procs) == 1 + int(str(seen["workers"]))
+    for cpus, nice in procs:  # the sidecar and each worker it forked
+        assert cpus == host and nice == common.POOL_NICE
+
+
+def test_compile_pool_slice_leaves_the_workers_as_inductor_starts_them() -> None:
+    seen = _pool_on_host({common.COMPILE_POOL_ENV: "slice"})
+    assert seen["workers"] is None and "procs" not in seen

@@ -223,14 +223,16 @@ def test_worker_cpu_slices_are_disjoint_and_cover_everything() -> None:
 )
 def test_xdist_workers_and_their_children_get_their_own_cpus(pytester: pytest.Pytester) -> None:
     """Each workload's child process (where get_model_and_input runs) sees only its worker's
-    CPU slice, and Inductor's compile pool is sized to it."""
+    CPU slice, Inductor's compile threads sized to it, and the host's CPUs named for its pool
+    of compile workers."""
     pytest.importorskip("xdist")
     body = (
         "import json, os, pathlib\n"
         "def get_model_and_input():\n"
         "    seen = {'cpus': sorted(os.sched_getaffinity(0)),\n"
         "            'threads': os.environ.get('TORCHINDUCTOR_COMPILE_THREADS'),\n"
-        "            'own': os.environ.get('OPPROF_OWN_CPUS')}\n"
+        "            'own': os.environ.get('OPPROF_OWN_CPUS'),\n"
+        "            'host': os.environ.get('OPPROF_HOST_CPUS')}\n"
         "    pathlib.Path(__file__).with_suffix('.json').write_text(json.dumps(seen))\n"
         "    raise ValueError('recorded')\n"
     )
@@ -244,6 +246,8 @@ def test_xdist_workers_and_their_children_get_their_own_cpus(pytester: pytest.Py
         assert len(seen["cpus"]) in (total // 2, total - total // 2)
         assert seen["threads"] == str(len(seen["cpus"]))
         assert seen["own"] == "1"  # so its stage processes may compile beside a measurement
+        # where Inductor's compile workers may run: every CPU the session had
+        assert seen["host"] == ",".join(map(str, sorted(os.sched_getaffinity(0))))
 
 
 def test_under_xdist_the_workloads_start_longest_first(pytester: pytest.Pytester) -> None:
