@@ -133,8 +133,9 @@ def pin_worker(worker_id: str, worker_count: int) -> list[int] | None:
         return None
     mine = worker_cpus(worker_id, worker_count, cpus)
     os.sched_setaffinity(0, mine)
-    os.environ[HOST_CPUS_ENV] = ",".join(map(str, cpus))
     os.environ[OWN_CPUS_ENV] = "1"  # its stage processes may compile beside a measurement
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(len(mine)))
+    if "TORCHINDUCTOR_COMPILE_THREADS" not in os.environ:  # else the user's, kept everywhere
+        os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = str(len(mine))
+        os.environ[HOST_CPUS_ENV] = ",".join(map(str, cpus))
     os.environ.setdefault("OMP_NUM_THREADS", str(len(mine)))
     return mine

@@ -237,9 +237,9 @@ def compile_pool_on_host() -> int | None:
     """Start Inductor's pool of compile workers now, on every CPU the session had before it
     pinned its worker to a slice (``gpus.HOST_CPUS_ENV``), at nice :data:`POOL_NICE`, with up
     to :data:`POOL_PER_SLICE_CPU` workers per CPU of the slice; their number, or None where
-    the pool starts as Inductor would start it: no CPUs past the slice,
-    ``OPPROF_COMPILE_POOL=slice``, a process that compiles without the pool (one compile
-    thread), a pool already started, or workers Inductor forks from this process.
+    the pool starts as Inductor would start it: no CPUs past the slice, compile threads the
+    user chose (``gpus.pin_worker`` then names no host), ``OPPROF_COMPILE_POOL=slice``, a pool
+    already started, or workers Inductor forks from this process.
 
     The pool's sidecar process (``subprocess.Popen`` from this thread) takes this thread's
     CPUs of the moment, so the thread widens them for the span of the start; the sidecar is
@@ -260,16 +260,10 @@ def compile_pool_on_host() -> int | None:
     from torch._inductor import async_compile
 
     config = torch._inductor.config
-    threads = config.compile_threads or config.decide_compile_threads()
     started = getattr(async_compile.AsyncCompile.process_pool, "cache_info", None)
-    if (
-        threads <= 1
-        or config.worker_start_method != "subprocess"
-        or started is None
-        or started().currsize
-    ):
+    if config.worker_start_method != "subprocess" or started is None or started().currsize:
         return None
-    config.compile_threads = max(threads, min(len(host), POOL_PER_SLICE_CPU * len(mine)))
+    config.compile_threads = min(len(host), POOL_PER_SLICE_CPU * len(mine))
     os.sched_setaffinity(0, host)
     try:
         async_compile.AsyncCompile.warm_pool()

@@ -101,7 +101,7 @@ from pathlib import Path
 host = sorted(os.sched_getaffinity(0))
 os.sched_setaffinity(0, host[:1])  # the worker's slice: one CPU of the host
 os.environ["OPPROF_HOST_CPUS"] = ",".join(map(str, host))
-os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "2"
+os.environ["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # the slice's, as gpus.pin_worker sets it
 from pytest_opprof.stages import common
 from torch._inductor.async_compile import AsyncCompile
 workers = common.compile_pool_on_host()
@@ -146,7 +146,7 @@ def test_a_pinned_process_s_compile_workers_run_on_the_whole_host_below_normal_p
     host = sorted(os.sched_getaffinity(0))
     seen = _pool_on_host({})
     assert seen["mine"] == host[:1]
-    assert seen["workers"] == max(2, min(len(host), common.POOL_PER_SLICE_CPU))
+    assert seen["workers"] == min(len(host), common.POOL_PER_SLICE_CPU)
     procs = seen["procs"]
     assert isinstance(procs, list) and len(procs) == 1 + int(str(seen["workers"]))
     for cpus, nice in procs:  # the sidecar and each worker it forked

@@ -221,11 +221,14 @@ def test_worker_cpu_slices_are_disjoint_and_cover_everything() -> None:
     not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
     reason="needs CPU affinity and two CPUs",
 )
-def test_xdist_workers_and_their_children_get_their_own_cpus(pytester: pytest.Pytester) -> None:
+def test_xdist_workers_and_their_children_get_their_own_cpus(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Each workload's child process (where get_model_and_input runs) sees only its worker's
     CPU slice, Inductor's compile threads sized to it, and the host's CPUs named for its pool
-    of compile workers."""
+    of compile workers; compile threads the user chose are kept, with no host named."""
     pytest.importorskip("xdist")
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS")  # the tests' own (conftest)
     body = (
         "import json, os, pathlib\n"
         "def get_model_and_input():\n"
@@ -248,6 +251,10 @@ def test_xdist_workers_and_their_children_get_their_own_cpus(pytester: pytest.Py
         assert seen["own"] == "1"  # so its stage processes may compile beside a measurement
         # where Inductor's compile workers may run: every CPU the session had
         assert seen["host"] == ",".join(map(str, sorted(os.sched_getaffinity(0))))
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
+    pytester.runpytest_subprocess("--opprof", "-n", "2", "--opprof-device=cpu")
+    seen = json.loads((pytester.path / "w1.json").read_text())
+    assert seen["threads"] == "3" and seen["host"] is None
 
 
 def test_under_xdist_the_workloads_start_longest_first(pytester: pytest.Pytester) -> None:
