@@ -37,7 +37,7 @@ done
   # how quiet measurements kept the host quiet (docs/design-notes.md#pausing-the-compiles)
   echo "OPPROF_QUIET=${OPPROF_QUIET:-pause}"
   # where Inductor's compile workers ran (docs/design-notes.md#compile-workers-on-the-host)
-  echo "OPPROF_COMPILE_POOL=${OPPROF_COMPILE_POOL:-host}"
+  echo "OPPROF_COMPILE_POOL=${OPPROF_COMPILE_POOL:-slice}"
 } > "$OUT/env.txt" 2>&1
 # Kept between calls on a machine still warm, so a later call resumes from the stage cache;
 # OPPROF_FRESH=1 starts over. OPPROF_WORK names another folder, so that two runs (say -n 2 and

@@ -15,10 +15,9 @@ which one worker's Inductor compile pool (a process per core) can take from the 
 timing loop, moving the torch.compile baselines and the speedups with them between runs
 (docs/design-notes.md#cpu-slices-per-worker). Worker ``gwK`` is pinned to the K-th of N contiguous
 slices of the CPUs this process may use, and Inductor's compile pool and OpenMP are sized to
-that slice; every child process inherits both. Inductor's pool of compile workers alone may
-reach past it, onto every CPU the session had (:data:`HOST_CPUS_ENV`), below normal priority
-(``stages.common.compile_pool_on_host``): the host's CPUs sat mostly idle while each
-workload's kernels compiled on two of them.
+that slice; every child process inherits both. Asked to (``OPPROF_COMPILE_POOL=host``),
+Inductor's pool of compile workers alone reaches past it, onto every CPU the session had
+(:data:`HOST_CPUS_ENV`), below normal priority (``stages.common.compile_pool_on_host``).
 """
 
 from __future__ import annotations

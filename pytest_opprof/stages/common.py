@@ -220,8 +220,10 @@ def setup_torch() -> None:
 
 
 COMPILE_POOL_ENV = "OPPROF_COMPILE_POOL"
-"""``slice``: Inductor's compile workers stay on the worker's CPU slice, as Inductor starts
-them (:func:`compile_pool_on_host`), to compare the two."""
+"""``host``: Inductor's compile workers run on every CPU of the host (:func:`compile_pool_on_host`);
+otherwise they stay on the worker's CPU slice, as Inductor starts them. Not the default: a
+selection build waits far longer on AOTAutograd's and Inductor's own Python, one thread on the
+slice, than on its kernels (docs/design-notes.md#compile-workers-on-the-host)."""
 
 POOL_NICE = 10
 """The compile workers' niceness on the host's CPUs: a neighbour's thread of normal priority
@@ -237,9 +239,9 @@ def compile_pool_on_host() -> int | None:
     """Start Inductor's pool of compile workers now, on every CPU the session had before it
     pinned its worker to a slice (``gpus.HOST_CPUS_ENV``), at nice :data:`POOL_NICE`, with up
     to :data:`POOL_PER_SLICE_CPU` workers per CPU of the slice; their number, or None where
-    the pool starts as Inductor would start it: no CPUs past the slice, compile threads the
-    user chose (``gpus.pin_worker`` then names no host), ``OPPROF_COMPILE_POOL=slice``, a pool
-    already started, or workers Inductor forks from this process.
+    the pool starts as Inductor would start it: not asked for (``OPPROF_COMPILE_POOL=host``),
+    no CPUs past the slice, compile threads the user chose (``gpus.pin_worker`` then names no
+    host), a pool already started, or workers Inductor forks from this process.
 
     The pool's sidecar process (``subprocess.Popen`` from this thread) takes this thread's
     CPUs of the moment, so the thread widens them for the span of the start; the sidecar is
@@ -248,7 +250,7 @@ def compile_pool_on_host() -> int | None:
     from pytest_opprof.gpus import HOST_CPUS_ENV
 
     listed = os.environ.get(HOST_CPUS_ENV, "")
-    if os.environ.get(COMPILE_POOL_ENV) == "slice" or not listed:
+    if os.environ.get(COMPILE_POOL_ENV) != "host" or not listed:
         return None
     if not hasattr(os, "sched_setaffinity"):
         return None

@@ -141,10 +141,10 @@ def _pool_on_host(environ: dict[str, str]) -> dict[str, object]:
     reason="needs two CPUs to pin to one",
 )
 def test_a_pinned_process_s_compile_workers_run_on_the_whole_host_below_normal_priority() -> None:
-    """The stage process stays on its slice (its measurements launch from it); Inductor's
-    workers, sized past the slice, may use every CPU the session had, niced."""
+    """Asked to, the stage process stays on its slice (its measurements launch from it) and
+    Inductor's workers, sized past the slice, may use every CPU the session had, niced."""
     host = sorted(os.sched_getaffinity(0))
-    seen = _pool_on_host({})
+    seen = _pool_on_host({common.COMPILE_POOL_ENV: "host"})
     assert seen["mine"] == host[:1]
     assert seen["workers"] == min(len(host), common.POOL_PER_SLICE_CPU)
     procs = seen["procs"]
@@ -153,6 +153,6 @@ def test_a_pinned_process_s_compile_workers_run_on_the_whole_host_below_normal_p
         assert cpus == host and nice == common.POOL_NICE
 
 
-def test_compile_pool_slice_leaves_the_workers_as_inductor_starts_them() -> None:
-    seen = _pool_on_host({common.COMPILE_POOL_ENV: "slice"})
+def test_by_default_the_workers_start_as_inductor_starts_them() -> None:
+    seen = _pool_on_host({common.COMPILE_POOL_ENV: ""})
     assert seen["workers"] is None and "procs" not in seen
