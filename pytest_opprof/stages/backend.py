@@ -758,6 +758,8 @@ def task_warm_rungs(spec: ChildSpec) -> None:
     common.stopped_while_siblings_measure()
     if not rung_warmer.idle_priority():
         common.phase("not at idle priority: this platform has no SCHED_IDLE")
+    elif (cpus := rung_warmer.on_host_cpus()) is not None:  # only at idle priority
+        common.phase(f"at idle priority on the host's {cpus} CPUs")
     common.setup_torch()
     device = resolve_device(common.options(spec).device)
     w = common.load_baseline(spec, device)

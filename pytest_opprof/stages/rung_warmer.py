@@ -349,6 +349,27 @@ def idle_priority() -> bool:
     return True
 
 
+def on_host_cpus() -> int | None:
+    """Move this process, the threads and compile workers it starts after, onto every CPU the
+    session had before it pinned its worker to a slice (``gpus.HOST_CPUS_ENV``): a warmer at
+    idle priority takes only CPU time nobody else wants, anywhere on the host, where on its
+    slice it had only what selection left of two CPUs, and a build is one thread of Python.
+    The number of CPUs, or None where nothing names more than the slice."""
+    from pytest_opprof.gpus import HOST_CPUS_ENV
+
+    listed = os.environ.get(HOST_CPUS_ENV, "")
+    if not listed or not hasattr(os, "sched_setaffinity"):
+        return None
+    host = {int(c) for c in listed.split(",") if c.strip().isdigit()}
+    if not host - os.sched_getaffinity(0):
+        return None
+    try:
+        os.sched_setaffinity(0, host)
+    except OSError:  # a CPU since taken from this process's cgroup: stay on the slice
+        return None
+    return len(host)
+
+
 def slice_cpus() -> int:
     """The CPUs of this worker's slice (the session's affinity, ``gpus.pin_worker``); one
     where the platform does not say."""
@@ -379,13 +400,14 @@ def selected_beside_warmers(run: WorkloadRun, stage: str, warmers: int, **extra:
     """Selection's process (task ``stage``; ``extra``: more of its spec) and ``warmers`` rung
     warmers beside it (logs :func:`log_name`), on the same CPU slice (``shares_cpus``, each
     compiling in its own process only: selection stops their process groups while it
-    measures), outside the siblings' lock, which would make selection's measurements wait for
-    the warmers' compiles. The warmers end once selection has (:data:`FINISHED`, created
-    however selection ended); a warmer that failed, ran out of time or crashed fails nothing
-    (selection's wait for a plan it claimed ends with its process, and every wait once
-    :data:`ENDED` is created, when every warmer has ended, however each ended; its log says
-    why). Returns, or raises selection's error, once all have ended (an interrupt: at
-    once)."""
+    measures; the warmers at idle priority reach the host's other CPUs too,
+    :func:`on_host_cpus`), outside the siblings' lock, which would make selection's
+    measurements wait for the warmers' compiles. The warmers end once selection has
+    (:data:`FINISHED`, created however selection ended); a warmer that failed, ran out of
+    time or crashed fails nothing (selection's wait for a plan it claimed ends with its
+    process, and every wait once :data:`ENDED` is created, when every warmer has ended,
+    however each ended; its log says why). Returns, or raises selection's error, once all
+    have ended (an interrupt: at once)."""
     with tempfile.TemporaryDirectory(prefix="opprof-rungs-") as tmp:
         folder = Folder(Path(tmp))
         folder.start(warmers)

@@ -878,6 +878,39 @@ def test_a_warmer_runs_at_idle_priority_and_so_do_the_processes_it_starts() -> N
     assert os.sched_getscheduler(0) != os.SCHED_IDLE
 
 
+HOST = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+@pytest.mark.skipif(len(HOST) < 2, reason="needs two CPUs to pin to one")
+def test_a_warmer_moves_onto_the_host_s_cpus_and_so_do_the_processes_it_starts(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pinned to a slice of one CPU, a warmer told the host's CPUs moves there (this thread,
+    as Linux sets affinity per thread), and a process it starts after inherits them; told
+    none, it stays on its slice."""
+    from pytest_opprof.gpus import HOST_CPUS_ENV
+
+    seen: dict[str, Any] = {}
+
+    def warmer() -> None:
+        os.sched_setaffinity(0, HOST[:1])
+        monkeypatch.delenv(HOST_CPUS_ENV, raising=False)
+        seen["untold"] = rung_warmer.on_host_cpus(), sorted(os.sched_getaffinity(0))
+        monkeypatch.setenv(HOST_CPUS_ENV, ",".join(map(str, HOST)))
+        seen["told"] = rung_warmer.on_host_cpus(), sorted(os.sched_getaffinity(0))
+        child = [sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"]
+        seen["child"] = subprocess.run(child, capture_output=True, text=True).stdout.strip()
+
+    thread = threading.Thread(target=warmer)
+    thread.start()
+    thread.join(60)
+    assert seen == {
+        "untold": (None, HOST[:1]),
+        "told": (len(HOST), HOST),
+        "child": str(HOST),
+    }
+
+
 @pytest.mark.slow
 def test_a_plan_the_warmer_compiled_is_answered_by_the_fx_graph_cache_in_selection(
     tmp_path: Path,
@@ -909,6 +942,9 @@ def test_a_plan_the_warmer_compiled_is_answered_by_the_fx_graph_cache_in_selecti
         "PYTHONHASHSEED": "0",
     }
     env.pop(LOCK_ENV, None)
+    if len(HOST) > 1:  # a worker's slice of one CPU, the host named: the warmer moves there
+        # with the slice's OpenMP threads, as gpus.pin_worker sets them for every process
+        env.update(OPPROF_HOST_CPUS=",".join(map(str, HOST)), OMP_NUM_THREADS="1")
     log = tmp_path / "warm_rungs.log"
     with log.open("w") as fh:
         warmer = subprocess.Popen(
@@ -916,6 +952,7 @@ def test_a_plan_the_warmer_compiled_is_answered_by_the_fx_graph_cache_in_selecti
             stdout=fh,
             stderr=subprocess.STDOUT,
             env=env,
+            preexec_fn=(lambda: os.sched_setaffinity(0, HOST[:1])) if len(HOST) > 1 else None,
         )
         deadline = time.monotonic() + 240
         while not Folder(folder).done(plan).exists() and warmer.poll() is None:
@@ -925,6 +962,8 @@ def test_a_plan_the_warmer_compiled_is_answered_by_the_fx_graph_cache_in_selecti
         assert warmer.wait(60) == 0, log.read_text()
     said = log.read_text()
     assert "not at idle priority" not in said or not hasattr(os, "SCHED_IDLE")
+    if len(HOST) > 1 and hasattr(os, "SCHED_IDLE"):
+        assert f"at idle priority on the host's {len(HOST)} CPUs" in said, said
     assert re.search(r"built bn_fold-1 ahead of selection: .*FX graph cache 0 hit, 1 miss", said)
     assert "built 1 plans ahead of selection" in said
     (tmp_path / "plan.json").write_text(plan.model_dump_json(), encoding="utf-8")
