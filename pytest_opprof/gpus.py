@@ -32,7 +32,18 @@ from pytest_opprof.devicelock import OWN_CPUS_ENV
 
 HOST_CPUS_ENV = "OPPROF_HOST_CPUS"
 """The CPUs the session could use before it pinned its worker to a slice (comma-separated):
-where Inductor's compile workers may run (``stages.common.compile_pool_on_host``)."""
+where the rung warmers run (``stages.rung_warmer.on_host_cpus``), and Inductor's compile
+workers where asked (``stages.common.compile_pool_on_host``)."""
+
+
+def host_cpus() -> set[int] | None:
+    """The CPUs of :data:`HOST_CPUS_ENV`, where they reach past this thread's own; None where
+    nothing names more (no pinned worker) or the platform cannot pin."""
+    listed = os.environ.get(HOST_CPUS_ENV, "")
+    if not listed or not hasattr(os, "sched_setaffinity"):
+        return None
+    host = {int(c) for c in listed.split(",") if c.strip().isdigit()}
+    return host if host - os.sched_getaffinity(0) else None
 
 
 def visible_gpus(environ: dict[str, str] | None = None) -> list[str]:

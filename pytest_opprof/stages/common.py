@@ -247,17 +247,12 @@ def compile_pool_on_host() -> int | None:
     CPUs of the moment, so the thread widens them for the span of the start; the sidecar is
     reniced before it has any worker, and the workers it forks at their first job inherit both.
     The stage process itself stays on the slice: its measurements launch from it."""
-    from pytest_opprof.gpus import HOST_CPUS_ENV
+    from pytest_opprof.gpus import host_cpus
 
-    listed = os.environ.get(HOST_CPUS_ENV, "")
-    if os.environ.get(COMPILE_POOL_ENV) != "host" or not listed:
-        return None
-    if not hasattr(os, "sched_setaffinity"):
+    host = host_cpus() if os.environ.get(COMPILE_POOL_ENV) == "host" else None
+    if host is None:
         return None
     mine = os.sched_getaffinity(0)
-    host = {int(c) for c in listed.split(",") if c.strip().isdigit()}
-    if not host - mine:
-        return None
     import torch
     from torch._inductor import async_compile
 
@@ -266,7 +261,8 @@ def compile_pool_on_host() -> int | None:
     if config.worker_start_method != "subprocess" or started is None or started().currsize:
         return None
     config.compile_threads = min(len(host), POOL_PER_SLICE_CPU * len(mine))
-    os.sched_setaffinity(0, host)
+    with contextlib.suppress(OSError):  # else a CPU since taken away: the pool on the slice
+        os.sched_setaffinity(0, host)
     try:
         async_compile.AsyncCompile.warm_pool()
     finally:

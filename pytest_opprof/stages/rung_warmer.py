@@ -355,13 +355,10 @@ def on_host_cpus() -> int | None:
     idle priority takes only CPU time nobody else wants, anywhere on the host, where on its
     slice it had only what selection left of two CPUs, and a build is one thread of Python.
     The number of CPUs, or None where nothing names more than the slice."""
-    from pytest_opprof.gpus import HOST_CPUS_ENV
+    from pytest_opprof.gpus import host_cpus
 
-    listed = os.environ.get(HOST_CPUS_ENV, "")
-    if not listed or not hasattr(os, "sched_setaffinity"):
-        return None
-    host = {int(c) for c in listed.split(",") if c.strip().isdigit()}
-    if not host - os.sched_getaffinity(0):
+    host = host_cpus()
+    if host is None:
         return None
     try:
         os.sched_setaffinity(0, host)
