@@ -36,14 +36,23 @@ where the rung warmers run (``stages.rung_warmer.on_host_cpus``), and Inductor's
 workers where asked (``stages.common.compile_pool_on_host``)."""
 
 
-def host_cpus() -> set[int] | None:
-    """The CPUs of :data:`HOST_CPUS_ENV`, where they reach past this thread's own; None where
-    nothing names more (no pinned worker) or the platform cannot pin."""
+def onto_host() -> set[int] | None:
+    """Move this thread (and the threads and processes it starts after) onto the CPUs of
+    :data:`HOST_CPUS_ENV`; the CPUs it had, or None where it stays: nothing names more than
+    its own (no pinned worker), the platform cannot pin, or a CPU named has since been taken
+    from this process."""
     listed = os.environ.get(HOST_CPUS_ENV, "")
     if not listed or not hasattr(os, "sched_setaffinity"):
         return None
     host = {int(c) for c in listed.split(",") if c.strip().isdigit()}
-    return host if host - os.sched_getaffinity(0) else None
+    mine = os.sched_getaffinity(0)
+    if not host - mine:
+        return None
+    try:
+        os.sched_setaffinity(0, host)
+    except OSError:
+        return None
+    return mine
 
 
 def visible_gpus(environ: dict[str, str] | None = None) -> list[str]:

@@ -247,22 +247,20 @@ def compile_pool_on_host() -> int | None:
     CPUs of the moment, so the thread widens them for the span of the start; the sidecar is
     reniced before it has any worker, and the workers it forks at their first job inherit both.
     The stage process itself stays on the slice: its measurements launch from it."""
-    from pytest_opprof.gpus import host_cpus
+    from torch._inductor import async_compile, config
 
-    host = host_cpus() if os.environ.get(COMPILE_POOL_ENV) == "host" else None
-    if host is None:
+    from pytest_opprof.gpus import onto_host
+
+    if os.environ.get(COMPILE_POOL_ENV) != "host":
         return None
-    mine = os.sched_getaffinity(0)
-    import torch
-    from torch._inductor import async_compile
-
-    config = torch._inductor.config
     started = getattr(async_compile.AsyncCompile.process_pool, "cache_info", None)
     if config.worker_start_method != "subprocess" or started is None or started().currsize:
         return None
+    mine = onto_host()
+    if mine is None:
+        return None
+    host = os.sched_getaffinity(0)
     config.compile_threads = min(len(host), POOL_PER_SLICE_CPU * len(mine))
-    with contextlib.suppress(OSError):  # else a CPU since taken away: the pool on the slice
-        os.sched_setaffinity(0, host)
     try:
         async_compile.AsyncCompile.warm_pool()
     finally:

@@ -355,16 +355,9 @@ def on_host_cpus() -> int | None:
     idle priority takes only CPU time nobody else wants, anywhere on the host, where on its
     slice it had only what selection left of two CPUs, and a build is one thread of Python.
     The number of CPUs, or None where nothing names more than the slice."""
-    from pytest_opprof.gpus import host_cpus
+    from pytest_opprof.gpus import onto_host
 
-    host = host_cpus()
-    if host is None:
-        return None
-    try:
-        os.sched_setaffinity(0, host)
-    except OSError:  # a CPU since taken from this process's cgroup: stay on the slice
-        return None
-    return len(host)
+    return None if onto_host() is None else len(os.sched_getaffinity(0))
 
 
 def slice_cpus() -> int:
