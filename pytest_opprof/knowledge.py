@@ -300,6 +300,12 @@ EdgeCaseFlagName = Literal[
     "cuda_graph_replay",
 ]
 
+FEW_CHANNELS = 8
+"""A 2-D convolution over fewer input channels than this is ``conv_im2col``'s: tensor-core
+convolution kernels take the channels in multiples of 8 at 16 bits, so cuDNN pads fewer with
+zeros (padding kernels before the call) and its implicit GEMM then multiplies mostly zeros,
+while the same convolution as a gather and one GEMM of K = channels × kernel area pads K once."""
+
 EDGE_CASE_PENALTIES: dict[str, float] = {
     "high_unattributed_share": 0.15,
     "graph_breaks": 0.25,
@@ -318,6 +324,7 @@ EDGE_CASE_APPLIES_TO: dict[str, frozenset[str] | None] = {
             "qkv_fusion",
             "sdpa_replacement",
             "bn_fold",
+            "conv_im2col",
             "activation_substitution",
             "gemm_epilogue",
             "attention_backend",

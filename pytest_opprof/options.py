@@ -46,6 +46,7 @@ TRANSFORMATION_TYPES: tuple[str, ...] = (
     "gemm_out_dtype",
     "memory_layout",
     "bn_fold",
+    "conv_im2col",
     "qkv_fusion",
     "sdpa_replacement",
     "pretranspose_weights",

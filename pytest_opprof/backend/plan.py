@@ -91,6 +91,7 @@ CANONICAL_ORDER: tuple[str, ...] = (
     "bn_fold",
     "dtype_promotion",
     "memory_layout",
+    "conv_im2col",
     "gemm_out_dtype",
     "gemm_epilogue",
     "activation_substitution",
@@ -119,8 +120,11 @@ name. Pass by pass:
   makes, and ``gemm_epilogue`` follows its cast back up (``passes.gemm_epilogue``); run after
   them, it would not lower the fp32 ``_addmm_activation`` the epilogue makes.
 - ``memory_layout`` (the graph form) after ``bn_fold`` and ``dtype_promotion``: it marks the
-  input of each ``convolution`` that remains, at the dtype it computes in; no later pass
-  matches convolutions.
+  input of each ``convolution`` that remains, at the dtype it computes in.
+- ``conv_im2col`` after the three that match convolutions: it turns a ``convolution`` over
+  fewer than 8 input channels into a gather and an ``mm`` / ``addmm``, so the fold must be in
+  its weight, the casts around it and the layout on its input already. Before the GEMM
+  passes, which may then take its ``mm`` (``gemm_algorithm`` tunes it).
 - ``gemm_out_dtype`` before ``gemm_algorithm``: it turns ``convert(mm(bf16), fp32)`` into
   ``mm.dtype``, which ``gemm_algorithm`` tunes too, whereas ``tuned_mm`` would hide the
   ``mm`` from it.
@@ -196,6 +200,7 @@ GRAPH_ORDER: tuple[str, ...] = (
     "sdpa_replacement",
     "activation_substitution",
     "bn_fold",
+    "conv_im2col",
     "gemm_epilogue",
     "attention_backend",
 )

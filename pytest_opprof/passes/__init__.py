@@ -29,6 +29,7 @@ from pytest_opprof.passes import (
     attention_backend,
     batch_padding,
     bn_fold,
+    conv_im2col,
     cuda_graphs,
     dtype_promotion,
     gemm_algorithm,
@@ -104,6 +105,12 @@ REGISTRY: dict[str, PassSpec] = {
             "aten",
             bn_fold.apply,
             "eval-mode batch norm folded into the conv/linear weights",
+        ),
+        _spec(
+            "conv_im2col",
+            "aten",
+            conv_im2col.apply,
+            "convolution over fewer than 8 input channels as an im2col gather and one GEMM",
         ),
         _spec(
             "qkv_fusion",

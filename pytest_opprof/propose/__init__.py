@@ -36,6 +36,7 @@ CONFIDENCE_RANK = {"high": 2, "medium": 1, "low": 0}
 
 DEPENDS_ON: dict[str, tuple[str, ...]] = {
     "memory_layout": ("bn_fold",),
+    "conv_im2col": ("bn_fold", "dtype_promotion"),
     "sdpa_replacement": ("qkv_fusion",),
     "pretranspose_weights": ("bn_fold", "qkv_fusion"),
     "batch_padding": ("dtype_promotion",),
@@ -43,8 +44,9 @@ DEPENDS_ON: dict[str, tuple[str, ...]] = {
     "cuda_graphs": ("dtype_promotion", "memory_layout", "pretranspose_weights"),
 }
 """Which types a proposal of each type applies after: BN folds into the NCHW weights before the
-layout changes; fusion before SDPA formation and freezing; padding at the promoted dtype's tile;
-CUDA graphs record the final kernels."""
+layout changes and before a convolution becomes a GEMM, which computes at the promoted dtype;
+fusion before SDPA formation and freezing; padding at the promoted dtype's tile; CUDA graphs
+record the final kernels."""
 
 
 def propose(

@@ -80,6 +80,63 @@ def bn_fold(ctx: Context) -> list[Draft]:
     ]
 
 
+def conv_im2col(ctx: Context) -> list[Draft]:
+    """2-D convolutions over fewer than ``knowledge.FEW_CHANNELS`` input channels (a network's
+    stem, a patch embedding): on a GPU their tensor-core kernels pad the channels and multiply
+    mostly zeros. Whether a gather and one GEMM beat that is measured, not modelled: the gather
+    writes the patches once, kernel area times the input for a stride of 1."""
+    if not ctx.gpu:
+        return []
+    sites: list[tuple[str, graph.Geometry, list[Evidence]]] = []
+    for v in ctx.views:
+        for node in v.nodes:
+            if not graph.is_conv(node):
+                continue
+            x, (weight, w) = v.arg(node, 0), graph.weight_shape(v, node)
+            geo = graph.geometry(v, node)
+            if x is None or not w or len(w) != 4 or geo is None or geo.groups != 1:
+                continue
+            if w[1] >= knowledge.FEW_CHANNELS:
+                continue
+            found = [ev(f"{node.name} input shape", x.shape, v.source(x, ".shape"))]
+            if weight is not None:
+                found.append(ev(f"{node.name} weight shape", w, v.source(weight, ".shape")))
+            sites.append((node.name, geo, found))
+    if not sites:
+        return []
+    shapes = ", ".join(f"{name} (K {geo.k}, N {geo.n})" for name, geo, _ in sites)
+    rationale = (
+        f"{len(sites)} convolution(s) over fewer than {knowledge.FEW_CHANNELS} input channels: "
+        f"{shapes}. Tensor-core convolution kernels pad the channels to "
+        f"{knowledge.FEW_CHANNELS} and multiply mostly zeros; an im2col gather and one GEMM "
+        "of K = channels × kernel area pad K once. Selection times both."
+    )
+    steps = [
+        "aten level: match convolution (not transposed, groups 1, 4-D) whose weight has fewer "
+        f"than {knowledge.FEW_CHANNELS} input channels",
+        "gather the windows of the padded input (unfold per spatial dimension, a strided "
+        "slice for dilation), permute and copy them into the patch matrix [N·Ho·Wo, C·kh·kw], "
+        "K padded with zeros to a multiple of 8",
+        "mm / addmm with the weight as [K, C_out]; view and permute the result to "
+        "[N, C_out, Ho, Wo] (channels_last strides)",
+        "replace the convolution's uses; graph.lint(); recompile",
+    ]
+    return [
+        Draft(
+            "conv_im2col",
+            "aten",
+            [name for name, _, _ in sites],
+            [e for _, _, found in sites[:MAX_EVIDENCE_PER_KIND] for e in found],
+            steps,
+            ctx.budget.impact(
+                0.0, "not modelled: whether the gather and GEMM beat the padded kernel; measured"
+            ),
+            SCORE_LOW,
+            rationale,
+        )
+    ]
+
+
 def qkv_fusion(ctx: Context) -> list[Draft]:
     matches = [m for v in ctx.views for m in patterns.find_shared_input_linears(v)]
     if not matches:

@@ -26,6 +26,7 @@ ALL_TYPES = {
     "attention_backend": "aten",
     "memory_layout": "aten",
     "bn_fold": "aten",
+    "conv_im2col": "aten",
     "qkv_fusion": "functional",
     "sdpa_replacement": "functional",
     "pretranspose_weights": "inductor_config",

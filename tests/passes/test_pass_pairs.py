@@ -200,6 +200,7 @@ HOME: dict[str, str] = {
     "activation_substitution": "gelu",
     "bn_fold": "conv_bn",
     "memory_layout": "conv_bn",
+    "conv_im2col": "conv_bn",
     "dtype_promotion": "mlp",
     "gemm_epilogue": "mlp",
     "gemm_out_dtype": "logits",

@@ -191,6 +191,22 @@ def test_attention_backend_where_there_is_attention(name: str) -> None:
     assert proposal.confidence == "low" and proposal.impact.estimated_saving_us == 0.0
 
 
+@needs_profiles
+@pytest.mark.parametrize("name", FOUND or ["none"])
+def test_conv_im2col_where_a_convolution_has_few_input_channels(name: str) -> None:
+    """conv_block's stem (3 → 64 channels) and nothing else of the seven:
+    depthwise_separable_conv's convolutions are grouped or read 32 channels or more."""
+    _, _, opt = run(name)
+    moves = [p for p in opt.proposals if p.type == "conv_im2col"]
+    if name != "conv_block":
+        assert not moves
+        return
+    (proposal,) = moves
+    assert proposal.targets == ["input_1"] and proposal.ir_level == "aten"
+    assert [e.value for e in proposal.evidence] == ["[16, 3, 64, 64]", "[64, 3, 3, 3]"]
+    assert proposal.confidence == "low" and proposal.impact.estimated_saving_us == 0.0
+
+
 def _without_counters(profile: Profile) -> Profile:
     """The profile as the capture writes it without Nsight Compute: no kernel metrics, no
     counters summary."""
