@@ -306,6 +306,12 @@ convolution kernels take the channels in multiples of 8 at 16 bits, so cuDNN pad
 zeros (padding kernels before the call) and its implicit GEMM then multiplies mostly zeros,
 while the same convolution as a gather and one GEMM of K = channels × kernel area pads K once."""
 
+DEPTHWISE_MAX_TAPS = 25
+"""A depthwise convolution of at most this many kernel taps is ``depthwise_taps``': written as
+the weighted sum of its taps it is pointwise code, one load of the input per tap and output
+element, which Inductor fuses with the bias and activation around it. The depthwise kernels
+networks use are 3 × 3 and 5 × 5; past that, a convolution kernel's reuse of its loads wins."""
+
 EDGE_CASE_PENALTIES: dict[str, float] = {
     "high_unattributed_share": 0.15,
     "graph_breaks": 0.25,
@@ -325,6 +331,7 @@ EDGE_CASE_APPLIES_TO: dict[str, frozenset[str] | None] = {
             "sdpa_replacement",
             "bn_fold",
             "conv_im2col",
+            "depthwise_taps",
             "activation_substitution",
             "gemm_epilogue",
             "attention_backend",

@@ -47,6 +47,7 @@ TRANSFORMATION_TYPES: tuple[str, ...] = (
     "memory_layout",
     "bn_fold",
     "conv_im2col",
+    "depthwise_taps",
     "qkv_fusion",
     "sdpa_replacement",
     "pretranspose_weights",

@@ -92,6 +92,7 @@ CANONICAL_ORDER: tuple[str, ...] = (
     "dtype_promotion",
     "memory_layout",
     "conv_im2col",
+    "depthwise_taps",
     "gemm_out_dtype",
     "gemm_epilogue",
     "activation_substitution",
@@ -125,6 +126,8 @@ name. Pass by pass:
   fewer than 8 input channels into a gather and an ``mm`` / ``addmm``, so the fold must be in
   its weight, the casts around it and the layout on its input already. Before the GEMM
   passes, which may then take its ``mm`` (``gemm_algorithm`` tunes it).
+- ``depthwise_taps`` after the same three, for the same reasons; it and ``conv_im2col`` match
+  disjoint convolutions (grouped, one group), so their order between them is free.
 - ``gemm_out_dtype`` before ``gemm_algorithm``: it turns ``convert(mm(bf16), fp32)`` into
   ``mm.dtype``, which ``gemm_algorithm`` tunes too, whereas ``tuned_mm`` would hide the
   ``mm`` from it.
@@ -201,6 +204,7 @@ GRAPH_ORDER: tuple[str, ...] = (
     "activation_substitution",
     "bn_fold",
     "conv_im2col",
+    "depthwise_taps",
     "gemm_epilogue",
     "attention_backend",
 )

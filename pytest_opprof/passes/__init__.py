@@ -31,6 +31,7 @@ from pytest_opprof.passes import (
     bn_fold,
     conv_im2col,
     cuda_graphs,
+    depthwise_taps,
     dtype_promotion,
     gemm_algorithm,
     gemm_epilogue,
@@ -111,6 +112,13 @@ REGISTRY: dict[str, PassSpec] = {
             "aten",
             conv_im2col.apply,
             "convolution over fewer than 8 input channels as an im2col gather and one GEMM",
+        ),
+        _spec(
+            "depthwise_taps",
+            "aten",
+            depthwise_taps.apply,
+            "depthwise convolution as the weighted sum of its kernel's taps, fused with its "
+            "neighbours",
         ),
         _spec(
             "qkv_fusion",

@@ -17,21 +17,14 @@ on the shapes and the device, which selection measures.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx
 
 from pytest_opprof.knowledge import FEW_CHANNELS
-from pytest_opprof.passes.base import (
-    PassResult,
-    fake_value,
-    is_op,
-    meta_key,
-    run_graph_pass,
-    set_fake_value,
-)
+from pytest_opprof.passes.base import PassResult, meta_key, run_graph_pass, set_fake_value
+from pytest_opprof.passes.matching import Conv2d, conv2d
 
 NAME = "conv_im2col"
 aten = torch.ops.aten
@@ -61,8 +54,8 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[i
             out = _im2col_gemm(graph, key, site)
         conv.replace_all_uses_with(out)
         graph.erase_node(conv)
-        channels.add(site.kernel[0])
-        reductions.add((site.k, _aligned(site.k)))
+        channels.add(site.channels)
+        reductions.add((_k(site), _aligned(_k(site))))
         count += 1
     if not count:
         return 0, f"no convolution with fewer than {MIN_CHANNELS} input channels"
@@ -71,86 +64,24 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[i
     return count, f"{count} convolution(s) over {cs} input channel(s) as im2col + GEMM (K {ks})"
 
 
-@dataclass(frozen=True)
-class _Site:
-    """One matched convolution: its operands and its static geometry."""
-
-    x: torch.fx.Node
-    weight: torch.fx.Node
-    bias: torch.fx.Node | None
-    out: tuple[int, int, int, int]  # N, Cout, Ho, Wo
-    kernel: tuple[int, int, int]  # C, kh, kw
-    stride: tuple[int, int]
-    padding: tuple[int, int]
-    dilation: tuple[int, int]
-
-    @property
-    def k(self) -> int:
-        c, kh, kw = self.kernel
-        return c * kh * kw
-
-
-def _match(conv: torch.fx.Node, key: str) -> _Site | None:
-    if not is_op(conv, aten.convolution) or len(conv.args) != 9 or conv.kwargs:
+def _match(conv: torch.fx.Node, key: str) -> Conv2d | None:
+    site = conv2d(conv, key)
+    if site is None or site.groups != 1 or site.channels >= MIN_CHANNELS:
         return None
-    x, w, b, *geometry, transposed, _output_padding, groups = conv.args
-    if transposed or groups != 1:
-        return None
-    if not isinstance(x, torch.fx.Node) or not isinstance(w, torch.fx.Node):
-        return None
-    if b is not None and not isinstance(b, torch.fx.Node):
-        return None
-    stride, padding, dilation = (_pair(g) for g in geometry)
-    if stride is None or padding is None or dilation is None:
-        return None
-    xv, out = fake_value(x), fake_value(conv)
-    if not (_static_4d(xv) and _static_4d(out)) or not xv.is_floating_point():
-        return None
-    if xv.shape[1] >= MIN_CHANNELS:  # one group: the input's channels are the weight's
-        return None
-    wv = _weight_value(w, key)
-    if not _static_4d(wv) or not (xv.dtype == wv.dtype == out.dtype):
-        return None
-    cout, c, kh, kw = wv.shape
-    if c != xv.shape[1] or out.shape[1] != cout:
-        return None
-    if b is not None:
-        bv = fake_value(b)
-        if not isinstance(bv, torch.Tensor) or bv.dtype != out.dtype or bv.shape != (cout,):
-            return None
-    n, _, ho, wo = out.shape
-    return _Site(x, w, b, (n, cout, ho, wo), (c, kh, kw), stride, padding, dilation)
+    return site
 
 
-def _weight_value(w: torch.fx.Node, key: str) -> Any:
-    """The weight's fake value. With freezing on, Inductor hands the weights to the
-    convolutions through a ``clone`` to channels_last that it inserts without one
-    (``convert_conv_weights_to_channels_last``, torch 2.13): it is computed then."""
-    inputs_known = all(fake_value(a) is not None for a in w.all_input_nodes)
-    if fake_value(w) is None and w.op == "call_function" and inputs_known:
-        set_fake_value(w, key)
-    return fake_value(w)
-
-
-def _static_4d(v: Any) -> bool:
-    return (
-        isinstance(v, torch.Tensor)
-        and v.dim() == 4
-        and all(type(s) is int for s in v.shape)  # a SymInt is not an int
-    )
-
-
-def _pair(v: Any) -> tuple[int, int] | None:
-    if isinstance(v, (list, tuple)) and len(v) == 2 and all(type(i) is int for i in v):
-        return v[0], v[1]
-    return None
+def _k(site: Conv2d) -> int:
+    """The GEMM's reduction: channels × kernel area, the length of ``weight.reshape(Cout, K)``."""
+    _, c, kh, kw = site.weight_shape
+    return c * kh * kw
 
 
 def _aligned(k: int) -> int:
     return -(-k // K_ALIGN) * K_ALIGN
 
 
-def _im2col_gemm(graph: torch.fx.Graph, key: str, site: _Site) -> torch.fx.Node:
+def _im2col_gemm(graph: torch.fx.Graph, key: str, site: Conv2d) -> torch.fx.Node:
     """The replacement of one convolution, built at the graph's insertion point."""
 
     def call(op: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
@@ -159,7 +90,7 @@ def _im2col_gemm(graph: torch.fx.Graph, key: str, site: _Site) -> torch.fx.Node:
         return node
 
     n, cout, ho, wo = site.out
-    k, kp = site.k, _aligned(site.k)
+    k, kp = _k(site), _aligned(_k(site))
 
     patches = _patch_matrix(call, site)
     # The weight may be channels_last: made contiguous before it is read as [Cout, K].
@@ -177,7 +108,7 @@ def _im2col_gemm(graph: torch.fx.Graph, key: str, site: _Site) -> torch.fx.Node:
     return call(aten.permute.default, out, [0, 3, 1, 2])
 
 
-def _patch_matrix(call: Callable[..., torch.fx.Node], site: _Site) -> torch.fx.Node:
+def _patch_matrix(call: Callable[..., torch.fx.Node], site: Conv2d) -> torch.fx.Node:
     """``[N·Ho·Wo, Kp]``: row (n, ho, wo) holds the input window of that output pixel,
     channel-major then kh, kw, zero-padded from K to Kp columns.
 
@@ -189,9 +120,9 @@ def _patch_matrix(call: Callable[..., torch.fx.Node], site: _Site) -> torch.fx.N
     becomes a buffer of its own ahead of the transposing copy: ``ConcatKernel``, always on the
     CPU and past ``config.max_pointwise_cat_inputs`` (8) inputs on the GPU (torch 2.13)."""
     n, _, ho, wo = site.out
-    _, kh, kw = site.kernel
+    _, _, kh, kw = site.weight_shape
     (sh, sw), (ph, pw), (dh, dw) = site.stride, site.padding, site.dilation
-    k, kp = site.k, _aligned(site.k)
+    k, kp = _k(site), _aligned(_k(site))
     xp = site.x
     if ph or pw:
         xp = call(aten.constant_pad_nd.default, xp, [pw, pw, ph, ph], 0.0)

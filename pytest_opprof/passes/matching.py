@@ -2,8 +2,9 @@
 
 ``activation_substitution`` and ``gemm_epilogue`` both find the tanh-form GELU and the
 ``0.5 * x * (1 + f)`` around a GELU's ``tanh`` / ``erf``; ``dtype_promotion``,
-``gemm_epilogue`` and ``gemm_out_dtype`` all step through view ops and recognise dtype casts.
-The helpers live here, public, so that no pass imports another pass's private names.
+``gemm_epilogue`` and ``gemm_out_dtype`` all step through view ops and recognise dtype casts;
+``conv_im2col`` and ``depthwise_taps`` read a 2-D convolution's operands and geometry
+(``conv2d``). The helpers live here, public, so that no pass imports another pass's private names.
 
 Matched by hand rather than with Inductor's pattern matcher: people write the GELU formula in
 many shapes (``x**3`` / ``x*x*x`` / ``pow``, either operand order, constants rounded to a few
@@ -16,13 +17,14 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.fx
 import torch.nn.functional as F
 
-from pytest_opprof.passes.base import fake_value, is_op, scalar, single_user
+from pytest_opprof.passes.base import fake_value, is_op, scalar, set_fake_value, single_user
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -216,3 +218,87 @@ def _same_tensor_type(x: torch.fx.Node, root: torch.fx.Node) -> bool:
         return True
     ok = isinstance(xv, torch.Tensor) and isinstance(rv, torch.Tensor)
     return ok and xv.shape == rv.shape and xv.dtype == rv.dtype and xv.is_floating_point()
+
+
+# --------------------------------------------------------------------------- convolutions
+
+
+@dataclass(frozen=True)
+class Conv2d:
+    """A 2-D ``aten.convolution`` with static shapes: its operands and its geometry."""
+
+    x: torch.fx.Node
+    weight: torch.fx.Node
+    bias: torch.fx.Node | None
+    dtype: torch.dtype  # of the input, the weight, the bias and the output alike
+    channels: int  # of the input
+    weight_shape: tuple[int, int, int, int]  # C_out, C / groups, kh, kw
+    out: tuple[int, int, int, int]  # N, C_out, Ho, Wo
+    stride: tuple[int, int]
+    padding: tuple[int, int]
+    dilation: tuple[int, int]
+    groups: int
+
+
+def conv2d(node: Any, key: str) -> Conv2d | None:
+    """``node`` as a ``Conv2d`` where it is an ``aten.convolution`` that is not transposed,
+    with floating 4-D input, weight and output of static shape and one dtype (the bias's too,
+    of shape ``[C_out]``) and plain int strides, paddings, dilations and groups; else None."""
+    if not is_op(node, aten.convolution) or len(node.args) != 9 or node.kwargs:
+        return None
+    x, w, b, *geometry, transposed, _output_padding, groups = node.args
+    if transposed or type(groups) is not int or groups < 1:
+        return None
+    if not isinstance(x, torch.fx.Node) or not isinstance(w, torch.fx.Node):
+        return None
+    if b is not None and not isinstance(b, torch.fx.Node):
+        return None
+    stride, padding, dilation = (_int_pair(g) for g in geometry)
+    if stride is None or padding is None or dilation is None:
+        return None
+    xv, wv, out = fake_value(x), _weight_value(w, key), fake_value(node)
+    if not all(_static_4d(v) for v in (xv, wv, out)) or not xv.is_floating_point():
+        return None
+    if not (xv.dtype == wv.dtype == out.dtype):
+        return None
+    if b is not None:
+        bv = fake_value(b)
+        if not isinstance(bv, torch.Tensor) or (bv.dtype, bv.shape) != (out.dtype, (out.shape[1],)):
+            return None
+    return Conv2d(
+        x,
+        w,
+        b,
+        out.dtype,
+        xv.shape[1],
+        tuple(wv.shape),
+        tuple(out.shape),
+        stride,
+        padding,
+        dilation,
+        groups,
+    )
+
+
+def _weight_value(w: torch.fx.Node, key: str) -> Any:
+    """The weight's fake value. With freezing on, Inductor hands the weights to the
+    convolutions through a ``clone`` to channels_last that it inserts without one
+    (``convert_conv_weights_to_channels_last``, torch 2.13): it is computed then."""
+    inputs_known = all(fake_value(a) is not None for a in w.all_input_nodes)
+    if fake_value(w) is None and w.op == "call_function" and inputs_known:
+        set_fake_value(w, key)
+    return fake_value(w)
+
+
+def _static_4d(v: Any) -> bool:
+    return (
+        isinstance(v, torch.Tensor)
+        and v.dim() == 4
+        and all(type(s) is int for s in v.shape)  # a SymInt is not an int
+    )
+
+
+def _int_pair(v: Any) -> tuple[int, int] | None:
+    if isinstance(v, (list, tuple)) and len(v) == 2 and all(type(i) is int for i in v):
+        return v[0], v[1]
+    return None

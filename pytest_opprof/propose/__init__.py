@@ -37,6 +37,7 @@ CONFIDENCE_RANK = {"high": 2, "medium": 1, "low": 0}
 DEPENDS_ON: dict[str, tuple[str, ...]] = {
     "memory_layout": ("bn_fold",),
     "conv_im2col": ("bn_fold", "dtype_promotion"),
+    "depthwise_taps": ("bn_fold", "dtype_promotion"),
     "sdpa_replacement": ("qkv_fusion",),
     "pretranspose_weights": ("bn_fold", "qkv_fusion"),
     "batch_padding": ("dtype_promotion",),

@@ -137,6 +137,64 @@ def conv_im2col(ctx: Context) -> list[Draft]:
     ]
 
 
+def depthwise_taps(ctx: Context) -> list[Draft]:
+    """Depthwise 2-D convolutions (one group per channel, multiplier 1) of at most
+    ``knowledge.DEPTHWISE_MAX_TAPS`` taps: memory-bound, and on a GPU run as a kernel of their
+    own followed by another for the bias and activation after them. As the weighted sum of
+    their taps, pointwise code, Inductor makes one kernel of the three. Measured, not
+    modelled: the sum loads the input once per tap."""
+    if not ctx.gpu:
+        return []
+    sites: list[tuple[str, list[int], list[Evidence]]] = []
+    for v in ctx.views:
+        for node in v.nodes:
+            if not graph.is_conv(node):
+                continue
+            x, (weight, w) = v.arg(node, 0), graph.weight_shape(v, node)
+            if x is None or not x.shape or len(x.shape) != 4 or not w or len(w) != 4:
+                continue
+            channels = x.shape[1]
+            if not (channels > 1 and w[0] == channels and w[1] == 1):
+                continue
+            if w[2] * w[3] > knowledge.DEPTHWISE_MAX_TAPS:
+                continue
+            found = [ev(f"{node.name} input shape", x.shape, v.source(x, ".shape"))]
+            if weight is not None:
+                found.append(ev(f"{node.name} weight shape", w, v.source(weight, ".shape")))
+            sites.append((node.name, w, found))
+    if not sites:
+        return []
+    kernels = sorted({f"{w[2]}×{w[3]}" for _, w, _ in sites})
+    rationale = (
+        f"{len(sites)} depthwise convolution(s) ({', '.join(kernels)}): memory-bound, each a "
+        "kernel of its own with the bias and activation after it in another. As the weighted "
+        "sum of the kernel's taps, pointwise code, Inductor fuses the three into one kernel "
+        "that reads the input once per tap. Selection times both."
+    )
+    steps = [
+        "aten level: match convolution (not transposed, 4-D) with groups = input channels = "
+        f"output channels, at most {knowledge.DEPTHWISE_MAX_TAPS} taps",
+        "in float32: zero-pad the input, slice it once per tap (i, j) with the stride and "
+        "dilation, multiply by that tap's per-channel weight [1, C, 1, 1], sum the terms, add "
+        "the bias",
+        "cast back to the convolution's dtype; replace its uses; graph.lint(); recompile",
+    ]
+    return [
+        Draft(
+            "depthwise_taps",
+            "aten",
+            [name for name, _, _ in sites],
+            [e for _, _, found in sites[:MAX_EVIDENCE_PER_KIND] for e in found],
+            steps,
+            ctx.budget.impact(
+                0.0, "not modelled: whether one fused kernel beats the convolution's; measured"
+            ),
+            SCORE_LOW,
+            rationale,
+        )
+    ]
+
+
 def qkv_fusion(ctx: Context) -> list[Draft]:
     matches = [m for v in ctx.views for m in patterns.find_shared_input_linears(v)]
     if not matches:

@@ -557,6 +557,7 @@ RULES: tuple[tuple[str, Rule], ...] = (
     ("memory_layout", memory_layout),
     ("bn_fold", graph_rules.bn_fold),
     ("conv_im2col", graph_rules.conv_im2col),
+    ("depthwise_taps", graph_rules.depthwise_taps),
     ("qkv_fusion", graph_rules.qkv_fusion),
     ("sdpa_replacement", graph_rules.sdpa_replacement),
     ("activation_substitution", graph_rules.activation_substitution),

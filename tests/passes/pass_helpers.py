@@ -27,3 +27,16 @@ def count(gm: torch.fx.GraphModule, *wanted: Any) -> int:
         return any(t is w or t == w or (packet is not None and packet is w) for w in wanted)
 
     return sum(1 for t in targets(gm) if hit(t))
+
+
+def output_node(gm: torch.fx.GraphModule) -> torch.fx.Node:
+    """The node a single-output graph returns."""
+    node = gm.graph.output_node().args[0]
+    assert isinstance(node, torch.fx.Node)
+    return node
+
+
+def without_fake_value(gm: torch.fx.GraphModule) -> set[str]:
+    """The names of the call nodes with no fake value: what a pass left later passes unable to
+    read dtypes and shapes from."""
+    return {n.name for n in gm.graph.nodes if n.op == "call_function" and "val" not in n.meta}

@@ -27,6 +27,7 @@ ALL_TYPES = {
     "memory_layout": "aten",
     "bn_fold": "aten",
     "conv_im2col": "aten",
+    "depthwise_taps": "aten",
     "qkv_fusion": "functional",
     "sdpa_replacement": "functional",
     "pretranspose_weights": "inductor_config",

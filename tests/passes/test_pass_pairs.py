@@ -120,6 +120,29 @@ class ConvBn(torch.nn.Module):
         return torch.relu(self.b2(self.c2(torch.relu(self.b1(self.c1(x))))))
 
 
+class Depthwise(torch.nn.Module):
+    """A MobileNet block: depthwise conv → BN → ReLU6 → pointwise conv → BN → ReLU6, in eval
+    mode, over 4 channels (so the pointwise conv is ``conv_im2col``'s too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dw = torch.nn.Conv2d(4, 4, 3, padding=1, groups=4, bias=False)
+        self.pw = torch.nn.Conv2d(4, 6, 1, bias=False)
+        self.b1, self.b2 = torch.nn.BatchNorm2d(4), torch.nn.BatchNorm2d(6)
+        for bn in (self.b1, self.b2):
+            mean, var = bn.running_mean, bn.running_var
+            assert mean is not None and var is not None
+            with torch.no_grad():
+                mean.normal_()
+                var.uniform_(0.5, 2.0)
+                bn.weight.normal_()
+                bn.bias.normal_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.relu6(self.b1(self.dw(x)))
+        return F.relu6(self.b2(self.pw(y)))
+
+
 class Mlp(torch.nn.Module):
     """Biased linear → ReLU → biased linear, in fp32."""
 
@@ -164,6 +187,7 @@ CORPUS: dict[str, Case] = {
     "attention": Case(Attention, lambda: (torch.randn(2, 4, 8),), 1e-4),
     "gelu": Case(Gelu, lambda: (torch.randn(3, 8),), 1e-4),
     "conv_bn": Case(ConvBn, lambda: (torch.randn(1, 3, 6, 6),), 1e-4),
+    "depthwise": Case(Depthwise, lambda: (torch.randn(2, 4, 6, 6),), 1e-4),
     "mlp": Case(Mlp, lambda: (torch.randn(3, 8),), 1e-4),
     "logits": Case(Logits, lambda: (torch.randn(2, 3, 16),), 2e-2),
     "cudnn_attention": Case(None, lambda: _fake_cuda(2, 16, 96), 0.0, fake=cudnn_attention),
@@ -201,6 +225,7 @@ HOME: dict[str, str] = {
     "bn_fold": "conv_bn",
     "memory_layout": "conv_bn",
     "conv_im2col": "conv_bn",
+    "depthwise_taps": "depthwise",
     "dtype_promotion": "mlp",
     "gemm_epilogue": "mlp",
     "gemm_out_dtype": "logits",
