@@ -127,7 +127,7 @@ name. Pass by pass:
   its weight, the casts around it and the layout on its input already. Before the GEMM
   passes, which may then take its ``mm`` (``gemm_algorithm`` tunes it).
 - ``depthwise_taps`` after the same three, for the same reasons; it and ``conv_im2col`` match
-  disjoint convolutions (grouped, one group), so their order between them is free.
+  disjoint convolutions (grouped, one group), so either may run first.
 - ``gemm_out_dtype`` before ``gemm_algorithm``: it turns ``convert(mm(bf16), fp32)`` into
   ``mm.dtype``, which ``gemm_algorithm`` tunes too, whereas ``tuned_mm`` would hide the
   ``mm`` from it.
