@@ -119,6 +119,7 @@ def headline_table(a: WorkloadArtifacts) -> list[str]:
     before, after = dtype_change(a)
     records = _records(a)
     ms = _latencies(a)
+    split = after is not None and ms.get("optimized_baseline_dtype") is not None
     found = {(r.baseline, r.candidate): r for r in records}
     names = [base, *(b for b in ("stock", "compile", "eager") if b != base)]
     names += sorted({r.baseline for r in records} - {*names, "optimized"})
@@ -129,7 +130,7 @@ def headline_table(a: WorkloadArtifacts) -> list[str]:
         if with_dtype is None and at_dtype is None:
             continue
         row = [_label(b) + (" (gate)" if b == base else ""), fmt_ms(ms.get(b))]
-        if after:
+        if split:
             row += [fmt_ms(ms.get("optimized_baseline_dtype")), _sp(at_dtype)]
         row += [fmt_ms(ms.get("optimized")), _sp(with_dtype)]
         rows.append(row)
@@ -141,8 +142,9 @@ def headline_table(a: WorkloadArtifacts) -> list[str]:
         rows[0].append(fmt_speedup(ratio, low, high))
         after = None
     heads = ["against", "baseline latency"]
-    if after:
+    if split:
         heads += [f"optimized at {fmt_dtype(before)}", "speedup (95% CI)"]
+    if after:
         heads += [f"optimized, {fmt_dtype(before)} → {fmt_dtype(after)}", "speedup (95% CI)"]
     else:
         heads += ["optimized", "speedup (95% CI)"]
@@ -155,6 +157,18 @@ def _precision_line(a: WorkloadArtifacts) -> str:
         return (
             f"Precision: the backend keeps the baseline dtype ({fmt_dtype(before)}); every "
             "figure above is at the baseline dtype."
+        )
+    if _latencies(a).get("optimized_baseline_dtype") is None:
+        stock = a.selection is not None and a.selection.plan.stock_recipe is not None
+        why = (
+            "it ships the stock recipe, whose graph changes are stock PyTorch's, not the "
+            "backend's; at that dtype it would be a max-autotune compile of its own"
+            if stock
+            else "that variant was not timed"
+        )
+        return (
+            f"Precision: the backend runs {fmt_dtype(after)} where the model is "
+            f"{fmt_dtype(before)}; it is not timed at {fmt_dtype(before)} apart: {why}."
         )
     return (
         f"Precision is reported apart from graph changes: the backend runs {fmt_dtype(after)} "

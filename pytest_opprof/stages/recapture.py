@@ -297,16 +297,17 @@ def _await_validation(spec: ChildSpec, device: str) -> None:
 
 def tunes_anew(run: WorkloadRun) -> bool:
     """Whether the recapture's own process compiles a max-autotune plan no earlier stage
-    compiled: the plan at the baseline dtype, where the plan is the stock recipe or
-    autotunes and lowered precision. Its templates are hundreds of new Triton kernels, which
-    one thread compiles one by one while its timing processes wait (their compiles the caches
-    answer): it keeps Inductor's compile workers (``ChildSpec.compile_pool``). Other plans
-    compile far fewer kernels anew, and starting the workers would add to the wait."""
+    compiled: the plan at the baseline dtype, where the plan autotunes and lowered precision
+    (a plan that is the stock recipe is not compiled at the baseline dtype). Its templates
+    are hundreds of new Triton kernels, which one thread compiles one by one while its timing
+    processes wait (their compiles the caches answer): it keeps Inductor's compile workers
+    (``ChildSpec.compile_pool``). Other plans compile far fewer kernels anew, and starting
+    the workers would add to the wait."""
     path = run.profiler_output / "backend_selection.json"
     if not path.exists():
         return False
     plan = read_artifact(path, BackendSelection).plan
-    autotunes = plan.stock_recipe is not None or bool(plan.config_patches.get("max_autotune"))
+    autotunes = plan.stock_recipe is None and bool(plan.config_patches.get("max_autotune"))
     return autotunes and plan.dtype not in (None, "float32")
 
 
@@ -428,7 +429,12 @@ def _optimized_calls(
                 common.load_baseline(spec, device).model, w.inputs, without
             ).fn
             common.step_done(device)
-        if not retime and plan.dtype not in (None, "float32"):
+        if not retime and plan.dtype not in (None, "float32") and ships_stock:
+            # Its graph changes are stock PyTorch's, not the backend's: at the baseline dtype
+            # it would be a max-autotune compile of its own, the longest of the run, for a
+            # figure that splits no change of the tool's from its precision.
+            common.phase("the plan is the stock recipe: not timed again at the baseline dtype")
+        elif not retime and plan.dtype not in (None, "float32"):
             torch.manual_seed(0)
             same = build(common.load_baseline(spec, device).model, w.inputs, plan.without_dtype())
             with torch.no_grad():

@@ -430,7 +430,7 @@ def test_the_recapture_times_the_stock_recipe_the_backend_stage_chose(
 @pytest.mark.parametrize(
     ("plan", "pool"),
     [
-        ({"stock_recipe": "cast", "dtype": "bfloat16"}, True),
+        ({"stock_recipe": "cast", "dtype": "bfloat16"}, False),
         ({"config_patches": {"max_autotune": True}, "dtype": "bfloat16"}, True),
         ({"dtype": "bfloat16"}, False),
         ({"stock_recipe": "cast", "dtype": "float32"}, False),
@@ -443,7 +443,8 @@ def test_only_a_recapture_that_autotunes_a_new_plan_keeps_the_compile_workers(
 ) -> None:
     """The recapture's own process compiles the plan at the baseline dtype anew; where that
     plan autotunes, it compiles with Inductor's workers (``ChildSpec.compile_pool``), its
-    timing processes, answered by the caches, never."""
+    timing processes, answered by the caches, never. A plan that is the stock recipe is not
+    compiled at the baseline dtype: no workers."""
     run = _under_a_lock(tmp_path, monkeypatch, 2 * GIB, processes=3)
     if plan is not None:
         selection = BackendSelection(
@@ -503,6 +504,61 @@ def test_a_plan_that_is_the_stock_recipe_is_timed_as_the_stock_baseline_too(
     assert got["calls"]["stock"] is (model if ships_stock else built_stock)
     assert ("stock" in got["compile_s"]) is not ships_stock
     assert ("stock", "optimized") in got["pairs"] and ("compile", "stock") in got["pairs"]
+
+
+@pytest.mark.parametrize("ships_stock", [True, False], ids=["plan-is-stock", "plan-is-own"])
+def test_a_plan_that_is_the_stock_recipe_is_not_timed_at_the_baseline_dtype(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, ships_stock: bool
+) -> None:
+    """A bf16 plan of the backend's own is built again at float32 (its graph changes apart
+    from its precision); the stock recipe at float32 would be a max-autotune compile of its
+    own, splitting no change of the tool's from its precision, and is not built."""
+    import types
+
+    import torch
+
+    from pytest_opprof.backend import build as build_module
+    from pytest_opprof.options import OpprofOptions
+    from pytest_opprof.schema import ChildSpec
+    from pytest_opprof.stages import common
+
+    model = torch.nn.Linear(2, 2)
+    w = types.SimpleNamespace(model=model, inputs=(torch.randn(1, 2),))
+    generated = types.SimpleNamespace(
+        get_model_and_input=lambda: (model, w.inputs[0]), BACKEND="b", COMPILE=False
+    )
+    monkeypatch.setattr(common, "import_generated", lambda path, sha256=None: generated)
+    monkeypatch.setattr(common, "compile_timed", lambda m, backend, inputs, device: (m, 0.0))
+    monkeypatch.setattr(common, "load_baseline", lambda spec, device: w)
+    monkeypatch.setattr(recapture, "_stock_call", lambda *a: (None, 0.0))
+    built: list[BackendPlan] = []
+
+    def build(model: Any, inputs: Any, plan: BackendPlan) -> Any:
+        built.append(plan)
+        return types.SimpleNamespace(fn=lambda *a: None)
+
+    monkeypatch.setattr(build_module, "build", build)
+    (tmp_path / "profiler_output").mkdir()
+    if ships_stock:
+        plan = BackendPlan(stock_recipe="cast", dtype="bfloat16")
+    else:
+        plan = BackendPlan(dtype="bfloat16", channels_last=True)
+    selection = BackendSelection(
+        workload="w", reference="compile", reference_ms=1.0, variants=[], chosen="x", plan=plan
+    )
+    write_artifact(tmp_path / "profiler_output" / "backend_selection.json", selection)
+    spec = ChildSpec(
+        task="recapture",
+        workload=str(tmp_path / "w.py"),
+        out_dir=str(tmp_path),
+        options=OpprofOptions.from_values({"out": str(tmp_path), "device": "cpu"}).to_child(),
+        generated=tmp_path / "w_optimized.py",
+    )
+
+    got = recapture._optimized_calls(spec, "cpu", w)
+
+    assert ("optimized_baseline_dtype" in got["calls"]) is not ships_stock
+    assert built == ([] if ships_stock else [plan.without_dtype()])
 
 
 def _ahead_of(run: StandIn) -> recapture.Ahead:

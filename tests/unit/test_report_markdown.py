@@ -920,6 +920,43 @@ def test_timing_says_when_it_ran_in_several_processes(full: WorkloadArtifacts) -
     assert "Timed in the first process only: the plan at the baseline dtype." in head
 
 
+def test_a_stock_recipe_ship_is_not_split_at_the_baseline_dtype(full: WorkloadArtifacts) -> None:
+    """The recapture does not time a stock-recipe plan at float32: the headline has no float32
+    columns and says why, instead of pointing at columns that are not there."""
+    assert full.optimized is not None and full.selection is not None
+    timing = full.optimized.timing
+    twin = "optimized_baseline_dtype"
+    timing = timing.model_copy(
+        update={
+            "variants": {n: v for n, v in timing.variants.items() if n != twin},
+            "speedups": [s for s in timing.speedups if twin not in (s.baseline, s.candidate)],
+        }
+    )
+    full.optimized = full.optimized.model_copy(update={"timing": timing})
+    plan = full.selection.plan.model_copy(update={"stock_recipe": "cast"})
+    full.selection = full.selection.model_copy(update={"plan": plan})
+
+    head = _section(_render(full, plots=False), "## Headline")
+
+    header = next(line for line in head.splitlines() if line.startswith("| against"))
+    assert [c.strip() for c in header.strip("|").split("|")] == [
+        "against",
+        "baseline latency",
+        "optimized, float32 → bfloat16",
+        "speedup (95% CI)",
+    ]
+    assert _table(head)[0] == [
+        "torch.compile (gate)",
+        "0.254 ms",
+        "0.183 ms",
+        "1.39× (95% CI 1.36–1.42)",
+    ]
+    assert "it ships the stock recipe, whose graph changes are stock PyTorch's" in " ".join(
+        head.split()
+    )
+    assert "the columns at float32" not in head
+
+
 def test_timing_explains_processes_that_disagree_on_a_host_bound_baseline(
     full: WorkloadArtifacts,
 ) -> None:
