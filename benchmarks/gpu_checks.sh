@@ -23,6 +23,7 @@ echo "gpu tests exit $?" >> "$OUT/gpu-tests.log"
 # The backend's reach into Inductor (compile_fx's wiring, freezing, the FX graph cache keying
 # folded weights by shape) on this host's torch: CI runs the same tests on the CPU build.
 timeout 300 python3 -m pytest -p pytest_opprof.plugin tests/passes/test_backend_compiler.py \
+  tests/passes/test_pass_conv_im2col.py tests/passes/test_pass_depthwise_taps.py \
   -q -p no:cacheprovider -rA > "$OUT/torch-internals.log" 2>&1
 echo "torch internals tests exit $?" >> "$OUT/torch-internals.log"
 cat > /tmp/toy.py <<'PY'
