@@ -8,6 +8,9 @@ match (the operators' share of time) and to estimate its impact.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+
 from pytest_opprof import knowledge
 from pytest_opprof.propose import gemm_patterns, graph, patterns
 from pytest_opprof.propose.context import (
@@ -80,6 +83,49 @@ def bn_fold(ctx: Context) -> list[Draft]:
     ]
 
 
+ConvSite = tuple[str, list[int], list[int], list[Evidence]]
+"""A 2-D convolution of the Dynamo graph: its name, input shape, weight shape, evidence."""
+
+
+def _conv2d_sites(ctx: Context, keep: Callable[[list[int], list[int]], bool]) -> list[ConvSite]:
+    """The 2-D convolutions whose input and weight shapes ``keep`` accepts, each with its
+    input's and (where the graph has the node) its weight's shape as evidence."""
+    sites: list[ConvSite] = []
+    for v in ctx.views:
+        for node in v.nodes:
+            if not graph.is_conv(node):
+                continue
+            x, (weight, w) = v.arg(node, 0), graph.weight_shape(v, node)
+            if x is None or not x.shape or len(x.shape) != 4 or not w or len(w) != 4:
+                continue
+            if not keep(x.shape, w):
+                continue
+            found = [ev(f"{node.name} input shape", x.shape, v.source(x, ".shape"))]
+            if weight is not None:
+                found.append(ev(f"{node.name} weight shape", w, v.source(weight, ".shape")))
+            sites.append((node.name, x.shape, w, found))
+    return sites
+
+
+def _measured_only(
+    kind: str, sites: list[ConvSite], steps: list[str], ctx: Context, race: str, why: str
+) -> list[Draft]:
+    """A low-confidence aten draft over ``sites`` with no modelled saving: which of two kernels
+    wins (``race``) is selection's measurement."""
+    return [
+        Draft(
+            kind,
+            "aten",
+            [name for name, *_ in sites],
+            [e for *_, found in sites[:MAX_EVIDENCE_PER_KIND] for e in found],
+            steps,
+            ctx.budget.impact(0.0, f"not modelled: {race}; measured"),
+            SCORE_LOW,
+            why,
+        )
+    ]
+
+
 def conv_im2col(ctx: Context) -> list[Draft]:
     """2-D convolutions over fewer than ``knowledge.FEW_CHANNELS`` input channels (a network's
     stem, a patch embedding): on a GPU their tensor-core kernels pad the channels and multiply
@@ -87,24 +133,14 @@ def conv_im2col(ctx: Context) -> list[Draft]:
     writes the patches once, kernel area times the input for a stride of 1."""
     if not ctx.gpu:
         return []
-    sites: list[tuple[str, graph.Geometry, list[Evidence]]] = []
-    for v in ctx.views:
-        for node in v.nodes:
-            if not graph.is_conv(node):
-                continue
-            x, (weight, w) = v.arg(node, 0), graph.weight_shape(v, node)
-            geo = graph.geometry(v, node)
-            if x is None or not w or len(w) != 4 or geo is None or geo.groups != 1:
-                continue
-            if w[1] >= knowledge.FEW_CHANNELS:
-                continue
-            found = [ev(f"{node.name} input shape", x.shape, v.source(x, ".shape"))]
-            if weight is not None:
-                found.append(ev(f"{node.name} weight shape", w, v.source(weight, ".shape")))
-            sites.append((node.name, geo, found))
+
+    def few_channels(x: list[int], w: list[int]) -> bool:
+        return x[1] == w[1] < knowledge.FEW_CHANNELS  # one group: the input's channels
+
+    sites = _conv2d_sites(ctx, few_channels)
     if not sites:
         return []
-    shapes = ", ".join(f"{name} (K {geo.k}, N {geo.n})" for name, geo, _ in sites)
+    shapes = ", ".join(f"{name} (K {math.prod(w[1:])}, N {w[0]})" for name, _, w, _ in sites)
     rationale = (
         f"{len(sites)} convolution(s) over fewer than {knowledge.FEW_CHANNELS} input channels: "
         f"{shapes}. Tensor-core convolution kernels pad the channels to "
@@ -121,20 +157,8 @@ def conv_im2col(ctx: Context) -> list[Draft]:
         "[N, C_out, Ho, Wo] (channels_last strides)",
         "replace the convolution's uses; graph.lint(); recompile",
     ]
-    return [
-        Draft(
-            "conv_im2col",
-            "aten",
-            [name for name, _, _ in sites],
-            [e for _, _, found in sites[:MAX_EVIDENCE_PER_KIND] for e in found],
-            steps,
-            ctx.budget.impact(
-                0.0, "not modelled: whether the gather and GEMM beat the padded kernel; measured"
-            ),
-            SCORE_LOW,
-            rationale,
-        )
-    ]
+    race = "whether the gather and GEMM beat the padded kernel"
+    return _measured_only("conv_im2col", sites, steps, ctx, race, rationale)
 
 
 def depthwise_taps(ctx: Context) -> list[Draft]:
@@ -145,26 +169,15 @@ def depthwise_taps(ctx: Context) -> list[Draft]:
     modelled: the sum loads the input once per tap."""
     if not ctx.gpu:
         return []
-    sites: list[tuple[str, list[int], list[Evidence]]] = []
-    for v in ctx.views:
-        for node in v.nodes:
-            if not graph.is_conv(node):
-                continue
-            x, (weight, w) = v.arg(node, 0), graph.weight_shape(v, node)
-            if x is None or not x.shape or len(x.shape) != 4 or not w or len(w) != 4:
-                continue
-            channels = x.shape[1]
-            if not (channels > 1 and w[0] == channels and w[1] == 1):
-                continue
-            if w[2] * w[3] > knowledge.DEPTHWISE_MAX_TAPS:
-                continue
-            found = [ev(f"{node.name} input shape", x.shape, v.source(x, ".shape"))]
-            if weight is not None:
-                found.append(ev(f"{node.name} weight shape", w, v.source(weight, ".shape")))
-            sites.append((node.name, w, found))
+
+    def depthwise(x: list[int], w: list[int]) -> bool:
+        taps = w[2] * w[3]
+        return x[1] > 1 and w[:2] == [x[1], 1] and taps <= knowledge.DEPTHWISE_MAX_TAPS
+
+    sites = _conv2d_sites(ctx, depthwise)
     if not sites:
         return []
-    kernels = sorted({f"{w[2]}×{w[3]}" for _, w, _ in sites})
+    kernels = sorted({f"{w[2]}×{w[3]}" for _, _, w, _ in sites})
     rationale = (
         f"{len(sites)} depthwise convolution(s) ({', '.join(kernels)}): memory-bound, each a "
         "kernel of its own with the bias and activation after it in another. As the weighted "
@@ -179,20 +192,8 @@ def depthwise_taps(ctx: Context) -> list[Draft]:
         "the bias",
         "cast back to the convolution's dtype; replace its uses; graph.lint(); recompile",
     ]
-    return [
-        Draft(
-            "depthwise_taps",
-            "aten",
-            [name for name, _, _ in sites],
-            [e for _, _, found in sites[:MAX_EVIDENCE_PER_KIND] for e in found],
-            steps,
-            ctx.budget.impact(
-                0.0, "not modelled: whether one fused kernel beats the convolution's; measured"
-            ),
-            SCORE_LOW,
-            rationale,
-        )
-    ]
+    race = "whether one fused kernel beats the convolution's"
+    return _measured_only("depthwise_taps", sites, steps, ctx, race, rationale)
 
 
 def qkv_fusion(ctx: Context) -> list[Draft]:
