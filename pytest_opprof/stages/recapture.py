@@ -431,8 +431,8 @@ def _optimized_calls(
             common.step_done(device)
         if not retime and plan.dtype not in (None, "float32") and ships_stock:
             # Its graph changes are stock PyTorch's, not the backend's: at the baseline dtype
-            # it would be a max-autotune compile of its own, the longest of the run, for a
-            # figure that splits no change of the tool's from its precision.
+            # it would be a max-autotune compile no earlier stage made, for a figure that
+            # splits no change of the tool's from its precision.
             common.phase("the plan is the stock recipe: not timed again at the baseline dtype")
         elif not retime and plan.dtype not in (None, "float32"):
             torch.manual_seed(0)
