@@ -16,15 +16,15 @@ on the shapes and the device, which selection measures.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.fx
 
 from pytest_opprof.knowledge import FEW_CHANNELS
-from pytest_opprof.passes.base import PassResult, meta_key, run_graph_pass, set_fake_value
-from pytest_opprof.passes.matching import Conv2d, conv2d
+from pytest_opprof.passes.base import PassResult, run_graph_pass
+from pytest_opprof.passes.matching import Conv2d, Emit, replace_conv2ds
 
 NAME = "conv_im2col"
 aten = torch.ops.aten
@@ -41,34 +41,18 @@ def apply(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> PassResult
 
 
 def _rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[int, str]:
-    graph = gm.graph
-    key = meta_key(graph)
-    channels: set[int] = set()
-    reductions: set[tuple[int, int]] = set()
-    count = 0
-    for conv in list(graph.nodes):
-        site = _match(conv, key)
-        if site is None:
-            continue
-        with graph.inserting_before(conv):
-            out = _im2col_gemm(graph, key, site)
-        conv.replace_all_uses_with(out)
-        graph.erase_node(conv)
-        channels.add(site.channels)
-        reductions.add((_k(site), _aligned(_k(site))))
-        count += 1
-    if not count:
+    sites = replace_conv2ds(gm, _accepts, _im2col_gemm)
+    if not sites:
         return 0, f"no convolution with fewer than {MIN_CHANNELS} input channels"
-    ks = ", ".join(f"{k} → {kp}" if kp != k else str(k) for k, kp in sorted(reductions))
-    cs = ", ".join(str(c) for c in sorted(channels))
-    return count, f"{count} convolution(s) over {cs} input channel(s) as im2col + GEMM (K {ks})"
+    reductions = sorted({(_k(site), _aligned(_k(site))) for site in sites})
+    ks = ", ".join(f"{k} → {kp}" if kp != k else str(k) for k, kp in reductions)
+    cs = ", ".join(str(c) for c in sorted({site.channels for site in sites}))
+    n = len(sites)
+    return n, f"{n} convolution(s) over {cs} input channel(s) as im2col + GEMM (K {ks})"
 
 
-def _match(conv: torch.fx.Node, key: str) -> Conv2d | None:
-    site = conv2d(conv, key)
-    if site is None or site.groups != 1 or site.channels >= MIN_CHANNELS:
-        return None
-    return site
+def _accepts(site: Conv2d) -> bool:
+    return site.groups == 1 and site.channels < MIN_CHANNELS
 
 
 def _k(site: Conv2d) -> int:
@@ -81,14 +65,8 @@ def _aligned(k: int) -> int:
     return -(-k // K_ALIGN) * K_ALIGN
 
 
-def _im2col_gemm(graph: torch.fx.Graph, key: str, site: Conv2d) -> torch.fx.Node:
+def _im2col_gemm(call: Emit, site: Conv2d) -> torch.fx.Node:
     """The replacement of one convolution, built at the graph's insertion point."""
-
-    def call(op: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
-        node = graph.call_function(op, args, kwargs)
-        set_fake_value(node, key)
-        return node
-
     n, cout, ho, wo = site.out
     k, kp = _k(site), _aligned(_k(site))
 
@@ -108,7 +86,7 @@ def _im2col_gemm(graph: torch.fx.Graph, key: str, site: Conv2d) -> torch.fx.Node
     return call(aten.permute.default, out, [0, 3, 1, 2])
 
 
-def _patch_matrix(call: Callable[..., torch.fx.Node], site: Conv2d) -> torch.fx.Node:
+def _patch_matrix(call: Emit, site: Conv2d) -> torch.fx.Node:
     """``[N·Ho·Wo, Kp]``: row (n, ho, wo) holds the input window of that output pixel,
     channel-major then kh, kw, zero-padded from K to Kp columns.
 

@@ -24,8 +24,8 @@ import torch
 import torch.fx
 
 from pytest_opprof.knowledge import DEPTHWISE_MAX_TAPS
-from pytest_opprof.passes.base import PassResult, meta_key, run_graph_pass, set_fake_value
-from pytest_opprof.passes.matching import Conv2d, conv2d
+from pytest_opprof.passes.base import PassResult, run_graph_pass
+from pytest_opprof.passes.matching import Conv2d, Emit, replace_conv2ds
 
 NAME = "depthwise_taps"
 aten = torch.ops.aten
@@ -43,43 +43,24 @@ def apply(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> PassResult
 
 
 def _rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[int, str]:
-    graph = gm.graph
-    key = meta_key(graph)
-    channels: set[int] = set()
-    taps: set[int] = set()
-    count = 0
-    for conv in list(graph.nodes):
-        site = _match(conv, key)
-        if site is None:
-            continue
-        with graph.inserting_before(conv):
-            out = _tap_sum(graph, key, site)
-        conv.replace_all_uses_with(out)
-        graph.erase_node(conv)
-        channels.add(site.channels)
-        taps.add(site.weight_shape[2] * site.weight_shape[3])
-        count += 1
-    if not count:
+    sites = replace_conv2ds(gm, _accepts, _tap_sum)
+    if not sites:
         return 0, f"no depthwise convolution of at most {MAX_TAPS} taps"
-    ts = ", ".join(str(t) for t in sorted(taps))
-    cs = ", ".join(str(c) for c in sorted(channels))
-    return count, f"{count} depthwise convolution(s) as {ts}-tap sums (channels {cs})"
+    ts = ", ".join(str(t) for t in sorted({s.weight_shape[2] * s.weight_shape[3] for s in sites}))
+    cs = ", ".join(str(c) for c in sorted({site.channels for site in sites}))
+    n = len(sites)
+    return n, f"{n} depthwise convolution(s) as {ts}-tap sums (channels {cs})"
 
 
-def _match(conv: torch.fx.Node, key: str) -> Conv2d | None:
-    site = conv2d(conv, key)
-    if site is None or site.dtype not in _DTYPES:
-        return None
+def _accepts(site: Conv2d) -> bool:
     c = site.channels
-    if not (site.groups == c == site.out[1] > 1):  # depthwise, multiplier 1
-        return None
+    if site.dtype not in _DTYPES or not (site.groups == c == site.out[1] > 1):
+        return False  # depthwise, multiplier 1
     wc, one, kh, kw = site.weight_shape
-    if (wc, one) != (c, 1) or kh * kw > MAX_TAPS:  # [C, 1, kh, kw], as the rewrite indexes it
-        return None
-    return site
+    return (wc, one) == (c, 1) and kh * kw <= MAX_TAPS  # [C, 1, kh, kw], as the rewrite reads it
 
 
-def _tap_sum(graph: torch.fx.Graph, key: str, site: Conv2d) -> torch.fx.Node:
+def _tap_sum(call: Emit, site: Conv2d) -> torch.fx.Node:
     """The replacement of one convolution, built at the graph's insertion point.
 
     Pointwise code alone: a pad, strided slices and per-channel multiply-adds, elementwise ops
@@ -88,12 +69,6 @@ def _tap_sum(graph: torch.fx.Graph, key: str, site: Conv2d) -> torch.fx.Node:
     it earlier and refuses a fallback for it), and its decomposition, a ``cat`` of kh·kw
     inputs, becomes a buffer of its own (``ConcatKernel``, always on the CPU and past
     ``config.max_pointwise_cat_inputs`` inputs on the GPU, torch 2.13)."""
-
-    def call(op: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
-        node = graph.call_function(op, args, kwargs)
-        set_fake_value(node, key)
-        return node
-
     compute = torch.float32 if site.dtype in _ACCUMULATE_IN_FP32 else site.dtype
 
     def in_compute_dtype(node: torch.fx.Node) -> torch.fx.Node:

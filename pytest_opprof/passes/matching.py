@@ -4,7 +4,8 @@
 ``0.5 * x * (1 + f)`` around a GELU's ``tanh`` / ``erf``; ``dtype_promotion``,
 ``gemm_epilogue`` and ``gemm_out_dtype`` all step through view ops and recognise dtype casts;
 ``conv_im2col`` and ``depthwise_taps`` read a 2-D convolution's operands and geometry
-(``conv2d``). The helpers live here, public, so that no pass imports another pass's private names.
+(``conv2d``) and replace it (``replace_conv2ds``). The helpers live here, public, so that no
+pass imports another pass's private names.
 
 Matched by hand rather than with Inductor's pattern matcher: people write the GELU formula in
 many shapes (``x**3`` / ``x*x*x`` / ``pow``, either operand order, constants rounded to a few
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +26,14 @@ import torch
 import torch.fx
 import torch.nn.functional as F
 
-from pytest_opprof.passes.base import fake_value, is_op, scalar, set_fake_value, single_user
+from pytest_opprof.passes.base import (
+    fake_value,
+    is_op,
+    meta_key,
+    scalar,
+    set_fake_value,
+    single_user,
+)
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -278,6 +287,40 @@ def conv2d(node: Any, key: str) -> Conv2d | None:
         dilation,
         groups,
     )
+
+
+Emit = Callable[..., torch.fx.Node]
+"""``emit(op, *args, **kwargs)``: a ``call_function`` node at the insertion point, with its fake
+value recorded, so that later passes read its dtype and shape."""
+
+
+def replace_conv2ds(
+    gm: torch.fx.GraphModule,
+    accept: Callable[[Conv2d], bool],
+    build: Callable[[Emit, Conv2d], torch.fx.Node],
+) -> list[Conv2d]:
+    """Replace each 2-D convolution of ``gm`` that ``accept`` takes with the node ``build``
+    makes from it, built right before it (the graph's order holds); the convolutions
+    replaced, in graph order. Only the convolution is erased."""
+    graph = gm.graph
+    key = meta_key(graph)
+
+    def emit(op: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
+        node = graph.call_function(op, args, kwargs)
+        set_fake_value(node, key)
+        return node
+
+    replaced = []
+    for node in list(graph.nodes):
+        site = conv2d(node, key)
+        if site is None or not accept(site):
+            continue
+        with graph.inserting_before(node):
+            out = build(emit, site)
+        node.replace_all_uses_with(out)
+        graph.erase_node(node)
+        replaced.append(site)
+    return replaced
 
 
 def _weight_value(w: torch.fx.Node, key: str) -> Any:
