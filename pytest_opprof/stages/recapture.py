@@ -429,12 +429,13 @@ def _optimized_calls(
                 common.load_baseline(spec, device).model, w.inputs, without
             ).fn
             common.step_done(device)
-        if not retime and plan.dtype not in (None, "float32") and ships_stock:
+        at_baseline_dtype = not retime and plan.dtype not in (None, "float32")
+        if at_baseline_dtype and ships_stock:
             # Its graph changes are stock PyTorch's, not the backend's: at the baseline dtype
             # it would be a max-autotune compile no earlier stage made, for a figure that
             # splits no change of the tool's from its precision.
             common.phase("the plan is the stock recipe: not timed again at the baseline dtype")
-        elif not retime and plan.dtype not in (None, "float32"):
+        elif at_baseline_dtype:
             torch.manual_seed(0)
             same = build(common.load_baseline(spec, device).model, w.inputs, plan.without_dtype())
             with torch.no_grad():
