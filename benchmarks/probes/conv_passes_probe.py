@@ -9,6 +9,10 @@ CUDA graph as the pipeline's whole-call graphs are. The two replay interleaved: 
 50 replays between CUDA events, the median per replay of each, and the ratio of the medians.
 Each variant's largest relative error against eager is recorded.
 
+It may run beside a benchmark on the same GPU: it joins the package's GPU lock, so each of its
+compiles lets go of the GPU as a stage's compile does (the benchmark's quiet measurements pause
+it), and its timing rounds are quiet measurements (``pytest_opprof.devicelock``).
+
 One JSON line per layer, then nothing else:
 
     python benchmarks/probes/conv_passes_probe.py [rounds, 30]
@@ -17,6 +21,7 @@ One JSON line per layer, then nothing else:
 from __future__ import annotations
 
 import json
+import os
 import statistics
 import sys
 from collections.abc import Callable
@@ -24,6 +29,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from pytest_opprof import devicelock
+from pytest_opprof.gpus import gpu_uuid
 
 REPLAYS = 50
 
@@ -114,6 +122,8 @@ def probe(
             results: list[PassResult] = []
             backend = make_backend(aten=aten, config_patches={"freezing": True}, results=results)
             fn = torch.compile(model, backend=backend)
+            with devicelock.off_gpu(torch.cuda.synchronize):  # the compile, as a stage's
+                fn(x)
             got = fn(x).float()
             error = float(((got - want).abs() / (1 + want.abs())).max())
             statuses[variant] = {
@@ -122,9 +132,10 @@ def probe(
             }
             replays[variant] = graphed(fn, x)
         times: dict[str, list[float]] = {v: [] for v in replays}
-        for _ in range(rounds):
-            for variant, replay in replays.items():
-                times[variant].append(round_ms(replay))
+        with devicelock.measuring(quiet=True):
+            for _ in range(rounds):
+                for variant, replay in replays.items():
+                    times[variant].append(round_ms(replay))
     medians = {v: statistics.median(t) for v, t in times.items()}
     return {
         "layer": name,
@@ -140,6 +151,9 @@ def probe(
 
 def main() -> None:
     rounds = int(sys.argv[1]) if len(sys.argv) > 1 else 30
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+    os.environ.setdefault(devicelock.LOCK_ENV, str(devicelock.lock_path(gpu_uuid(visible))))
+    devicelock.join()
     for name, (kind, make, shape) in layers().items():
         try:
             row = probe(name, kind, make, shape, rounds)
