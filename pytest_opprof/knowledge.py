@@ -312,6 +312,13 @@ the weighted sum of its taps it is pointwise code, one load of the input per tap
 element, which Inductor fuses with the bias and activation around it. The depthwise kernels
 networks use are 3 × 3 and 5 × 5; past that, a convolution kernel's reuse of its loads wins."""
 
+DEPTHWISE_MAX_CHANNELS = 32
+"""...and of at most this many channels. In channels-last memory a depthwise convolution's
+vector of a pixel is its channels: cuDNN's kernels read few channels in short vectors and lose
+to the fused tap sum there, while over wider vectors they keep their loads in shared memory
+and win; layer by layer the sum ran faster at 32 channels and slower at 72 and 128
+(docs/design-notes.md#depthwise-convolutions)."""
+
 EDGE_CASE_PENALTIES: dict[str, float] = {
     "high_unattributed_share": 0.15,
     "graph_breaks": 0.25,

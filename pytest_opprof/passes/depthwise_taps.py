@@ -3,16 +3,17 @@ pointwise code that Inductor fuses with the convolution's bias and the activatio
 
 Each ``aten.convolution`` that is not transposed, has 4-D operands of static shape, one floating
 dtype, ``groups == C_in == C_out > 1`` (a depthwise convolution with multiplier 1, weight
-``[C, 1, kh, kw]``) and at most ``MAX_TAPS`` taps becomes, per tap (i, j), the strided window
-of the zero-padded input at offset ``(i·dh, j·dw)`` times the weight ``w[:, 0, i, j]`` as
-``[1, C, 1, 1]``, summed over the taps, plus the bias. It computes in fp32 (fp64 stays fp64),
-as the convolution accumulates, and casts back to the convolution's dtype once. Every node is a
-pad, a view or an elementwise op, so Inductor emits one kernel for the convolution, its bias and
-the pointwise code that reads it, instead of a convolution kernel and an elementwise kernel
-that reads and writes the activation again; the weight side reads the weight alone and folds
-into constants under freezing. The result takes the input's layout (channels_last in,
-channels_last out), as the convolution's does. The rewrite is exact up to the order of its
-summation; whether it is faster depends on the shapes and the device, which selection measures.
+``[C, 1, kh, kw]``), at most ``MAX_TAPS`` taps and at most ``MAX_CHANNELS`` channels becomes,
+per tap (i, j), the strided window of the zero-padded input at offset ``(i·dh, j·dw)`` times
+the weight ``w[:, 0, i, j]`` as ``[1, C, 1, 1]``, summed over the taps, plus the bias. It
+computes in fp32 (fp64 stays fp64), as the convolution accumulates, and casts back to the
+convolution's dtype once. Every node is a pad, a view or an elementwise op, so Inductor emits
+one kernel for the convolution, its bias and the pointwise code that reads it, instead of a
+convolution kernel and an elementwise kernel that reads and writes the activation again; the
+weight side reads the weight alone and folds into constants under freezing. The result takes
+the input's layout (channels_last in, channels_last out), as the convolution's does. The
+rewrite is exact up to the order of its summation; whether it is faster depends on the shapes
+and the device, which selection measures.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Any
 import torch
 import torch.fx
 
-from pytest_opprof.knowledge import DEPTHWISE_MAX_TAPS
+from pytest_opprof.knowledge import DEPTHWISE_MAX_CHANNELS, DEPTHWISE_MAX_TAPS
 from pytest_opprof.passes.base import PassResult, run_graph_pass
 from pytest_opprof.passes.matching import Conv2d, Emit, replace_conv2ds
 
@@ -31,21 +32,25 @@ NAME = "depthwise_taps"
 aten = torch.ops.aten
 prims = torch.ops.prims
 
-MAX_TAPS = DEPTHWISE_MAX_TAPS  # the rule's bound too: why, in ``knowledge``
+MAX_TAPS = DEPTHWISE_MAX_TAPS  # the rule's bounds too: why, in ``knowledge``
+MAX_CHANNELS = DEPTHWISE_MAX_CHANNELS
 # Dtypes whose convolution accumulates in fp32; fp32 and fp64 compute in their own dtype.
 _ACCUMULATE_IN_FP32 = (torch.float16, torch.bfloat16)
 _DTYPES = (*_ACCUMULATE_IN_FP32, torch.float32, torch.float64)
 
 
 def apply(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> PassResult:
-    """Run each depthwise convolution of at most ``MAX_TAPS`` taps as a sum of shifted taps."""
+    """Run each depthwise convolution of at most ``MAX_TAPS`` taps and ``MAX_CHANNELS``
+    channels as a sum of shifted taps."""
     return run_graph_pass(NAME, gm, example_inputs, _rewrite)
 
 
 def _rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[int, str]:
     sites = replace_conv2ds(gm, _accepts, _tap_sum)
     if not sites:
-        return 0, f"no depthwise convolution of at most {MAX_TAPS} taps"
+        return 0, (
+            f"no depthwise convolution of at most {MAX_TAPS} taps and {MAX_CHANNELS} channels"
+        )
     ts = ", ".join(str(t) for t in sorted({s.weight_shape[2] * s.weight_shape[3] for s in sites}))
     cs = ", ".join(str(c) for c in sorted({site.channels for site in sites}))
     n = len(sites)
@@ -54,7 +59,7 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[i
 
 def _accepts(site: Conv2d) -> bool:
     c = site.channels
-    if site.dtype not in _DTYPES or not (site.groups == c == site.out[1] > 1):
+    if site.dtype not in _DTYPES or not (site.groups == c == site.out[1] > 1) or c > MAX_CHANNELS:
         return False  # depthwise, multiplier 1
     wc, one, kh, kw = site.weight_shape
     return (wc, one) == (c, 1) and kh * kw <= MAX_TAPS  # [C, 1, kh, kw], as the rewrite reads it

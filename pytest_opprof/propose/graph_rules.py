@@ -163,16 +163,19 @@ def conv_im2col(ctx: Context) -> list[Draft]:
 
 def depthwise_taps(ctx: Context) -> list[Draft]:
     """Depthwise 2-D convolutions (one group per channel, multiplier 1) of at most
-    ``knowledge.DEPTHWISE_MAX_TAPS`` taps: memory-bound, and on a GPU run as a kernel of their
-    own followed by another for the bias and activation after them. As the weighted sum of
-    their taps, pointwise code, Inductor makes one kernel of the three. Measured, not
+    ``knowledge.DEPTHWISE_MAX_TAPS`` taps and ``knowledge.DEPTHWISE_MAX_CHANNELS`` channels:
+    memory-bound, and on a GPU run as a kernel of their own followed by another for the bias
+    and activation after them. As the weighted sum of their taps, pointwise code, Inductor
+    makes one kernel of the three. Measured, not
     modelled: the sum loads the input once per tap."""
     if not ctx.gpu:
         return []
 
     def depthwise(x: list[int], w: list[int]) -> bool:
         taps = w[2] * w[3]
-        return x[1] > 1 and w[:2] == [x[1], 1] and taps <= knowledge.DEPTHWISE_MAX_TAPS
+        c = x[1]
+        small = taps <= knowledge.DEPTHWISE_MAX_TAPS and c <= knowledge.DEPTHWISE_MAX_CHANNELS
+        return c > 1 and w[:2] == [c, 1] and small
 
     sites = _conv2d_sites(ctx, depthwise)
     if not sites:
@@ -186,7 +189,8 @@ def depthwise_taps(ctx: Context) -> list[Draft]:
     )
     steps = [
         "aten level: match convolution (not transposed, 4-D) with groups = input channels = "
-        f"output channels, at most {knowledge.DEPTHWISE_MAX_TAPS} taps",
+        f"output channels, at most {knowledge.DEPTHWISE_MAX_TAPS} taps and "
+        f"{knowledge.DEPTHWISE_MAX_CHANNELS} channels",
         "in float32: zero-pad the input, slice it once per tap (i, j) with the stride and "
         "dilation, multiply by that tap's per-channel weight [1, C, 1, 1], sum the terms, add "
         "the bias",

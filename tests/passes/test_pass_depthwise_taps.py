@@ -23,7 +23,7 @@ aten = torch.ops.aten
 prims = torch.ops.prims
 RTOL, ATOL = 1e-5, 1e-5
 BF16: dict[str, Any] = {"rtol": 1.6e-2, "atol": 2e-2}
-NOT_FOUND = "no depthwise convolution of at most 25 taps"
+NOT_FOUND = "no depthwise convolution of at most 25 taps and 32 channels"
 
 
 @dataclass(frozen=True)
@@ -196,6 +196,10 @@ def _seven_by_seven(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.conv2d(x, w, padding=3, groups=4)
 
 
+def _depthwise_33(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return F.conv2d(x, w, padding=1, groups=33)
+
+
 def _transposed(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.conv_transpose2d(x, w, padding=1, groups=4)
 
@@ -207,6 +211,8 @@ LEFT_ALONE: dict[str, tuple[Callable[..., torch.Tensor], list[torch.Tensor]]] = 
     "two groups": (_two_groups, [torch.randn(1, 4, 6, 6), torch.randn(4, 2, 3, 3)]),
     "7x7 (49 taps)": (_seven_by_seven, [torch.randn(1, 4, 9, 9), torch.randn(4, 1, 7, 7)]),
     "transposed": (_transposed, [torch.randn(1, 4, 5, 5), torch.randn(4, 1, 3, 3)]),
+    # cuDNN's kernel wins over this many channels (knowledge.DEPTHWISE_MAX_CHANNELS)
+    "33 channels": (_depthwise_33, [torch.randn(1, 33, 4, 4), torch.randn(33, 1, 3, 3)]),
 }
 
 

@@ -210,15 +210,16 @@ def test_conv_im2col_where_a_convolution_has_few_input_channels(name: str) -> No
 @needs_profiles
 @pytest.mark.parametrize("name", FOUND or ["none"])
 def test_depthwise_taps_where_there_are_depthwise_convolutions(name: str) -> None:
-    """depthwise_separable_conv's three 3 × 3 depthwise convolutions, and nothing else of the
-    seven (conv_block's are dense)."""
+    """depthwise_separable_conv's first 3 × 3 depthwise convolution (32 channels; its others
+    read 64 and 128, where cuDNN's kernel wins), and nothing else of the seven (conv_block's
+    are dense)."""
     _, _, opt = run(name)
     moves = [p for p in opt.proposals if p.type == "depthwise_taps"]
     if name != "depthwise_separable_conv":
         assert not moves
         return
     (proposal,) = moves
-    assert proposal.targets == ["input_1", "input_7", "input_13"]
+    assert proposal.targets == ["input_1"]
     assert proposal.depends_on == ["bn_fold-1", "dtype_promotion-1"]
     assert proposal.confidence == "low" and proposal.impact.estimated_saving_us == 0.0
 
