@@ -2,7 +2,11 @@
 
 Callables are timed A B C A B C … so every round of each sees the same machine state; on CUDA
 with events around each round, on the CPU with ``time.perf_counter``. Each round's input is a
-fresh random tensor of the workload's shape, made before the round starts.
+fresh random tensor of the workload's shape, made before the round starts. On CUDA each
+callable's round also starts from an L2 cache that holds none of its data (:func:`l2_flush`):
+otherwise a round's first calls find the cache as the callable before it left it, and a
+callable timed after one that reads the same weights (the stock recipe timed under two names)
+starts warm where the others start cold.
 
 On CUDA, :func:`gpu_time` measures a second figure per callable: the GPU's own time per call,
 with the host out of the way. Calls are enqueued behind a GPU sleep long enough for the host to
@@ -106,6 +110,21 @@ def calls_for(call_ms: float, calls_per_round: int, round_seconds: float = ROUND
     return max(min(MIN_CALLS, calls_per_round), min(calls_per_round, fit))
 
 
+def l2_flush(device: str) -> Callable[[], Any] | None:
+    """On CUDA, a call that overwrites the current GPU's L2 cache (a buffer twice its size,
+    zeroed), queued before a round's start event so that it is not timed; None elsewhere.
+    Every callable's round then starts from the same cache, whichever callable ran before."""
+    if device != "cuda":
+        return None
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    size = int(getattr(props, "L2_cache_size", 0)) or L2_FALLBACK_BYTES
+    return torch.empty(2 * size, dtype=torch.uint8, device="cuda").zero_
+
+
+L2_FALLBACK_BYTES = 64 * 1024 * 1024
+"""The L2 size assumed where torch does not report it: as large as any current GPU's."""
+
+
 def synchronize(device: str) -> None:
     if device == "cuda":
         torch.cuda.synchronize()
@@ -124,6 +143,7 @@ def time_interleaved(
     round_seconds: float = ROUND_SECONDS,
     any_cpu: bool = False,
     enough: Callable[[RoundSamples], bool] | None = None,
+    flush: Callable[[], Any] | None = None,
 ) -> RoundSamples:
     """Per-call milliseconds of each callable, one sample per round; fewer rounds where
     ``enough(samples)``, asked after each round, says the rounds so far settle the question.
@@ -142,7 +162,11 @@ def time_interleaved(
     anew there; still slowed, it earns one more round after the planned ones (at most
     ``rounds`` more): the pooled statistics set such rounds aside
     (``measure.slow_host_rounds``), and the extra rounds keep their number up.
+
+    ``flush`` runs before each callable's round, untimed (default: :func:`l2_flush`).
     """
+    if flush is None:
+        flush = l2_flush(device)
     with torch.no_grad():
         warm = fresh_inputs(template, seed)
         deadline = time.perf_counter() + warmup_seconds
@@ -174,7 +198,7 @@ def time_interleaved(
                 best = min(best, ref)
                 samples.host_us.append(ref)
                 for name, fn in calls.items():
-                    samples.add(name, _one_round(fn, inputs, device, n[name]))
+                    samples.add(name, _one_round(fn, inputs, device, n[name], flush))
                 r += 1
                 if enough is not None and enough(samples):
                     break
@@ -259,7 +283,15 @@ def _launching_cpu(device: str, any_cpu: bool) -> FastCpu | None:
     return FastCpu(any_cpu) if device == "cuda" else None
 
 
-def _one_round(fn: Call, inputs: Sequence[torch.Tensor], device: str, n: int) -> Round:
+def _one_round(
+    fn: Call,
+    inputs: Sequence[torch.Tensor],
+    device: str,
+    n: int,
+    flush: Callable[[], Any] | None = None,
+) -> Round:
+    if flush is not None:
+        flush()
     if device == "cuda":
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)

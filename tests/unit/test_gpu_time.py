@@ -4,6 +4,7 @@ CUDA events that complete when the device reaches them. The real thing runs on t
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Iterator
 from typing import Any
 
@@ -251,3 +252,26 @@ def test_on_the_gpu_a_ten_millisecond_window_gives_a_rounds_gpu_time() -> None:
     whole = timing.gpu_time({"f": busy}, (x,), device="cuda", calls_per_sample={"f": 30})
     assert timing.calls_per_gpu_sample(30, latency, None) < 30
     assert window["f"] == pytest.approx(whole["f"], rel=0.02)
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_one_program_under_two_names_measures_alike() -> None:
+    """A reduction over a tensor that fits in L2, timed after one that reads far more, then
+    again under a second name: each round starts from a flushed L2, so neither name finds the
+    other's data in the cache."""
+    small = torch.randn(4 * 1024 * 1024, device="cuda")  # 16 MiB
+    big = torch.randn(64 * 1024 * 1024, device="cuda")  # 256 MiB
+
+    def program(x: torch.Tensor) -> torch.Tensor:
+        return small.sum() + x.sum()
+
+    samples = timing.time_interleaved(
+        {"other": lambda x: big.sum() + x.sum(), "first": program, "second": program},
+        (torch.zeros(8, device="cuda"),),
+        device="cuda",
+        warmup=3,
+        calls_per_round=1,
+        rounds=40,
+    )
+    first, second = (statistics.median(samples[k]) for k in ("first", "second"))
+    assert 0.9 < first / second < 1.1

@@ -313,3 +313,60 @@ def test_where_threads_cannot_be_pinned_nothing_moves(monkeypatch: pytest.Monkey
     cpu = timing.FastCpu(any_cpu=True)
     assert cpu.cpus == [] and cpu.move() == math.inf
     cpu.restore()
+
+
+class _Cache:
+    """A cache that one program's data fills: its first call of a round runs slow where the
+    cache holds another's (as a GPU's L2 does after another model's round)."""
+
+    def __init__(self) -> None:
+        self.holds: str | None = None
+        self.flushes = 0
+
+    def program(self, name: str, cold_s: float, warm_s: float) -> timing.Call:
+        def call(x: torch.Tensor) -> torch.Tensor:
+            time.sleep(cold_s if self.holds != name else warm_s)
+            self.holds = name
+            return x
+
+        return call
+
+    def flush(self) -> None:
+        self.flushes += 1
+        self.holds = None
+
+
+def _same_program_twice(cache: _Cache, flush: timing.Call | None) -> timing.RoundSamples:
+    """The stock recipe shipped: one program timed under two names, after another program."""
+    model = cache.program("model", 0.008, 0.001)
+    calls = {"compile": cache.program("other", 0.001, 0.001), "optimized": model, "stock": model}
+    return timing.time_interleaved(
+        calls,
+        (torch.zeros(2),),
+        device="cpu",
+        warmup=1,
+        calls_per_round=2,
+        rounds=5,
+        warmup_seconds=0.0,
+        flush=flush,
+    )
+
+
+@pytest.mark.usefixtures("steady_host")
+def test_every_callables_round_starts_from_the_flush_not_from_the_last_ones_cache() -> None:
+    """Unflushed, the program's second name inherits the cache its first name filled and
+    measures several times faster than itself; flushed before every round, the two names
+    measure alike."""
+    warm = _same_program_twice(_Cache(), flush=None)
+    ratio = statistics.median(warm["optimized"]) / statistics.median(warm["stock"])
+    assert ratio > 2.0  # (8 + 1) / 2 ms against 1 ms a call
+
+    cache = _Cache()
+    flushed = _same_program_twice(cache, flush=cache.flush)
+    ratio = statistics.median(flushed["optimized"]) / statistics.median(flushed["stock"])
+    assert 0.7 < ratio < 1.4
+    assert cache.flushes == 3 * 5  # each callable's round, none for the warmup or sizing
+
+
+def test_the_l2_flush_is_the_gpus_only() -> None:
+    assert timing.l2_flush("cpu") is None
