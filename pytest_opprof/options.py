@@ -139,7 +139,7 @@ OPTIONS: tuple[OptionSpec, ...] = (
         "Inductor's FX graph cache answers selection's own builds; they are stopped while "
         "selection measures. One for each CPU of the worker's slice, at most 3, and only on a "
         "GPU under its lock, as many as the capture's peak memory says fit; not yet measured "
-        "on a GPU",
+        "beside a run without them",
         flag=True,
     ),
     _one_of(
