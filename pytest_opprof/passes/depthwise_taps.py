@@ -59,8 +59,10 @@ def _rewrite(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[i
 
 def _accepts(site: Conv2d) -> bool:
     c = site.channels
-    if site.dtype not in _DTYPES or not (site.groups == c == site.out[1] > 1) or c > MAX_CHANNELS:
+    if site.dtype not in _DTYPES or not (site.groups == c == site.out[1] > 1):
         return False  # depthwise, multiplier 1
+    if c > MAX_CHANNELS:
+        return False  # cuDNN's kernel wins: ``knowledge.DEPTHWISE_MAX_CHANNELS``
     wc, one, kh, kw = site.weight_shape
     return (wc, one) == (c, 1) and kh * kw <= MAX_TAPS  # [C, 1, kh, kw], as the rewrite reads it
 

@@ -166,8 +166,8 @@ def depthwise_taps(ctx: Context) -> list[Draft]:
     ``knowledge.DEPTHWISE_MAX_TAPS`` taps and ``knowledge.DEPTHWISE_MAX_CHANNELS`` channels:
     memory-bound, and on a GPU run as a kernel of their own followed by another for the bias
     and activation after them. As the weighted sum of their taps, pointwise code, Inductor
-    makes one kernel of the three. Measured, not
-    modelled: the sum loads the input once per tap."""
+    makes one kernel of the three. Measured, not modelled: the sum loads the input once per
+    tap."""
     if not ctx.gpu:
         return []
 
