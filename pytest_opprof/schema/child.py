@@ -71,6 +71,12 @@ class ChildSpec(Model):
         "stock recipe: the ladder's selection read back, its plan built again, and only the "
         "stock rung tried against it",
     )
+    resume_ladder: str | None = Field(
+        default=None,
+        description="selection's, in a fresh process where the one before died building or "
+        "timing a rung: why it died; the ladder's progress is read back, that rung dropped, "
+        "the plan so far built again, and the ladder climbed on from the next rung",
+    )
     gpu_lock: str | None = Field(
         default=None,
         description="counters_target's: the GPU's lock file, which it joins only for its GPU "

@@ -214,6 +214,27 @@ class BackendSelection(Artifact):
     )
 
 
+class LadderProgress(Artifact):
+    """Selection's ladder as it stands, written before and after each rung
+    (``profiler_output/selection_progress.json``): where the selection process dies building or
+    timing a rung (a CUDA error leaves a process unusable), a fresh process reads it, drops
+    that rung and climbs on from the next (``stages.backend``)."""
+
+    selection: BackendSelection
+    first_pass: list[bool] = Field(
+        default_factory=list, description="kept or not, each first-pass rung attempted, in order"
+    )
+    second_pass: int = Field(default=0, description="second-pass rungs attempted")
+    revived: bool = Field(
+        default=False, description="a rung was kept on the second pass (worth_a_second_pass)"
+    )
+    under_way: str | None = Field(
+        default=None, description="the rung being built or timed; None between rungs"
+    )
+    under_way_pass: int = Field(default=1, description="1 or 2: the pass of ``under_way``")
+    resumes: int = Field(default=0, description="fresh processes that took the ladder over")
+
+
 class StockTrial(Model):
     """One stock recipe at one dtype (``backend.stock``): built, checked, briefly timed."""
 

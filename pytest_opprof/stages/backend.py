@@ -14,12 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_opprof import devicelock
 from pytest_opprof.backend.plan import extra_targets
-from pytest_opprof.errors import OpprofError, StageError, StageTimedOut
+from pytest_opprof.errors import ArtifactError, OpprofError, StageError, StageTimedOut
 from pytest_opprof.pipeline import STOCK_FILE, WorkloadRun
 from pytest_opprof.schema import (
     BackendSelection,
     ChildSpec,
     FxGraphSummary,
+    LadderProgress,
     LatencyStats,
     Optimizations,
     Profile,
@@ -41,6 +42,16 @@ STOCK_RUNG_PENDING = "profiler_output/stock_rung.pending"
 is written already: a selection process that dies meanwhile leaves both behind."""
 STOCK_RUNG_LOG = "select_stock_rung"
 """The log of the fresh process that times the stock recipe against the ladder's plan again."""
+PROGRESS_FILE = "profiler_output/selection_progress.json"
+"""Selection's ladder as it stands (``LadderProgress``), written before and after each rung:
+what a fresh process climbs on from where the one before died on a rung."""
+RESUMED_LOG = "select_resumed"
+"""The logs of the fresh processes that take the ladder over: ``select_resumed1``, ``…2``."""
+MAX_RESUMES = 2
+"""Fresh processes that may take over a ladder, each after one died on a rung: a third death
+is no longer a rung's (the plan so far fails to build again, say) and fails the stage."""
+CRASHED = "crashed the selection process"
+"""A dropped rung's reason where its build or timing killed the process; never tried again."""
 STOCK_WARM = "stock_warm"
 """The stock warmer's task, and its log's name: the process beside the stock task that compiles
 :data:`WARMED` for it (:func:`warms_stock`)."""
@@ -58,7 +69,9 @@ def run(run: WorkloadRun) -> str:
         STOCK_FILE,
         STOCK_RUNG_PENDING,
         SELECTION_FILE,
+        PROGRESS_FILE,
         f"profiler_output/{STOCK_RUNG_LOG}.log",
+        *(f"profiler_output/{RESUMED_LOG}{i}.log" for i in range(1, MAX_RESUMES + 1)),
         f"profiler_output/{STOCK_WARM}.log",
         *(f"profiler_output/{rung_warmer.log_name(i)}.log" for i in range(rung_warmer.MAX_WARMERS)),
     )
@@ -114,13 +127,59 @@ def selected(run: WorkloadRun, beside: int = 0, **extra: Any) -> BackendSelectio
         else:
             run.run_child(NAME, NAME, **extra)
     except StageError as exc:
-        if isinstance(exc, StageTimedOut) or not stock_rung_pending(run.out_dir):
-            return ladder_kept(run.out_dir, exc)  # raises it where the ladder was not done
-        try:
-            run.run_child(NAME, NAME, log_name=STOCK_RUNG_LOG, stock_rung_only=True)
-        except StageError as again:
-            return ladder_kept(run.out_dir, again, first=exc)
+        return recovered(run, exc, **extra)
     return read_artifact(run.out_dir / SELECTION_FILE, BackendSelection)
+
+
+def recovered(run: WorkloadRun, failure: StageError, **extra: Any) -> BackendSelection:
+    """After selection's process failed (``failure``): where it died building or timing a
+    rung of the ladder (:func:`rung_under_way`), a fresh process takes the ladder over, that
+    rung dropped as having crashed it, at most ``MAX_RESUMES`` times (``extra``: more of its
+    spec, as the first had). Where one died timing the stock recipe, that rung once more in a
+    fresh process alone, then the ladder's selection (:func:`ladder_kept`). Any other failure,
+    a timeout among them, is raised as it was."""
+    resumes = 0
+    while not isinstance(failure, StageTimedOut) and rung_under_way(run.out_dir):
+        if resumes == MAX_RESUMES:
+            raise failure
+        resumes += 1
+        try:
+            run.run_child(
+                NAME,
+                NAME,
+                log_name=f"{RESUMED_LOG}{resumes}",
+                resume_ladder=error_line(failure),
+                **extra,
+            )
+        except StageError as again:
+            failure = again
+            continue
+        return read_artifact(run.out_dir / SELECTION_FILE, BackendSelection)
+    if isinstance(failure, StageTimedOut) or not stock_rung_pending(run.out_dir):
+        return ladder_kept(run.out_dir, failure)  # raises it where the ladder was not done
+    try:
+        run.run_child(NAME, NAME, log_name=STOCK_RUNG_LOG, stock_rung_only=True)
+    except StageError as again:
+        return ladder_kept(run.out_dir, again, first=failure)
+    return read_artifact(run.out_dir / SELECTION_FILE, BackendSelection)
+
+
+def rung_under_way(out_dir: Path) -> bool:
+    """Whether selection's ladder names a rung under way (``PROGRESS_FILE``): its process died
+    building or timing that rung. A progress file that does not validate names none."""
+    path = out_dir / PROGRESS_FILE
+    try:
+        progress = read_artifact(path, LadderProgress) if path.exists() else None
+    except ArtifactError:  # written atomically: only another version's would not validate
+        return False
+    return progress is not None and progress.under_way is not None
+
+
+def error_line(error: StageError) -> str:
+    """A failed process's last error line (else the failure's first line), for a record."""
+    said = str(error).splitlines()
+    errors = [ln.strip() for ln in said if "Error" in ln]
+    return (errors[-1] if errors else said[0])[:200]
 
 
 STOCK_SHARE = 0.9
@@ -295,14 +354,11 @@ def ladder_kept(
         raise failure
     selection = read_artifact(path, BackendSelection)
 
-    def detail(error: StageError) -> str:
-        said = str(error).splitlines()
-        errors = [ln.strip() for ln in said if "Error" in ln]
-        return (errors[-1] if errors else said[0])[:200]
-
-    why = f"the selection process failed timing it against the plan ({detail(first or failure)})"
+    why = (
+        f"the selection process failed timing it against the plan ({error_line(first or failure)})"
+    )
     if first is not None:
-        why += f", and so did a fresh process alone ({detail(failure)})"
+        why += f", and so did a fresh process alone ({error_line(failure)})"
     selection.dropped.append(
         DroppedProposal(id="stock-recipe", type="stock_recipe", reason=f"not compared: {why}")
     )
@@ -346,7 +402,11 @@ def task_select(spec: ChildSpec) -> None:
     gains only appear together (bf16 pays once layouts match). The rungs:
     :func:`selection_rungs`. With ``spec.stock_rung_only`` (a fresh process, after one died on
     the stock rung: :func:`selected`), no rung is climbed: the ladder's selection is read back,
-    its plan built again, and only the stock rung tried against it."""
+    its plan built again, and only the stock rung tried against it. With
+    ``spec.resume_ladder`` (a fresh process, after one died on a rung: :func:`recovered`),
+    the ladder's progress is read back (``PROGRESS_FILE``, written before and after each
+    rung), the rung under way dropped as having crashed it, the plan so far built again, and
+    the ladder climbed on from the next rung."""
     import torch
 
     from pytest_opprof.backend.build import build
@@ -396,10 +456,15 @@ def task_select(spec: ChildSpec) -> None:
     rounds = max(5, min(9, common.setting(spec, "rounds")))
     brief = {"device": device, "warmup": 3, "calls_per_round": calls, "rounds": rounds}
 
-    # Resumed at the stock rung (``ChildSpec.stock_rung_only``): the ladder as it was written.
-    ladder = None
+    # Resumed at the stock rung (``ChildSpec.stock_rung_only``): the ladder as it was written;
+    # or on the ladder (``ChildSpec.resume_ladder``): the ladder as far as it had climbed.
+    ladder, progress = None, None
     if spec.stock_rung_only:
         ladder = read_artifact(out_dir / SELECTION_FILE, BackendSelection)
+    elif spec.resume_ladder is not None:
+        progress = read_artifact(out_dir / PROGRESS_FILE, LadderProgress)
+        ladder = progress.selection
+    skip = set(spec.overrides.get("skip", []))
     state: dict[str, Any]
     if ladder is None:
         stats = captured_reference(out_dir)
@@ -425,7 +490,6 @@ def task_select(spec: ChildSpec) -> None:
             )
         ]
         state = {"plan": BackendPlan(), "name": ref_name}
-        skip = set(spec.overrides.get("skip", []))
         not_built, rungs = climbed(opt.proposals, device, skip, captured_graph(out_dir))
         dropped = {
             pid: DroppedProposal(id=pid, type=kind, reason=reason)
@@ -437,6 +501,8 @@ def task_select(spec: ChildSpec) -> None:
         state = {"plan": ladder.plan, "name": ladder.chosen}
         rungs = []
         dropped = {d.id: d for d in ladder.dropped}
+        if progress is not None:  # the same rungs, in the same order, as the first process's
+            rungs = climbed(opt.proposals, device, skip, captured_graph(out_dir))[1]
     state["fn"] = compiled if state["name"] == "compile" else eager
 
     def compiled_plan(fresh: Any, plan: BackendPlan) -> tuple[Any, Any]:
@@ -571,26 +637,11 @@ def task_select(spec: ChildSpec) -> None:
         )
         return False
 
-    kept = [attempt(r, second_chance=False, after=rungs[i + 1 :]) for i, r in enumerate(rungs)]
-    # A rung dropped before the last kept one met a plan that has changed since: try it again.
-    # One that applied nowhere is tried again once a rung before it was kept on this pass
-    # (gemm_out_dtype finds its bf16 GEMMs only once dtype_promotion is in).
-    revived = False
-
-    def worth(r: Rung) -> bool:
-        return worth_a_second_pass([dropped[p.id].reason for p in r.proposals], revived)
-
-    again = second_pass(kept)
-    for n, i in enumerate(again):
-        later = [rungs[j] for j in again[n + 1 :] if worth(rungs[j])]  # the warmers' guess
-        if worth(rungs[i]) and attempt(rungs[i], second_chance=True, after=later):
-            revived = True
-
-    def record() -> None:
-        """The selection as it stands, written for the parent (atomically)."""
+    def current() -> BackendSelection:
+        """The selection as it stands."""
         final = state["plan"]
         checked_as = numerics_dtype(final.dtype, tf32=runs_tf32(eager, final, device))
-        selection = BackendSelection(
+        return BackendSelection(
             workload=Path(spec.workload).stem,
             reference=ref_name,
             reference_ms=ref_ms,
@@ -601,12 +652,74 @@ def task_select(spec: ChildSpec) -> None:
             waterfall=waterfall,
             numerics_dtype=checked_as if checked_as == TF32 else None,
         )
-        write_artifact(out_dir / SELECTION_FILE, selection)
 
+    def record() -> None:
+        """The selection as it stands, written for the parent (atomically)."""
+        write_artifact(out_dir / SELECTION_FILE, current())
+
+    kept: list[bool] = []
+    revived = False  # a rung kept on the second pass (worth_a_second_pass)
+    resumes = 0 if progress is None else progress.resumes + 1
+
+    def climbing(rung: Rung | None, on_pass: int = 1, attempted: int = 0) -> None:
+        """The ladder's progress, written before a rung (``rung``: the one under way, on pass
+        ``on_pass``, after ``attempted`` of the second pass) and once climbed (None), for a
+        fresh process to climb on from."""
+        write_artifact(
+            out_dir / PROGRESS_FILE,
+            LadderProgress(
+                selection=current(),
+                first_pass=kept,
+                second_pass=attempted,
+                revived=revived,
+                under_way=rung.name if rung is not None else None,
+                under_way_pass=on_pass,
+                resumes=resumes,
+            ),
+        )
+
+    second_done = 0  # second-pass rungs attempted
+    if progress is not None:
+        kept, revived, second_done = (
+            list(progress.first_pass),
+            progress.revived,
+            progress.second_pass,
+        )
+        if progress.under_way is not None:  # it died on this one: dropped, never tried again
+            on_second = progress.under_way_pass == 2
+            died = rungs[second_pass(kept)[second_done] if on_second else len(kept)]
+            drop(died, f"{CRASHED} ({spec.resume_ladder}); not tried again", on_second)
+            common.phase(f"{died.name}: {CRASHED} before this one; dropped, climbing on")
+            if on_second:
+                second_done += 1
+            else:
+                kept.append(False)
     if ladder is not None and ladder.plan.proposals:  # the caches answer its compile
         fresh = pristine_copy(eager, lambda: common.load_baseline(spec, device).model)
         state["fn"] = compiled_plan(fresh, ladder.plan)[0].fn
-        common.phase(f"built {ladder.chosen} again, the ladder's plan, to time the stock recipe")
+        why = "to climb on" if progress is not None else "to time the stock recipe"
+        common.phase(f"built {ladder.chosen} again, the ladder's plan, {why}")
+
+    for i in range(len(kept), len(rungs)):
+        climbing(rungs[i])
+        kept.append(attempt(rungs[i], second_chance=False, after=rungs[i + 1 :]))
+    # A rung dropped before the last kept one met a plan that has changed since: try it again.
+    # One that applied nowhere is tried again once a rung before it was kept on this pass
+    # (gemm_out_dtype finds its bf16 GEMMs only once dtype_promotion is in).
+
+    def worth(r: Rung) -> bool:
+        return worth_a_second_pass([dropped[p.id].reason for p in r.proposals], revived)
+
+    again = second_pass(kept)
+    for n in range(second_done, len(again)):
+        i = again[n]
+        later = [rungs[j] for j in again[n + 1 :] if worth(rungs[j])]  # the warmers' guess
+        if worth(rungs[i]):
+            climbing(rungs[i], on_pass=2, attempted=n)
+            if attempt(rungs[i], second_chance=True, after=later):
+                revived = True
+    if rungs:
+        climbing(None, attempted=len(again))  # the ladder climbed: no rung under way
     if spec.stock_done is not None:  # the stock task runs beside this process
         synchronize(device)  # nothing of ours on the GPU while the stock task measures
         wait_for_stock(Path(spec.stock_done))
