@@ -313,11 +313,10 @@ element, which Inductor fuses with the bias and activation around it. The depthw
 networks use are 3 × 3 and 5 × 5; past that, a convolution kernel's reuse of its loads wins."""
 
 DEPTHWISE_MAX_CHANNELS = 32
-"""A depthwise convolution over more channels than this is left to cuDNN. In channels-last
-memory a pixel's vector is its channels: over few of them cuDNN's kernels read short vectors
-and lose to the fused tap sum, over more they keep their loads in shared memory and win;
-layer by layer the sum ran faster at 32 channels and slower at 72 and 128
-(docs/design-notes.md#depthwise-convolutions)."""
+"""A depthwise convolution over more channels than this is left to cuDNN: layer by layer the
+fused tap sum ran faster than cuDNN's kernel at 32 channels and slower at 72 and 128, likely
+because cuDNN reads a channels-last pixel's vector of channels in short pieces where it is
+short and reuses its loads where it is long (docs/design-notes.md#depthwise-convolutions)."""
 
 EDGE_CASE_PENALTIES: dict[str, float] = {
     "high_unattributed_share": 0.15,
