@@ -224,15 +224,18 @@ class LadderProgress(Artifact):
     first_pass: list[bool] = Field(
         default_factory=list, description="kept or not, each first-pass rung attempted, in order"
     )
-    second_pass: int = Field(default=0, description="second-pass rungs attempted")
+    second_pass: int = Field(
+        default=0,
+        description="how far the second pass has gone through its rungs (the dropped ones "
+        "before the last kept); a rung under way is on the second pass where first_pass "
+        "covers every rung",
+    )
     revived: bool = Field(
         default=False, description="a rung was kept on the second pass (worth_a_second_pass)"
     )
     under_way: str | None = Field(
         default=None, description="the rung being built or timed; None between rungs"
     )
-    under_way_pass: int = Field(default=1, description="1 or 2: the pass of ``under_way``")
-    resumes: int = Field(default=0, description="fresh processes that took the ladder over")
 
 
 class StockTrial(Model):

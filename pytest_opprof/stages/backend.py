@@ -659,12 +659,11 @@ def task_select(spec: ChildSpec) -> None:
 
     kept: list[bool] = []
     revived = False  # a rung kept on the second pass (worth_a_second_pass)
-    resumes = 0 if progress is None else progress.resumes + 1
 
-    def climbing(rung: Rung | None, on_pass: int = 1, attempted: int = 0) -> None:
-        """The ladder's progress, written before a rung (``rung``: the one under way, on pass
-        ``on_pass``, after ``attempted`` of the second pass) and once climbed (None), for a
-        fresh process to climb on from."""
+    def climbing(rung: Rung | None, attempted: int = 0) -> None:
+        """The ladder's progress, written before a rung (``rung``: the one under way, after
+        ``attempted`` of the second pass) and once climbed (None), for a fresh process to
+        climb on from. A rung under way is on the second pass where the first is complete."""
         write_artifact(
             out_dir / PROGRESS_FILE,
             LadderProgress(
@@ -673,8 +672,6 @@ def task_select(spec: ChildSpec) -> None:
                 second_pass=attempted,
                 revived=revived,
                 under_way=rung.name if rung is not None else None,
-                under_way_pass=on_pass,
-                resumes=resumes,
             ),
         )
 
@@ -686,7 +683,7 @@ def task_select(spec: ChildSpec) -> None:
             progress.second_pass,
         )
         if progress.under_way is not None:  # it died on this one: dropped, never tried again
-            on_second = progress.under_way_pass == 2
+            on_second = len(kept) == len(rungs)
             died = rungs[second_pass(kept)[second_done] if on_second else len(kept)]
             drop(died, f"{CRASHED} ({spec.resume_ladder}); not tried again", on_second)
             common.phase(f"{died.name}: {CRASHED} before this one; dropped, climbing on")
@@ -715,7 +712,7 @@ def task_select(spec: ChildSpec) -> None:
         i = again[n]
         later = [rungs[j] for j in again[n + 1 :] if worth(rungs[j])]  # the warmers' guess
         if worth(rungs[i]):
-            climbing(rungs[i], on_pass=2, attempted=n)
+            climbing(rungs[i], attempted=n)
             if attempt(rungs[i], second_chance=True, after=later):
                 revived = True
     if rungs:

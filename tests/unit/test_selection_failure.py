@@ -187,7 +187,7 @@ def so_far(plan: list[str]) -> BackendSelection:
     )
 
 
-def died_on(out: Path, rung: str | None, resumes: int = 0) -> None:
+def died_on(out: Path, rung: str | None) -> None:
     """Selection's progress as a process leaves it: ``rung`` under way (None: climbed)."""
     (out / "profiler_output").mkdir(parents=True, exist_ok=True)
     write_artifact(
@@ -196,7 +196,6 @@ def died_on(out: Path, rung: str | None, resumes: int = 0) -> None:
             selection=so_far(["dtype_promotion-1"]),
             first_pass=[True],
             under_way=rung,
-            resumes=resumes,
         ),
     )
 
@@ -216,7 +215,7 @@ class Ladder:
         assert (task, stage) == ("backend", "backend")
         self.calls.append(extra)
         if len(self.calls) <= self.deaths:
-            died_on(self.out_dir, "graph", resumes=len(self.calls) - 1)
+            died_on(self.out_dir, "graph")
             raise ON_A_RUNG
         write_artifact(self.out_dir / SELECTION_FILE, so_far(["dtype_promotion-1", "graph-1"]))
 
